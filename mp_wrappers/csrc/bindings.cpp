@@ -1,0 +1,74 @@
+// The one place where every mp_wrappers op schema is declared.
+//
+// Each kernel file registers only its own implementations with TORCH_LIBRARY_IMPL (cpu/*.cpp for
+// CPU, cuda/*.cu for CUDA), so a CPU-only build simply leaves the .cu files out and the dispatcher
+// picks the device. Python calls the ops as torch.ops.mp_wrappers.<name>; mp_wrappers/ops holds the
+// pure-PyTorch reference of every op (same signature) and the single place that chooses between them.
+//
+// Conventions shared by all ops (see mp_wrappers/ops/reference.py for the executable definition):
+//   * found_inf is a 1-element float32 tensor on the tensors' device. Kernels set it to 1 when they
+//     see a non-finite value and never clear it, so one flag can be accumulated across calls.
+//   * Update ops take optional grad_scale / found_inf tensors: grads are divided by grad_scale inside
+//     the kernel, and when found_inf is nonzero the whole update, step counter included, is skipped on
+//     the device, with no host synchronisation.
+//   * step is a 1-element float32 tensor per parameter group, incremented by the kernel only when the
+//     update is applied.
+//   * model_params is either empty or parallel to params: after the update the new fp32 master value is
+//     also written, rounded, into the fp16/bf16 model copy (the fused mixed-precision step).
+//   * Tensor lists must match in length, device and numel, and every tensor must be contiguous.
+#include <Python.h>
+#include <pybind11/pybind11.h>
+#include <torch/library.h>
+
+#include "mp_wrappers/cpu_features.h"
+
+TORCH_LIBRARY(mp_wrappers, m) {
+  // ---- multi-tensor building blocks -------------------------------------------------------------
+  m.def("multi_tensor_scale_(Tensor[] inputs, Tensor(a!)[] outputs, Tensor scale, "
+        "Tensor(b!) found_inf) -> ()");
+  m.def("multi_tensor_l2norm(Tensor[] tensors, bool per_tensor) -> (Tensor, Tensor)");
+  m.def("multi_tensor_unscale_l2norm(Tensor[] tensors, Tensor inv_scale, Tensor(a!) found_inf, "
+        "bool per_tensor) -> (Tensor, Tensor)");
+  m.def("multi_tensor_axpby_(Tensor[] x, Tensor[] y, Tensor(a!)[] out, float a, float b, "
+        "int arg_to_check, Tensor(b!) found_inf) -> ()");
+  m.def("update_scale_hysteresis_(Tensor(a!) scale, Tensor(b!) growth_tracker, "
+        "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "
+        "float backoff_factor, int growth_interval, int hysteresis, float min_scale, "
+        "float max_scale) -> ()");
+
+  // ---- optimizer updates ------------------------------------------------------------------------
+  m.def("multi_tensor_adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+        "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] model_params, Tensor(e!) step, float lr, "
+        "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, "
+        "bool bias_correction, Tensor? grad_scale, Tensor? found_inf) -> ()");
+  m.def("multi_tensor_sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
+        "Tensor(c!)[] model_params, Tensor(d!) step, float lr, float momentum, float dampening, "
+        "float weight_decay, bool nesterov, bool wd_after_momentum, Tensor? grad_scale, "
+        "Tensor? found_inf) -> ()");
+  m.def("multi_tensor_lamb_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+        "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] model_params, Tensor(e!) step, float lr, "
+        "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, "
+        "bool bias_correction, bool grad_averaging, float max_grad_norm, bool use_nvlamb, "
+        "Tensor global_grad_norm, Tensor? grad_scale, Tensor? found_inf) -> ()");
+  m.def("multi_tensor_adagrad_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state_sums, "
+        "Tensor(c!)[] model_params, Tensor(d!) step, float lr, float eps, float weight_decay, "
+        "bool adagrad_w_mode, Tensor? grad_scale, Tensor? found_inf) -> ()");
+  m.def("multi_tensor_novograd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+        "Tensor(c!) exp_avg_sq_norms, Tensor(d!)[] model_params, Tensor(e!) step, float lr, "
+        "float beta1, float beta2, float eps, float weight_decay, bool bias_correction, "
+        "bool grad_averaging, bool reg_inside_moment, int norm_type, bool init_zero, "
+        "Tensor? grad_scale, Tensor? found_inf) -> ()");
+}
+
+// pybind11 only makes the module importable (importing it runs the registrations above) and carries
+// build facts that Python reports through mp_wrappers.ops.backend().
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "mp_wrappers C++ extension: registers the torch.ops.mp_wrappers operators";
+#ifdef MP_WRAPPERS_WITH_CUDA
+  m.attr("cuda_built") = true;
+#else
+  m.attr("cuda_built") = false;
+#endif
+  m.def("cpu_isa", &mp_wrappers::cpu_isa_name,
+        "The instruction set the CPU kernels selected at run time (avx512, avx2 or baseline).");
+}
