@@ -1,0 +1,134 @@
+"""Model and input casting for mixed precision: norm layers kept fp32, recursive input casts.
+
+Everything here works through ``nn.Module`` methods and removable hooks; nothing global is patched.
+"""
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+__all__ = ['HALF_DTYPES', 'parse_dtype', 'cast_model', 'cast_floating', 'is_norm_layer',
+           'fp32_state_dict_hook']
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+_DTYPE_NAMES = {
+    'float16': torch.float16, 'fp16': torch.float16, 'half': torch.float16,
+    'bfloat16': torch.bfloat16, 'bf16': torch.bfloat16,
+    'float32': torch.float32, 'fp32': torch.float32, 'float': torch.float32,
+}
+# BatchNorm's running statistics and affine parameters lose too much in half precision (apex's
+# keep_batchnorm_fp32). GroupNorm/LayerNorm/InstanceNorm have the same reduction-in-half problem.
+_NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm,
+               nn.modules.instancenorm._InstanceNorm, nn.SyncBatchNorm)
+
+
+def parse_dtype(value: Union[str, torch.dtype, None], option: str = 'dtype',
+                allowed=('float16', 'bfloat16')) -> Optional[torch.dtype]:
+    """Turn ``'float16'``, ``'bf16'``, ``torch.bfloat16``... into a torch dtype, or raise naming ``option``."""
+    if value is None:
+        return None
+    allowed_dtypes = {_DTYPE_NAMES[a] for a in allowed}
+    if isinstance(value, torch.dtype):
+        dtype = value
+    elif isinstance(value, str) and value.replace('torch.', '') in _DTYPE_NAMES:
+        dtype = _DTYPE_NAMES[value.replace('torch.', '')]
+    else:
+        dtype = None
+    if dtype is None or dtype not in allowed_dtypes:
+        raise ValueError(f'{option}={value!r} is not supported; allowed: '
+                         f'{", ".join(repr(a) for a in allowed)}')
+    return dtype
+
+
+def is_norm_layer(module: nn.Module) -> bool:
+    return isinstance(module, _NORM_TYPES)
+
+
+def _norm_param_names(model: nn.Module):
+    names = set()
+    for prefix, module in model.named_modules():
+        if is_norm_layer(module):
+            for n, _ in module.named_parameters(recurse=False):
+                names.add(f'{prefix}.{n}' if prefix else n)
+            for n, _ in module.named_buffers(recurse=False):
+                names.add(f'{prefix}.{n}' if prefix else n)
+    return names
+
+
+def cast_model(model: nn.Module, dtype: torch.dtype, keep_norm_fp32: bool = True) -> nn.Module:
+    """Cast floating parameters and buffers of ``model`` to ``dtype`` in place.
+
+    With ``keep_norm_fp32`` the parameters and buffers of normalisation layers stay fp32, and those
+    layers get a forward pre-hook that runs them in fp32 and a hook that casts their output back to
+    ``dtype`` (apex's keep_batchnorm_fp32). Parameters keep their identity (``param.data`` is
+    replaced), so optimizers built before the cast still point at them.
+    """
+    keep = _norm_param_names(model) if keep_norm_fp32 else set()
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and name not in keep and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+            if p.grad is not None:
+                p.grad = p.grad.to(dtype)
+    for name, b in model.named_buffers():
+        if b.is_floating_point() and name not in keep and b.dtype != dtype:
+            _set_buffer(model, name, b.to(dtype))
+    if keep_norm_fp32 and dtype != torch.float32:
+        for module in model.modules():
+            if is_norm_layer(module) and not getattr(module, '_mp_wrappers_fp32_hooks', None):
+                handles = (
+                    module.register_forward_pre_hook(_norm_inputs_to_fp32),
+                    module.register_forward_hook(_make_output_cast(dtype)),
+                )
+                module._mp_wrappers_fp32_hooks = handles
+    return model
+
+
+def _set_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_name, _, leaf = name.rpartition('.')
+    owner = model.get_submodule(owner_name) if owner_name else model
+    owner._buffers[leaf] = value
+
+
+def _norm_inputs_to_fp32(module, args):
+    return cast_floating(args, torch.float32)
+
+
+def _make_output_cast(dtype):
+    def _hook(module, args, output):
+        return cast_floating(output, dtype)
+    return _hook
+
+
+def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    """Cast floating-point tensors inside ``obj`` to ``dtype``, recursing like apex's ``applier``.
+
+    Handles tensors, dicts (the same mapping type is rebuilt), lists, tuples, namedtuples, and any
+    other object with a ``.to`` method (custom batch classes, mmengine data samples), which is called
+    as ``obj.to(dtype)``. Integer tensors and everything else are returned unchanged.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if isinstance(obj, dict):
+        return type(obj)((k, cast_floating(v, dtype)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, '_fields'):  # namedtuple
+        return type(obj)(*(cast_floating(v, dtype) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cast_floating(v, dtype) for v in obj)
+    if isinstance(obj, (str, bytes, int, float, bool)) or obj is None:
+        return obj
+    to = getattr(obj, 'to', None)
+    if callable(to):
+        try:
+            return to(dtype)
+        except (TypeError, RuntimeError):
+            # Objects whose .to() only takes a device (e.g. some data samples): leave them be.
+            return obj
+    return obj
+
+
+def fp32_state_dict_hook(module: nn.Module, state_dict, prefix, local_metadata):
+    """``nn.Module._register_state_dict_hook`` callback: checkpoints always hold fp32 tensors."""
+    for key, value in state_dict.items():
+        if isinstance(value, torch.Tensor) and value.dtype in HALF_DTYPES:
+            state_dict[key] = value.to(torch.float32)
+    return state_dict
