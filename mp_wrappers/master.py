@@ -1,0 +1,227 @@
+"""fp32 master weights for the fp16/bf16 parameters of one optimizer.
+
+Every optimizer slot falls in one of three groups (as in Megatron's Float16Optimizer): a half model
+parameter whose fp32 master takes its place in ``optimizer.param_groups``; an fp32 parameter that is
+stepped as it is; and nothing else. The group dicts themselves are never replaced, so LR schedulers that
+write ``group['lr']`` keep working.
+
+Gradients reach the masters through :class:`GradStash`: model gradients, scaled by a loss scale, are
+unscaled into fp32 buffers (accumulating when several losses with different scales contribute to one
+step), with a non-finite check, and handed to the optimizer as ``master.grad``.
+"""
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from .casting import HALF_DTYPES
+from .ops import multi_tensor_axpby, multi_tensor_scale
+
+__all__ = ['MasterParams', 'GradStash', 'grouped_scale']
+
+
+def _buckets(pairs: Sequence[Tuple[Tensor, Tensor]]) -> Dict[tuple, Tuple[List[Tensor], List[Tensor]]]:
+    buckets: Dict[tuple, Tuple[List[Tensor], List[Tensor]]] = {}
+    for a, b in pairs:
+        key = (a.device, a.dtype, b.dtype)
+        xs, ys = buckets.setdefault(key, ([], []))
+        xs.append(a)
+        ys.append(b)
+    return buckets
+
+
+def grouped_scale(inputs: Sequence[Tensor], outputs: Sequence[Tensor], scale: Tensor,
+                  found_inf: Tensor) -> None:
+    """``multi_tensor_scale`` over lists that may mix dtypes: one call per (device, dtypes) bucket."""
+    for xs, ys in _buckets(list(zip(inputs, outputs))).values():
+        multi_tensor_scale(xs, ys, scale, found_inf)
+
+
+class MasterParams:
+    """Creates fp32 masters for the half params of ``optimizer`` and swaps them into its groups.
+
+    Optimizer state already held for a half param is re-keyed to its master and cast to fp32.
+
+    Args:
+        optimizer (Optimizer): The optimizer whose ``param_groups`` hold the model's parameters.
+        create_masters (bool): Whether half params get fp32 masters. When False (apex O3, or a
+            level without master weights) every slot is stepped directly in its own dtype.
+
+    Attributes:
+        model_params: Per group, per slot: the half model parameter the slot's master stands for,
+            or None when the slot holds an fp32 parameter that is stepped directly.
+    """
+
+    def __init__(self, optimizer: Optimizer, create_masters: bool = True) -> None:
+        self.optimizer = optimizer
+        self.create_masters = create_masters
+        self.model_params: List[List[Optional[Tensor]]] = []
+        for group in optimizer.param_groups:
+            row: List[Optional[Tensor]] = []
+            for i, p in enumerate(group['params']):
+                if create_masters and p.dtype in HALF_DTYPES:
+                    master = p.detach().clone().float().requires_grad_(p.requires_grad)
+                    if p in optimizer.state:
+                        optimizer.state[master] = {
+                            k: (v.float() if isinstance(v, Tensor) and v.dtype in HALF_DTYPES
+                                else v) for k, v in optimizer.state.pop(p).items()}
+                    group['params'][i] = master
+                    row.append(p)
+                else:
+                    row.append(None)
+            self.model_params.append(row)
+
+    # ---- iteration helpers ---------------------------------------------------------------------
+    def slots(self) -> Iterator[Tuple[Tensor, Optional[Tensor]]]:
+        """Yield ``(optimizer param, half model param or None)`` for every slot."""
+        for group, row in zip(self.optimizer.param_groups, self.model_params):
+            yield from zip(group['params'], row)
+
+    def half_pairs(self) -> List[Tuple[Tensor, Tensor]]:
+        """``(master, model param)`` for every half slot."""
+        return [(m, p) for m, p in self.slots() if p is not None]
+
+    @property
+    def has_half(self) -> bool:
+        return any(p is not None for row in self.model_params for p in row)
+
+    def check_groups(self) -> None:
+        """Fail loudly if the optimizer's groups changed shape behind our back."""
+        counts = [len(g['params']) for g in self.optimizer.param_groups]
+        if counts != [len(r) for r in self.model_params]:
+            raise RuntimeError(
+                'the optimizer param_groups changed after fp32 master weights were created '
+                f'(slots per group {counts}, masters made for {[len(r) for r in self.model_params]});'
+                ' use the wrapper\'s add_param_group() instead of the optimizer\'s')
+
+    def add_param_group(self, group: dict) -> None:
+        """Add a group to the optimizer, with masters for its half params (apex's add_param_group)."""
+        self.optimizer.add_param_group(group)
+        new = self.optimizer.param_groups[-1]
+        row: List[Optional[Tensor]] = []
+        for i, p in enumerate(new['params']):
+            if self.create_masters and p.dtype in HALF_DTYPES:
+                new['params'][i] = p.detach().clone().float().requires_grad_(p.requires_grad)
+                row.append(p)
+            else:
+                row.append(None)
+        self.model_params.append(row)
+
+    # ---- weights -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def copy_masters_to_model(self) -> None:
+        """Round the fp32 masters into the half model params (after an optimizer step)."""
+        pairs = self.half_pairs()
+        if pairs:
+            torch._foreach_copy_([p for _, p in pairs], [m for m, _ in pairs])
+
+    @torch.no_grad()
+    def copy_model_to_masters(self) -> None:
+        """Re-derive the masters from the model (after loading model weights without masters)."""
+        pairs = self.half_pairs()
+        if pairs:
+            torch._foreach_copy_([m for m, _ in pairs], [p for _, p in pairs])
+
+    def state_dict(self) -> List[List[Tensor]]:
+        """The fp32 masters, per group, in slot order of the half slots (apex's fp32_from_fp16)."""
+        return [[m.detach().clone() for m, p in zip(g['params'], row) if p is not None]
+                for g, row in zip(self.optimizer.param_groups, self.model_params)]
+
+    @torch.no_grad()
+    def load_state_dict(self, saved: List[List[Tensor]]) -> None:
+        """Copy saved masters in, after checking groups, counts and shapes against the model."""
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(self.model_params):
+            got = len(saved) if isinstance(saved, (list, tuple)) else type(saved).__name__
+            raise ValueError(f'saved fp32 master weights have {got} param groups but the optimizer '
+                             f'has {len(self.model_params)}: the checkpoint is for another model '
+                             'or optimizer configuration')
+        for g, (group, row, masters) in enumerate(
+                zip(self.optimizer.param_groups, self.model_params, saved)):
+            current = [m for m, p in zip(group['params'], row) if p is not None]
+            if len(masters) != len(current):
+                raise ValueError(f'param group {g}: the checkpoint has {len(masters)} fp32 master '
+                                 f'weights but the model has {len(current)} fp16/bf16 parameters '
+                                 'in this group')
+            for i, (dst, src) in enumerate(zip(current, masters)):
+                if not isinstance(src, Tensor) or src.shape != dst.shape:
+                    shape = tuple(src.shape) if isinstance(src, Tensor) else type(src).__name__
+                    raise ValueError(f'param group {g}, master {i}: checkpoint shape {shape} does '
+                                     f'not match the parameter shape {tuple(dst.shape)}')
+            for dst, src in zip(current, masters):
+                dst.copy_(src)
+
+
+class GradStash:
+    """fp32 unscaled gradients accumulated for the optimizer's slots, before the optimizer step.
+
+    One persistent fp32 buffer per slot (allocated on first use and reused, so large buffers are not
+    page-faulted in again every step). The model's own gradients are unscaled into it and dropped, so
+    the next backward starts a fresh scaled sum: several losses with different scales can therefore
+    contribute to one step. :meth:`hand_to_optimizer` exposes the buffers as ``.grad`` of the
+    optimizer's slots (masters, or fp32 params stepped directly).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: Dict[int, Tensor] = {}
+        self._valid: set = set()
+
+    @property
+    def holds_grads(self) -> bool:
+        return bool(self._valid)
+
+    def clear(self, masters: MasterParams) -> None:
+        """Forget this step's gradients and detach the buffers from the optimizer's slots."""
+        for slot, _ in masters.slots():
+            if slot.grad is not None and slot.grad is self._buffers.get(id(slot)):
+                slot.grad = None
+        self._valid.clear()
+
+    @torch.no_grad()
+    def absorb(self, masters: MasterParams, inv_scale: Tensor, found_inf: Tensor) -> None:
+        """Add ``model grad * inv_scale`` to the stash of every slot that has a gradient.
+
+        ``found_inf`` is set when any model gradient holds inf or nan.
+        """
+        fresh_in, fresh_out, add_in, add_out = [], [], [], []
+        for slot, model_p in masters.slots():
+            src = model_p if model_p is not None else slot
+            g = src.grad
+            key = id(slot)
+            buf = self._buffers.get(key)
+            if g is None or g is buf:  # no gradient, or our own buffer handed out earlier
+                continue
+            if g.is_sparse:
+                raise RuntimeError('mixed-precision wrappers do not support sparse gradients '
+                                   f'(parameter of shape {tuple(slot.shape)})')
+            if buf is None:
+                # The slot's own dtype: fp32 for masters and fp32 params, half for params stepped
+                # directly in half precision (apex O3).
+                buf = self._buffers[key] = torch.empty_like(slot)
+            if key in self._valid:
+                add_in.append(g)
+                add_out.append(buf)
+            else:
+                fresh_in.append(g)
+                fresh_out.append(buf)
+                self._valid.add(key)
+            src.grad = None
+        if fresh_in:
+            grouped_scale(fresh_in, fresh_out, inv_scale, found_inf)
+        if add_in:
+            # Only steps with several losses (or an explicit update_master_grads between backwards)
+            # get here: unscale into temporaries, then add.
+            tmp = [torch.empty_like(b) for b in add_out]
+            grouped_scale(add_in, tmp, inv_scale, found_inf)
+            for xs, ys in _buckets(list(zip(tmp, add_out))).values():
+                multi_tensor_axpby(xs, ys, ys, 1.0, 1.0, arg_to_check=-1, found_inf=found_inf)
+
+    def hand_to_optimizer(self, masters: MasterParams) -> None:
+        """Set every optimizer slot's ``.grad`` to its stash (None when it got no gradient)."""
+        for slot, _ in masters.slots():
+            key = id(slot)
+            slot.grad = self._buffers[key] if key in self._valid else None
+
+    def grads(self, masters: MasterParams) -> List[Tensor]:
+        """This step's unscaled gradients, in slot order."""
+        return [self._buffers[id(s)] for s, _ in masters.slots() if id(s) in self._valid]

@@ -1,0 +1,360 @@
+"""The machinery shared by our mixed-precision optimizer wrappers.
+
+:class:`MixedPrecisionOptimWrapper` is an ``mmengine.optim.OptimWrapper`` that owns backward, step and
+state_dict with loss scaling and fp32 master weights:
+
+* ``backward(loss, loss_id=k)`` scales the loss with scaler ``k`` and back-propagates. Gradients stay
+  scaled in the model until they must be unscaled: at ``step()``, or when a backward with a different
+  scaler comes first (several losses, apex's ``num_losses``), so accumulation never needs apex's
+  ``delay_unscale``.
+* ``step()`` unscales the model gradients into fp32 gradients of the masters (with a non-finite check),
+  skips the optimizer step if any gradient is inf/nan, static scales included, else clips the unscaled
+  gradients (``clip_grad``), steps and copies the masters back into the model. Each scaler used in the
+  step is then updated with its own overflow flag.
+* ``state_dict()`` is the inner optimizer's state plus our own key (scalers, masters) so that
+  mmengine's checkpoints and ``Runner.resume`` carry everything; loading also adopts mmengine
+  ``AmpOptimWrapper`` (``loss_scaler``) and apex (``apex_amp``) scaler state.
+
+Masters are created lazily from ``self.optimizer`` and rebuilt if ``self.optimizer`` is replaced
+(mmengine's FSDP strategy does that), so nothing caches parameter lists beyond their optimizer.
+"""
+import logging
+import warnings
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from mmengine.logging import print_log
+from mmengine.optim import OptimWrapper
+from torch import Tensor
+from torch.optim import Optimizer
+
+from ..master import GradStash, MasterParams
+from ..ops import new_found_inf
+from ..scaler import LossScaler
+
+__all__ = ['MixedPrecisionOptimWrapper', 'STATE_KEY']
+
+# Our top-level key in the wrapper's state_dict (beside the optimizer's 'state' and 'param_groups').
+STATE_KEY = 'mp_wrappers'
+_STATE_VERSION = 1
+
+
+class MixedPrecisionOptimWrapper(OptimWrapper):
+    """Loss scaling, fp32 master weights and overflow skipping for mmengine.
+
+    Subclasses choose the scalers and the precision policy; see :class:`FP16OptimWrapper` and
+    :class:`ApexOptimWrapper` for the user-facing arguments.
+
+    Args:
+        optimizer (Optimizer): The optimizer, built over the model's (possibly half) parameters.
+        loss_scalers (Sequence[LossScaler]): One scaler per loss id.
+        master_weights (bool): Give fp16/bf16 parameters fp32 master copies.
+        verbose (bool): Log every skipped step (always on rank 0 only).
+        accumulative_counts (int): Iterations per optimizer step (mmengine). Defaults to 1.
+        clip_grad (dict, optional): mmengine's ``clip_grad``; applied to unscaled fp32 gradients.
+    """
+
+    def __init__(self, optimizer: Optimizer, loss_scalers: Sequence[LossScaler],
+                 master_weights: bool = True, verbose: bool = True, accumulative_counts: int = 1,
+                 clip_grad: Optional[dict] = None) -> None:
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f'optimizer must be a torch.optim.Optimizer, got '
+                            f'{type(optimizer).__name__}')
+        if (isinstance(accumulative_counts, bool) or not isinstance(accumulative_counts, int)
+                or accumulative_counts < 1):
+            raise ValueError(f'accumulative_counts must be an integer >= 1, got '
+                             f'{accumulative_counts!r}')
+        if clip_grad is not None and not isinstance(clip_grad, dict):
+            raise TypeError(f'clip_grad must be a dict such as dict(max_norm=1.0) or None, got '
+                            f'{clip_grad!r}')
+        _check_params(optimizer)
+        # mmengine pops 'type' from clip_grad; give it a copy so the user's config stays intact.
+        super().__init__(optimizer, accumulative_counts=accumulative_counts,
+                         clip_grad=dict(clip_grad) if clip_grad else None)
+        self.loss_scalers: List[LossScaler] = list(loss_scalers)
+        self.master_weights = bool(master_weights)
+        self.verbose = bool(verbose)
+        self._masters: Optional[MasterParams] = None
+        self._stash = GradStash()
+        self._found_inf: Dict[int, Tensor] = {}
+        self._pending_scaler: Optional[int] = None  # scaler of the grads now in the model's .grad
+        self._used_scalers: List[int] = []  # scalers that took part in the current step
+        self._last_step_skipped = False
+
+    # ---- masters ---------------------------------------------------------------------------------
+    def _master_params(self) -> MasterParams:
+        if self._masters is None or self._masters.optimizer is not self.optimizer:
+            self._masters = MasterParams(self.optimizer, create_masters=self.master_weights)
+            self._stash = GradStash()
+        else:
+            self._masters.check_groups()
+        return self._masters
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a param group; its fp16/bf16 params get fp32 masters (apex's add_param_group)."""
+        self._master_params().add_param_group(param_group)
+
+    # ---- backward --------------------------------------------------------------------------------
+    def _check_loss_id(self, loss_id: int) -> None:
+        n = len(self.loss_scalers)
+        if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < n:
+            raise ValueError(f'loss_id={loss_id!r} is out of range: this wrapper has num_losses={n},'
+                             f' so loss_id must be an integer in [0, {n - 1}]')
+
+    def backward(self, loss: Tensor, loss_id: int = 0, **kwargs) -> None:
+        """Scale ``loss`` with scaler ``loss_id`` and back-propagate.
+
+        Args:
+            loss (Tensor): The (already accumulation-divided) loss.
+            loss_id (int): Which loss scaler to use. Defaults to 0.
+            **kwargs: Passed on to ``Tensor.backward`` (e.g. ``retain_graph``).
+        """
+        self._check_loss_id(loss_id)
+        if self._pending_scaler is not None and self._pending_scaler != loss_id:
+            # The model grads were scaled by another scaler: move them to the fp32 stash first.
+            self._unscale_pending()
+        self.loss_scalers[loss_id].scale_loss(loss).backward(**kwargs)
+        self._pending_scaler = loss_id
+        if loss_id not in self._used_scalers:
+            self._used_scalers.append(loss_id)
+        self._inner_count += 1
+
+    def _flag(self, loss_id: int) -> Tensor:
+        flag = self._found_inf.get(loss_id)
+        if flag is None:
+            flag = self._found_inf[loss_id] = new_found_inf(self.loss_scalers[loss_id].device)
+        return flag
+
+    def _unscale_pending(self) -> None:
+        k = self._pending_scaler
+        if k is None:
+            return
+        self._stash.absorb(self._master_params(), self.loss_scalers[k].inv_scale(), self._flag(k))
+        self._pending_scaler = None
+
+    def _step_found_inf(self) -> Optional[Tensor]:
+        flags = [self._flag(k) for k in self._used_scalers]
+        if not flags:
+            return None
+        return flags[0] if len(flags) == 1 else torch.stack(flags).amax(0)
+
+    # ---- step ------------------------------------------------------------------------------------
+    def step(self, **kwargs) -> None:
+        """Unscale, check, clip and step; skip the update when any gradient is not finite.
+
+        Args:
+            **kwargs: Passed on to the inner optimizer's ``step``.
+        """
+        masters = self._master_params()
+        self._unscale_pending()
+        found_inf = self._step_found_inf()
+        # One host read per step, as torch's GradScaler does: the host must know whether to call
+        # the optimizer at all.
+        skipped = bool(found_inf is not None and found_inf.item() > 0)
+        if not skipped:
+            self._stash.hand_to_optimizer(masters)
+            if self.clip_grad_kwargs:
+                self._clip_grad()
+            self.optimizer.step(**kwargs)
+            masters.copy_masters_to_model()
+        self._finish_step(skipped)
+
+    def _finish_step(self, skipped: bool) -> None:
+        old_scales = {k: self.loss_scalers[k].loss_scale for k in self._used_scalers} if skipped \
+            else {}
+        for k in self._used_scalers:
+            self.loss_scalers[k].update(self._flag(k))
+        if skipped:
+            self._report_skip(old_scales)
+        self._last_step_skipped = skipped
+        self._reset_step_state()
+        self._log_scalars()
+
+    def _reset_step_state(self) -> None:
+        for flag in self._found_inf.values():
+            flag.zero_()
+        self._used_scalers = []
+        self._pending_scaler = None
+        if self._masters is not None:
+            self._stash.clear(self._masters)
+
+    def _report_skip(self, old_scales: Dict[int, float]) -> None:
+        if not self.verbose:
+            return
+        for k, old in old_scales.items():
+            if self._flag_was_set(k):
+                new = self.loss_scalers[k].loss_scale
+                if new != old:
+                    msg = (f'Gradient overflow.  Skipping step, loss scaler {k} reducing loss scale '
+                           f'to {new}')
+                else:
+                    msg = (f'Gradient overflow.  Skipping step, loss scaler {k} keeps loss scale '
+                           f'{new}')
+                print_log(msg, logger='current', level=logging.INFO)
+
+    def _flag_was_set(self, k: int) -> bool:
+        return bool(self._found_inf[k].item() > 0) if k in self._found_inf else False
+
+    def _log_scalars(self) -> None:
+        # Names without 'loss': mmengine prints keys containing 'loss' as a 10-iteration mean, and
+        # the log line must show the current scale.
+        hub = self.message_hub
+        for k, scaler in enumerate(self.loss_scalers):
+            hub.update_scalar('train/amp_scale' if k == 0 else f'train/amp_scale_{k}',
+                              scaler.loss_scale)
+        hub.update_scalar('train/amp_skipped', float(sum(s.skipped_steps
+                                                         for s in self.loss_scalers)))
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the most recent ``step()`` was skipped because of non-finite gradients."""
+        return self._last_step_skipped
+
+    @property
+    def overflow(self) -> bool:
+        """apex's ``overflow``: whether the last step found non-finite gradients."""
+        return self._last_step_skipped
+
+    # ---- zero_grad ---------------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True, **kwargs) -> None:
+        """Clear model gradients, master gradients and the per-step overflow state."""
+        masters = self._master_params()
+        # Detach the fp32 stash first: it is rewritten before its next use, zeroing it is waste.
+        self._reset_step_state()
+        for slot, model_p in masters.slots():
+            for p in (slot, model_p):
+                if p is None or p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().requires_grad_(False).zero_()
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def master_params(self) -> List[Tensor]:
+        """The params the inner optimizer steps (fp32 masters, and fp32 params as they are)."""
+        return [slot for slot, _ in self._master_params().slots()]
+
+    @property
+    def loss_scale(self) -> float:
+        """The current scale of loss scaler 0 (host read)."""
+        return self.loss_scalers[0].loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self.loss_scalers[0].loss_scale = value
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+    def _extra_state(self) -> Dict[str, Any]:
+        """Subclass hook: more entries for our state key."""
+        return {}
+
+    def state_dict(self) -> dict:
+        """Optimizer state + ``base_param_settings`` + ``'mp_wrappers'`` (scalers, fp32 masters).
+
+        Everything is tensors and plain Python numbers: ``torch.load(weights_only=True)`` reads it.
+        """
+        masters = self._master_params()
+        state = super().state_dict()
+        state[STATE_KEY] = dict(
+            version=_STATE_VERSION,
+            wrapper=type(self).__name__,
+            loss_scalers=[s.state_dict() for s in self.loss_scalers],
+            fp32_master_params=masters.state_dict(),
+            **self._extra_state())
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load optimizer, scaler and master state; validate it against the model first.
+
+        Accepts dicts written by this wrapper, by mmengine's ``OptimWrapper``/``AmpOptimWrapper``
+        (``loss_scaler``) and by apex-based wrappers (``apex_amp``). Without saved masters, the
+        masters are re-derived from the model's (already loaded) weights.
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError(f'state_dict must be a dict, got {type(state_dict).__name__}')
+        state = dict(state_dict)  # never mutate the caller's checkpoint
+        ours = state.pop(STATE_KEY, None)
+        amp_scaler = state.pop('loss_scaler', None)
+        apex_amp = state.pop('apex_amp', None)
+        if ours is not None:
+            version = ours.get('version', _STATE_VERSION)
+            if version > _STATE_VERSION:
+                raise ValueError(f"state_dict['{STATE_KEY}'] has version {version}; this "
+                                 f'mp_wrappers reads versions <= {_STATE_VERSION}')
+        masters = self._master_params()
+        self._check_optimizer_state(state)
+        super().load_state_dict(state)  # pops base_param_settings, loads the optimizer
+        if ours is not None and 'fp32_master_params' in ours and masters.has_half:
+            masters.load_state_dict(ours['fp32_master_params'])
+        else:
+            masters.copy_model_to_masters()
+        if ours is not None and 'loss_scalers' in ours:
+            self._load_scalers(ours['loss_scalers'], source='mp_wrappers')
+        elif apex_amp is not None:
+            self._load_apex_amp(apex_amp)
+        elif amp_scaler is not None:
+            self._load_scalers([amp_scaler], source="mmengine AmpOptimWrapper's loss_scaler")
+        if ours is not None:
+            self._load_extra_state(ours)
+
+    def _load_extra_state(self, ours: Dict[str, Any]) -> None:
+        """Subclass hook: read the entries added by :meth:`_extra_state`."""
+
+    def _load_apex_amp(self, apex_amp: Dict[str, Any]) -> None:
+        if not isinstance(apex_amp, dict):
+            raise TypeError(f"state_dict['apex_amp'] must be a dict, got {type(apex_amp).__name__}")
+        keys = sorted((k for k in apex_amp if k.startswith('loss_scaler')),
+                      key=lambda k: int(k[len('loss_scaler'):] or 0))
+        self._load_scalers([apex_amp[k] for k in keys], source="apex's apex_amp")
+
+    def _load_scalers(self, states: List[Dict[str, Any]], source: str) -> None:
+        n = len(self.loss_scalers)
+        if len(states) != n:
+            # apex warns and loads what matches; so do we.
+            warnings.warn(f'the checkpoint ({source}) holds {len(states)} loss scaler states but '
+                          f'this wrapper has num_losses={n}; loading the first {min(n, len(states))}',
+                          UserWarning, stacklevel=3)
+        for scaler, st in zip(self.loss_scalers, states):
+            scaler.load_state_dict(st)
+
+    def _check_optimizer_state(self, state: dict) -> None:
+        """Refuse optimizer state whose groups, counts or tensor shapes do not fit the model."""
+        saved_groups = state.get('param_groups')
+        if saved_groups is None or 'state' not in state:
+            raise KeyError("optimizer state_dict needs 'state' and 'param_groups'; got keys "
+                           f'{sorted(state)}')
+        groups = self.optimizer.param_groups
+        if len(saved_groups) != len(groups):
+            raise ValueError(f'the checkpoint has {len(saved_groups)} optimizer param groups but the'
+                             f' optimizer has {len(groups)}')
+        index_to_param = {}
+        for g, (saved, group) in enumerate(zip(saved_groups, groups)):
+            if len(saved['params']) != len(group['params']):
+                raise ValueError(f'param group {g}: the checkpoint has {len(saved["params"])} '
+                                 f'parameters but the optimizer has {len(group["params"])}')
+            index_to_param.update(zip(saved['params'], group['params']))
+        for idx, param_state in state['state'].items():
+            p = index_to_param.get(idx)
+            if p is None:
+                continue
+            for name, value in param_state.items():
+                if isinstance(value, Tensor) and value.dim() > 0 and value.shape != p.shape:
+                    raise ValueError(f"optimizer state '{name}' of parameter {idx} has shape "
+                                     f'{tuple(value.shape)} but the parameter has shape '
+                                     f'{tuple(p.shape)}')
+
+
+def _check_params(optimizer: Optimizer) -> None:
+    """Refuse optimizers that cannot be trained in mixed precision, with a reason."""
+    params = [p for g in optimizer.param_groups for p in g['params']]
+    if not params:
+        raise ValueError('the optimizer has no parameters to train')
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f'the optimizer holds parameters on several devices ({sorted(map(str, devices))}); '
+                         'mixed-precision wrappers need them on one device')
+    for i, p in enumerate(params):
+        if not p.is_floating_point():
+            raise TypeError(f'parameter {i} has dtype {p.dtype}; only floating-point parameters '
+                            'can be optimized')

@@ -1,0 +1,166 @@
+"""``FP16OptimWrapper``: apex ``fp16_utils.FP16_Optimizer`` semantics as an mmengine optimizer wrapper."""
+import logging
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from mmengine.logging import print_log
+from torch import Tensor
+from torch.optim import Optimizer
+
+from ..registry import OPTIM_WRAPPERS
+from ..scaler import DynamicLossScaler, build_loss_scaler
+from .base import MixedPrecisionOptimWrapper
+
+__all__ = ['FP16OptimWrapper']
+
+
+@OPTIM_WRAPPERS.register_module()
+class FP16OptimWrapper(MixedPrecisionOptimWrapper):
+    """fp32 master weights and static or dynamic loss scaling for fp16/bf16 models.
+
+    Build the model in half precision (keeping normalisation layers fp32, see
+    :func:`mp_wrappers.casting.cast_model`), build the optimizer over its parameters, and wrap it.
+    Each fp16/bf16 parameter gets an fp32 master that the optimizer steps; gradients are unscaled into
+    fp32 master gradients, and a step whose gradients hold inf/nan is skipped (with a static scale
+    too). Loss scaling is orthogonal to the learning rate: gradients are unscaled before the step.
+
+    Unlike apex, the default dynamic scaler uses apex *amp*'s defaults (start 2**16, double after
+    2000 clean steps, max 2**24); ``dynamic_loss_args=dict(init_scale=2.**32, scale_window=1000,
+    min_loss_scale=1.)`` restores the legacy ``FP16_Optimizer`` scaler.
+
+    Args:
+        optimizer (Optimizer): Optimizer over the (half) model parameters.
+        static_loss_scale (float): The fixed scale when ``dynamic_loss_scale`` is False. Defaults
+            to 1.0. Use 1.0 for bf16, which needs no scaling.
+        dynamic_loss_scale (bool): Use a dynamic scale. Defaults to False.
+        dynamic_loss_args (dict, optional): Dynamic scaler options: ``init_scale``,
+            ``scale_factor``, ``scale_window``, ``min_loss_scale``, ``max_loss_scale``,
+            ``hysteresis``.
+        verbose (bool): Log skipped steps. Defaults to True.
+        accumulative_counts (int): mmengine gradient accumulation. Defaults to 1.
+        clip_grad (dict, optional): mmengine's ``clip_grad``, applied to unscaled fp32 master grads.
+
+    Examples:
+        >>> optim_wrapper = dict(
+        ...     type='mp_wrappers.FP16OptimWrapper',
+        ...     optimizer=dict(type='SGD', lr=0.1, momentum=0.9),
+        ...     dynamic_loss_scale=True,
+        ...     dynamic_loss_args=dict(init_scale=2.**16, scale_window=2000, hysteresis=2),
+        ...     accumulative_counts=4,
+        ...     clip_grad=dict(max_norm=5.0))
+    """
+
+    def __init__(self, optimizer: Optimizer, static_loss_scale: float = 1.0,
+                 dynamic_loss_scale: bool = False, dynamic_loss_args: Optional[Dict[str, Any]] = None,
+                 verbose: bool = True, accumulative_counts: int = 1,
+                 clip_grad: Optional[dict] = None) -> None:
+        if not isinstance(dynamic_loss_scale, bool):
+            raise TypeError(f'dynamic_loss_scale must be True or False, got {dynamic_loss_scale!r}')
+        scaler = build_loss_scaler(dynamic_loss_scale, static_loss_scale, dynamic_loss_args)
+        super().__init__(optimizer, [scaler], master_weights=True, verbose=verbose,
+                         accumulative_counts=accumulative_counts, clip_grad=clip_grad)
+        self.dynamic_loss_scale = dynamic_loss_scale
+        self._master_params()  # create masters now, as FP16_Optimizer does at construction
+
+    # ---- apex FP16_Optimizer API -------------------------------------------------------------------
+    def backward(self, loss: Tensor, update_master_grads: bool = True, retain_graph: bool = False,
+                 **kwargs) -> None:
+        """Scale ``loss``, back-propagate and (by default) unscale the grads into the masters.
+
+        Args:
+            loss (Tensor): The loss.
+            update_master_grads (bool): Unscale into master grads now. With several backwards per
+                step pass False and call :meth:`update_master_grads` (or just :meth:`step`) after
+                the last one. Defaults to True (apex).
+            retain_graph (bool): Passed to ``Tensor.backward``.
+        """
+        super().backward(loss, retain_graph=retain_graph, **kwargs)
+        if update_master_grads:
+            self.update_master_grads()
+
+    def update_master_grads(self) -> None:
+        """Unscale the model gradients into fp32 master gradients, checking them for inf/nan."""
+        self._unscale_pending()
+        self._stash.hand_to_optimizer(self._master_params())
+
+    def update_params(self, loss: Tensor, step_kwargs: Optional[Dict] = None,
+                      zero_kwargs: Optional[Dict] = None) -> None:
+        """mmengine's update: scale by the accumulation factor, backward, and step when due."""
+        loss = self.scale_loss(loss)
+        # Unscaling once per optimizer step (not per accumulation iteration) is enough: the loss
+        # scale only changes at a step, so every accumulated backward used the same one.
+        self.backward(loss, update_master_grads=False)
+        if self.should_update():
+            self.step(**(step_kwargs or {}))
+            self.zero_grad(**(zero_kwargs or {}))
+
+    def step(self, closure: Optional[Callable[[], Tensor]] = None, **kwargs) -> Optional[Tensor]:
+        """Step the masters and copy them to the model, or skip the step on overflow.
+
+        Args:
+            closure (callable, optional): As in apex: re-evaluates the model and calls
+                ``self.backward(loss)`` itself, returning the loss. It is re-run (with a lowered
+                scale) while the gradients overflow and the scale can still go down.
+
+        Returns:
+            The closure's loss, if a closure was given.
+        """
+        if closure is None:
+            super().step(**kwargs)
+            return None
+        return self._step_with_closure(closure, **kwargs)
+
+    def _step_with_closure(self, closure: Callable[[], Tensor], **kwargs) -> Tensor:
+        scaler = self.loss_scalers[0]
+        while True:
+            self.zero_grad()
+            loss = closure()
+            self._unscale_pending()
+            found = self._step_found_inf()
+            overflow = found is not None and bool(found.item() > 0)
+            before = scaler.loss_scale
+            if not overflow:
+                break
+            self._finish_step(skipped=True)
+            if not isinstance(scaler, DynamicLossScaler) or scaler.loss_scale == before:
+                # A static (or bottomed-out) scale cannot fix the overflow: skip this step.
+                return loss
+        super().step(**kwargs)
+        return loss
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the unscaled fp32 master gradients; return their total norm, or -1 on overflow."""
+        self.update_master_grads()
+        found = self._step_found_inf()
+        if found is not None and found.item() > 0:
+            return -1.0
+        grads_owner = [p for p in self.master_params() if p.grad is not None]
+        if not grads_owner:
+            return 0.0
+        return float(torch.nn.utils.clip_grad_norm_(grads_owner, max_norm, norm_type=norm_type))
+
+    def zero_grad(self, set_grads_to_None: bool = False, set_to_none: Optional[bool] = None,
+                  **kwargs) -> None:
+        """Clear gradients. Accepts apex's ``set_grads_to_None`` and torch's ``set_to_none``."""
+        super().zero_grad(set_to_none=bool(set_grads_to_None if set_to_none is None
+                                           else set_to_none))
+
+    def inspect_master_grad_data(self) -> Optional[List[List[Optional[Tensor]]]]:
+        """The fp32 master gradients per param group, or None (with a warning) after an overflow."""
+        self.update_master_grads()
+        found = self._step_found_inf()
+        if found is not None and found.item() > 0:
+            print_log('inspect_master_grad_data called while in an overflow state: gradients are '
+                      'invalid (inf, nan or stale); returning None.', logger='current',
+                      level=logging.WARNING)
+            return None
+        return [[p.grad.detach() if p.grad is not None else None for p in g['params']]
+                for g in self.optimizer.param_groups]
+
+    # ---- checkpoint extras -----------------------------------------------------------------------
+    def _extra_state(self) -> Dict[str, Any]:
+        return dict(dynamic_loss_scale=self.dynamic_loss_scale, overflow=self.overflow,
+                    first_closure_call_this_step=True)
+
+    def _load_extra_state(self, ours: Dict[str, Any]) -> None:
+        self._last_step_skipped = bool(ours.get('overflow', False))
