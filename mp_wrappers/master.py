@@ -170,11 +170,19 @@ class GradStash:
     def holds_grads(self) -> bool:
         return bool(self._valid)
 
-    def clear(self, masters: MasterParams) -> None:
-        """Forget this step's gradients and detach the buffers from the optimizer's slots."""
+    def withdraw(self, masters: MasterParams) -> None:
+        """Take the buffers back from the slots' ``.grad``, keeping their contents.
+
+        Needed before a backward: an fp32 parameter is both a model and an optimizer slot, and
+        autograd would otherwise add fresh scaled gradients into the unscaled stash.
+        """
         for slot, _ in masters.slots():
             if slot.grad is not None and slot.grad is self._buffers.get(id(slot)):
                 slot.grad = None
+
+    def clear(self, masters: MasterParams) -> None:
+        """Forget this step's gradients and detach the buffers from the optimizer's slots."""
+        self.withdraw(masters)
         self._valid.clear()
 
     @torch.no_grad()

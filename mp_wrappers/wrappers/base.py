@@ -110,6 +110,8 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             **kwargs: Passed on to ``Tensor.backward`` (e.g. ``retain_graph``).
         """
         self._check_loss_id(loss_id)
+        if self._stash.holds_grads and self._masters is not None:
+            self._stash.withdraw(self._masters)
         if self._pending_scaler is not None and self._pending_scaler != loss_id:
             # The model grads were scaled by another scaler: move them to the fp32 stash first.
             self._unscale_pending()
