@@ -4,10 +4,17 @@ Importing the package registers its optimizer wrappers, optimizers, example work
 mmengine's registries under the ``mp_wrappers`` scope (``type='mp_wrappers.FP16OptimWrapper'``).
 """
 from . import ops
+from .autocast import disable_casts, float_function, half_function, promote_function
 from .casting import cast_model
+from .ddp import MixedPrecisionDistributedDataParallel
+from .policy import Properties, resolve_properties
 from .scaler import DynamicLossScaler, LossScaler, StaticLossScaler
-from .wrappers import FP16OptimWrapper, MixedPrecisionOptimWrapper
+from .wrappers import ApexOptimWrapper, FP16OptimWrapper, MixedPrecisionOptimWrapper
 
 __version__ = '0.1.0'
-__all__ = ['ops', 'cast_model', 'LossScaler', 'StaticLossScaler', 'DynamicLossScaler',
-           'MixedPrecisionOptimWrapper', 'FP16OptimWrapper', '__version__']
+__all__ = [
+    'ops', 'cast_model', 'LossScaler', 'StaticLossScaler', 'DynamicLossScaler',
+    'MixedPrecisionOptimWrapper', 'FP16OptimWrapper', 'ApexOptimWrapper', 'Properties',
+    'resolve_properties', 'half_function', 'float_function', 'promote_function', 'disable_casts',
+    'MixedPrecisionDistributedDataParallel', '__version__',
+]

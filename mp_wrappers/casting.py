@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 __all__ = ['HALF_DTYPES', 'parse_dtype', 'cast_model', 'cast_floating', 'is_norm_layer',
-           'fp32_state_dict_hook']
+           'ForwardCaster', 'fp32_state_dict_hook', 'model_cast_dtype']
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 _DTYPE_NAMES = {
@@ -72,6 +72,8 @@ def cast_model(model: nn.Module, dtype: torch.dtype, keep_norm_fp32: bool = True
     for name, b in model.named_buffers():
         if b.is_floating_point() and name not in keep and b.dtype != dtype:
             _set_buffer(model, name, b.to(dtype))
+    # Remember what was done, so a later consumer (ApexOptimWrapper behind DDP) can check it.
+    model._mp_wrappers_cast = (dtype, keep_norm_fp32)
     if keep_norm_fp32 and dtype != torch.float32:
         for module in model.modules():
             if is_norm_layer(module) and not getattr(module, '_mp_wrappers_fp32_hooks', None):
@@ -81,6 +83,11 @@ def cast_model(model: nn.Module, dtype: torch.dtype, keep_norm_fp32: bool = True
                 )
                 module._mp_wrappers_fp32_hooks = handles
     return model
+
+
+def model_cast_dtype(model: nn.Module):
+    """``(dtype, keep_norm_fp32)`` if :func:`cast_model` was applied to ``model``, else None."""
+    return getattr(model, '_mp_wrappers_cast', None)
 
 
 def _set_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -116,6 +123,13 @@ def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
         return type(obj)(cast_floating(v, dtype) for v in obj)
     if isinstance(obj, (str, bytes, int, float, bool)) or obj is None:
         return obj
+    if _is_data_element(obj):
+        # mmengine data samples: their .to(dtype) would also cast integer labels, so cast only the
+        # floating tensors among their data fields.
+        new = obj.clone()
+        for key, value in obj.items():  # data fields only (metainfo_items() holds the rest)
+            setattr(new, key, cast_floating(value, dtype))
+        return new
     to = getattr(obj, 'to', None)
     if callable(to):
         try:
@@ -124,6 +138,42 @@ def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
             # Objects whose .to() only takes a device (e.g. some data samples): leave them be.
             return obj
     return obj
+
+
+def _is_data_element(obj: Any) -> bool:
+    try:
+        from mmengine.structures import BaseDataElement
+    except ImportError:  # pragma: no cover - mmengine is a dependency
+        return False
+    return isinstance(obj, BaseDataElement)
+
+
+class ForwardCaster:
+    """Removable hooks that cast a module's floating inputs and outputs (apex O2/O3's forward patch).
+
+    Args:
+        module (nn.Module): The module whose forward is wrapped.
+        input_dtype (torch.dtype): dtype for floating inputs (positional and keyword, recursively).
+        output_dtype (torch.dtype, optional): dtype for floating outputs; None leaves them.
+    """
+
+    def __init__(self, module: nn.Module, input_dtype: torch.dtype,
+                 output_dtype: Optional[torch.dtype]) -> None:
+        self.input_dtype, self.output_dtype = input_dtype, output_dtype
+        self._handles = [module.register_forward_pre_hook(self._pre, with_kwargs=True)]
+        if output_dtype is not None:
+            self._handles.append(module.register_forward_hook(self._post))
+
+    def _pre(self, module, args, kwargs):
+        return cast_floating(args, self.input_dtype), cast_floating(kwargs, self.input_dtype)
+
+    def _post(self, module, args, output):
+        return cast_floating(output, self.output_dtype)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 def fp32_state_dict_hook(module: nn.Module, state_dict, prefix, local_metadata):

@@ -8,12 +8,14 @@ node also keeps our names from shadowing mmengine's own (mmengine has an ``ApexO
 from mmengine.registry import DATASETS as MMENGINE_DATASETS
 from mmengine.registry import HOOKS as MMENGINE_HOOKS
 from mmengine.registry import METRICS as MMENGINE_METRICS
+from mmengine.registry import MODEL_WRAPPERS as MMENGINE_MODEL_WRAPPERS
 from mmengine.registry import MODELS as MMENGINE_MODELS
 from mmengine.registry import OPTIM_WRAPPERS as MMENGINE_OPTIM_WRAPPERS
 from mmengine.registry import OPTIMIZERS as MMENGINE_OPTIMIZERS
 from mmengine.registry import Registry
 
-__all__ = ['OPTIM_WRAPPERS', 'OPTIMIZERS', 'DATASETS', 'MODELS', 'METRICS', 'HOOKS']
+__all__ = ['OPTIM_WRAPPERS', 'OPTIMIZERS', 'DATASETS', 'MODELS', 'METRICS', 'HOOKS',
+           'MODEL_WRAPPERS']
 
 _SCOPE = 'mp_wrappers'
 # `locations` makes a registry lookup import the modules that register into it, so a config that only
@@ -29,3 +31,5 @@ MODELS = Registry('model', parent=MMENGINE_MODELS, scope=_SCOPE,
 METRICS = Registry('metric', parent=MMENGINE_METRICS, scope=_SCOPE,
                    locations=['mp_wrappers.workloads'])
 HOOKS = Registry('hook', parent=MMENGINE_HOOKS, scope=_SCOPE, locations=['mp_wrappers.hooks'])
+MODEL_WRAPPERS = Registry('model_wrapper', parent=MMENGINE_MODEL_WRAPPERS, scope=_SCOPE,
+                          locations=['mp_wrappers.ddp'])
