@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..master import GradStash, MasterParams
-from ..ops import new_found_inf
+from ..ops import multi_tensor_unscale_l2norm, new_found_inf
 from ..scaler import LossScaler
 
 __all__ = ['MixedPrecisionOptimWrapper', 'STATE_KEY']
@@ -144,10 +144,18 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
     def step(self, **kwargs) -> None:
         """Unscale, check, clip and step; skip the update when any gradient is not finite.
 
+        With an optimizer that implements the fused master step (``mp_wrappers.FusedAdam`` and
+        friends) and gradients from a single scaler, the half gradients are read once for the
+        inf check and the norm, and once by the fused update, which writes masters, moments and the
+        half model copy together: no fp32 master-gradient buffers (REFERENCE.md section 7).
+
         Args:
             **kwargs: Passed on to the inner optimizer's ``step``.
         """
         masters = self._master_params()
+        if not kwargs and self._fusable():
+            self._fused_step(masters)
+            return
         self._unscale_pending()
         found_inf = self._step_found_inf()
         # One host read per step, as torch's GradScaler does: the host must know whether to call
@@ -160,6 +168,61 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             self.optimizer.step(**kwargs)
             masters.copy_masters_to_model()
         self._finish_step(skipped)
+
+    # Note [fused step and clipping]: clip_grad_norm_ multiplies the unscaled grads by
+    # coef = min(1, max_norm / (norm + 1e-6)). Dividing by grad_scale / coef does the same inside the
+    # fused kernel, so norm clipping costs no extra pass. Other clip settings take the unfused path.
+    _FUSABLE_CLIP_KEYS = {'max_norm', 'norm_type', 'error_if_nonfinite', 'foreach'}
+
+    def _fusable(self) -> bool:
+        if not getattr(self.optimizer, 'supports_fused_master_step', False):
+            return False
+        if self._pending_scaler is None or self._stash.holds_grads or len(self._used_scalers) != 1:
+            return False
+        clip = self.clip_grad_kwargs
+        if clip:
+            if getattr(self, 'grad_name', 'grad_norm') != 'grad_norm':
+                return False
+            if not set(clip) <= self._FUSABLE_CLIP_KEYS or float(clip.get('norm_type', 2.0)) != 2.0:
+                return False
+            if clip.get('error_if_nonfinite', False):
+                return False
+        return True
+
+    @torch.no_grad()
+    def _fused_step(self, masters: MasterParams) -> None:
+        k = self._pending_scaler
+        scaler, flag = self.loss_scalers[k], self._flag(k)
+        grads, models, by_dtype = [], [], {}
+        for group, row in zip(self.optimizer.param_groups, masters.model_params):
+            g_row = []
+            for slot, model_p in zip(group['params'], row):
+                g = (model_p if model_p is not None else slot).grad
+                if g is not None and g.is_sparse:
+                    raise RuntimeError('mixed-precision wrappers do not support sparse gradients '
+                                       f'(parameter of shape {tuple(slot.shape)})')
+                g_row.append(g)
+                if g is not None:
+                    by_dtype.setdefault(g.dtype, []).append(g)
+            grads.append(g_row)
+            models.append(list(row))
+        inv_scale = scaler.inv_scale()
+        norms = [multi_tensor_unscale_l2norm(gs, inv_scale, found_inf=flag)[0]
+                 for gs in by_dtype.values()]
+        grad_scale = scaler.scale
+        if self.clip_grad_kwargs and norms:
+            total = torch.linalg.vector_norm(torch.stack(norms))
+            coef = torch.clamp(self.clip_grad_kwargs['max_norm'] / (total + 1e-6), max=1.0)
+            grad_scale = grad_scale / coef
+            self._pending_grad_norm = total
+        self.optimizer.fused_master_step(grads, models, grad_scale=grad_scale, found_inf=flag)
+        self._pending_scaler = None
+        # On CPU the flag read is free; it tells the log line and last_step_skipped.
+        self._finish_step(skipped=bool(flag.item() > 0))
+        grad_norm = getattr(self, '_pending_grad_norm', None)
+        if grad_norm is not None and not self._last_step_skipped:
+            self.message_hub.update_scalar(f'train/{self.grad_name}', float(grad_norm))
+        self._pending_grad_norm = None
 
     def _finish_step(self, skipped: bool) -> None:
         old_scales = {k: self.loss_scalers[k].loss_scale for k in self._used_scalers} if skipped \
