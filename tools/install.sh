@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Install mp_wrappers (building its C++/CUDA extension) and what it needs, without ever letting pip
+# pick a torch: an unpinned torch resolves to the newest CUDA build (several GB) on a CPU machine.
+#   bash tools/install.sh          # the package and the example workloads
+#   bash tools/install.sh test     # ... plus what the test suite needs
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+TORCH_VERSION=${MP_WRAPPERS_TORCH_VERSION:-2.13.0}
+
+if "$PY" -c 'import torch' 2>/dev/null; then
+  # Keep the torch that is there (a CUDA build on a GPU machine, say).
+  echo "mp_wrappers install: keeping torch $("$PY" -c 'import torch; print(torch.__version__)')"
+else
+  echo "mp_wrappers install: installing torch==$TORCH_VERSION"
+  "$PY" -m pip install -q "torch==$TORCH_VERSION"
+fi
+
+# Build requirements by hand: the build runs without isolation, against the torch above.
+"$PY" -m pip install -q "setuptools>=64" wheel "pybind11>=2.10" ninja
+extras=examples
+[ "${1:-}" = test ] && extras=examples,test
+"$PY" -m pip install -q --no-build-isolation -e ".[$extras]"
+"$PY" -c 'import mp_wrappers; print("mp_wrappers", mp_wrappers.__version__, mp_wrappers.ops.backend())'
