@@ -116,6 +116,17 @@ class FusedOptimizer(Optimizer):
 
     ``zero_grad(set_to_none=None)`` uses the constructor's ``set_grad_none`` by default (apex), and
     accepts torch's keyword.
+
+    Examples:
+        >>> # In an mmengine config (any default_scope):
+        >>> optim_wrapper = dict(type='OptimWrapper',
+        ...                      optimizer=dict(type='mp_wrappers.FusedAdam', lr=1e-3))
+        >>> # With torch's GradScaler the scale and the overflow flag go into the kernel:
+        >>> scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
+        >>> # A mixed-precision wrapper holding fp32 masters in opt.param_groups:
+        >>> half = list(model.parameters())  # single group; masters in opt.param_groups[0]
+        >>> opt.fused_master_step([[p.grad for p in half]], [half],
+        ...                       grad_scale=loss_scale, found_inf=found_inf)
     """
 
     _step_supports_amp_scaling: ClassVar[bool] = True
