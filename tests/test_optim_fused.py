@@ -461,6 +461,17 @@ def test_channels_last_param_matches_contiguous():
     assert conv_cl.weight.is_contiguous(memory_format=torch.channels_last)
 
 
+def test_fused_master_step_with_model_copy_in_another_layout():
+    master = torch.randn(8, 3, 3, 3, requires_grad=True)
+    model = master.detach().bfloat16().contiguous(memory_format=torch.channels_last)
+    grad = torch.randn(8, 3, 3, 3).bfloat16().contiguous(memory_format=torch.channels_last)
+    opt = FusedAdam([master], lr=1e-2)
+    for _ in range(2):
+        opt.fused_master_step([[grad]], [[model]])
+    assert torch.equal(model, master.detach().bfloat16())
+    assert model.is_contiguous(memory_format=torch.channels_last)
+
+
 def test_fused_master_step_mixes_given_grads_and_own_grads():
     masters = [torch.randn(5, requires_grad=True), torch.randn(3, requires_grad=True)]
     model = [masters[0].detach().bfloat16(), None]

@@ -37,6 +37,11 @@ TORCH_LIBRARY(mp_wrappers, m) {
         "float max_scale) -> ()");
 
   // ---- optimizer updates ------------------------------------------------------------------------
+  // Executable definitions: the "Fused optimizer updates" section of mp_wrappers/ops/reference.py.
+  // Math is fp32 on fp32 state; grads are divided by grad_scale first; a nonzero found_inf leaves
+  // every output bit-identical. Each list holds one dtype (the Python entry points check it, and the
+  // optimizers bucket by dtype). multi_tensor_sgd_'s momentum_buffers is empty when momentum == 0;
+  // it sets buf = grad while step == 0. exp_avg_sq_norms has one element per tensor.
   m.def("multi_tensor_adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
         "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] model_params, Tensor(e!) step, float lr, "
         "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, "

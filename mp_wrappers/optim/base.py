@@ -116,6 +116,17 @@ class FusedOptimizer(Optimizer):
 
     ``zero_grad(set_to_none=None)`` uses the constructor's ``set_grad_none`` by default (apex), and
     accepts torch's keyword.
+
+    Examples:
+        >>> # In an mmengine config (any default_scope):
+        >>> optim_wrapper = dict(type='OptimWrapper',
+        ...                      optimizer=dict(type='mp_wrappers.FusedAdam', lr=1e-3))
+        >>> # With torch's GradScaler the scale and the overflow flag go into the kernel:
+        >>> scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
+        >>> # A mixed-precision wrapper holding fp32 masters in opt.param_groups:
+        >>> half = list(model.parameters())  # single group; masters in opt.param_groups[0]
+        >>> opt.fused_master_step([[p.grad for p in half]], [half],
+        ...                       grad_scale=loss_scale, found_inf=found_inf)
     """
 
     _step_supports_amp_scaling: ClassVar[bool] = True
@@ -371,30 +382,51 @@ class FusedOptimizer(Optimizer):
                 if bucket is None:
                     bucket = buckets[key] = _Bucket(group, target.device, state['step'],
                                                     keys + self._scalar_state)
-                # Every tensor of one slot is passed as a flat view in the target's memory order
-                # (so channels_last params work); tensors in another order are copied, and written
-                # ones copied back after the op (a skipped step copies back the same bits).
-                if _is_dense(target):
-                    order = target
-                else:  # e.g. a strided view: update a contiguous copy of the same shape
-                    order = target.clone(memory_format=torch.contiguous_format)
-                    writebacks.append((target, order))
-                bucket.params.append(_flat(order))
-                bucket.grads.append(_flat(grad) if _same_order(grad, order) else
-                                    _flat(_like(order, grad.dtype).copy_(grad.reshape(order.shape))))
-                if model is not None:
-                    if _same_order(model, order):
-                        bucket.model_params.append(_flat(model))
-                    else:
-                        staged_model = _flat(_like(order, model.dtype).copy_(
-                            model.reshape(order.shape)))
-                        writebacks.append((model, staged_model))
-                        bucket.model_params.append(staged_model)
-                for k in keys:
-                    bucket.states[k].append(_flat(self._ensure_layout(state, k, order)))
+                states = [state.get(k) for k in keys]
+                shape = target.shape
+                if (target.is_contiguous() and grad.is_contiguous() and grad.shape == shape
+                        and (model is None or (model.is_contiguous() and model.shape == shape))
+                        and all(t is not None and t.dtype == torch.float32 and t.is_contiguous()
+                                and t.shape == shape for t in states)):
+                    # The common case, kept cheap: this loop runs for every param every step.
+                    bucket.params.append(target)
+                    bucket.grads.append(grad)
+                    if model is not None:
+                        bucket.model_params.append(model)
+                    for k, t in zip(keys, states):
+                        bucket.states[k].append(t)
+                else:
+                    self._add_strided(bucket, target, grad, model, state, keys, writebacks)
                 for k in self._scalar_state:
                     bucket.states[k].append(state[k])
         return list(buckets.values())
+
+    def _add_strided(self, bucket: _Bucket, target: Tensor, grad: Tensor, model: Optional[Tensor],
+                     state: Dict[str, Any], keys: Sequence[str],
+                     writebacks: List[Tuple[Tensor, Tensor]]) -> None:
+        """Add a slot some of whose tensors are not contiguous (e.g. channels_last params).
+
+        Every tensor of the slot is passed as a flat view in the target's memory order; tensors in
+        another order are copied, and the written ones copied back after the op (a skipped step
+        copies back the same bits). State is re-laid out once, in place in the state dict.
+        """
+        if _is_dense(target):
+            order = target
+        else:  # e.g. a strided view: update a contiguous copy of the same shape
+            order = target.clone(memory_format=torch.contiguous_format)
+            writebacks.append((target, order))
+        bucket.params.append(_flat(order))
+        if not _same_order(grad, order):
+            grad = _like(order, grad.dtype).copy_(grad.reshape(order.shape))
+        bucket.grads.append(_flat(grad))
+        if model is not None:
+            if not _same_order(model, order):
+                staged = _like(order, model.dtype).copy_(model.reshape(order.shape))
+                writebacks.append((model, staged))  # the shaped copy: its flat view is permuted
+                model = staged
+            bucket.model_params.append(_flat(model))
+        for k in keys:
+            bucket.states[k].append(_flat(self._ensure_layout(state, k, order)))
 
     def _update(self, grads: Optional[Sequence[Sequence[Optional[Tensor]]]],
                 model_params: Optional[Sequence[Sequence[Optional[Tensor]]]],
