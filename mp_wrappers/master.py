@@ -230,6 +230,11 @@ class GradStash:
             key = id(slot)
             slot.grad = self._buffers[key] if key in self._valid else None
 
+    def grad_of(self, slot: Tensor) -> Optional[Tensor]:
+        """This step's unscaled gradient of ``slot``, or None."""
+        key = id(slot)
+        return self._buffers[key] if key in self._valid else None
+
     def grads(self, masters: MasterParams) -> List[Tensor]:
         """This step's unscaled gradients, in slot order."""
         return [self._buffers[id(s)] for s, _ in masters.slots() if id(s) in self._valid]

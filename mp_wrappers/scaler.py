@@ -117,6 +117,10 @@ class LossScaler:
         self._growth_tracker.copy_(torch.where(found_inf > 0, torch.zeros_like(
             self._growth_tracker), self._growth_tracker + 1))
 
+    def at_floor(self, scale: float) -> bool:
+        """Whether an overflow at ``scale`` leaves no room to lower the scale (collapse watch)."""
+        return True  # a static scale never goes down
+
     # ---- host-side views (synchronise; use at log intervals) -----------------------------------
     @property
     def loss_scale(self) -> float:
@@ -254,10 +258,11 @@ class DynamicLossScaler(LossScaler):
             min_scale=0.0 if self.min_loss_scale is None else self.min_loss_scale,
             max_scale=math.inf if self.max_loss_scale is None else self.max_loss_scale)
 
-    @property
-    def at_minimum(self) -> bool:
-        """Whether the scale sits at ``min_loss_scale`` (host read)."""
-        return self.min_loss_scale is not None and self.loss_scale <= self.min_loss_scale
+    def at_floor(self, scale: float) -> bool:
+        # Without min_loss_scale the scale could keep halving, but below 1.0 fp16 gradients no
+        # longer fit even unscaled: treat 1.0 as the floor for the collapse watch.
+        floor = self.min_loss_scale if self.min_loss_scale is not None else 1.0
+        return scale <= floor
 
     def __repr__(self) -> str:
         return (f'DynamicLossScaler(loss_scale={self.loss_scale}, scale_factor={self.scale_factor}, '

@@ -64,6 +64,9 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
         init_scale (float): Initial dynamic scale. Defaults to 2**16.
         accumulative_counts (int): mmengine gradient accumulation. Defaults to 1.
         clip_grad (dict, optional): mmengine's ``clip_grad``, applied to unscaled fp32 gradients.
+        **kwargs: Options shared by all our wrappers (``overflow_report``, ``on_scale_collapse``,
+            ``collapse_patience``, ``sync_found_inf``, ``log_interval``): see
+            :class:`~mp_wrappers.wrappers.base.MixedPrecisionOptimWrapper`.
 
     Examples:
         >>> optim_wrapper = dict(
@@ -82,7 +85,8 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
                  verbosity: int = 1, min_loss_scale: Optional[float] = None,
                  max_loss_scale: Optional[float] = 2.**24, dtype: str = 'float16',
                  hysteresis: int = 1, scale_window: int = 2000, init_scale: float = 2.**16,
-                 accumulative_counts: int = 1, clip_grad: Optional[dict] = None) -> None:
+                 accumulative_counts: int = 1, clip_grad: Optional[dict] = None,
+                 **kwargs) -> None:
         self.properties: Properties = resolve_properties(
             opt_level, dtype=dtype, enabled=enabled, loss_scale=loss_scale,
             cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
@@ -97,7 +101,7 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
         super().__init__(optimizer, scalers,
                          master_weights=bool(self.properties.master_weights),
                          verbose=verbosity > 0, accumulative_counts=accumulative_counts,
-                         clip_grad=clip_grad)
+                         clip_grad=clip_grad, **kwargs)
         self.num_losses = num_losses
         self.verbosity = verbosity
         self._model: Optional[nn.Module] = None
@@ -230,12 +234,10 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
 
     def update_params(self, loss: Tensor, step_kwargs: Optional[Dict] = None,
                       zero_kwargs: Optional[Dict] = None, loss_id: int = 0) -> None:
-        """mmengine's update (accumulation-aware), with an optional ``loss_id``."""
-        loss = self.scale_loss(loss)
-        self.backward(loss, loss_id=loss_id)
-        if self.should_update():
-            self.step(**(step_kwargs or {}))
-            self.zero_grad(**(zero_kwargs or {}))
+        if not self.properties.enabled:
+            OptimWrapper.update_params(self, loss, step_kwargs, zero_kwargs)
+            return
+        super().update_params(loss, step_kwargs, zero_kwargs, loss_id=loss_id)
 
     def step(self, **kwargs) -> None:
         if not self.properties.enabled:

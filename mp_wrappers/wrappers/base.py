@@ -18,18 +18,21 @@ state_dict with loss scaling and fp32 master weights:
 Masters are created lazily from ``self.optimizer`` and rebuilt if ``self.optimizer`` is replaced
 (mmengine's FSDP strategy does that), so nothing caches parameter lists beyond their optimizer.
 """
+import contextlib
 import logging
 import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from mmengine.logging import print_log
+from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapper
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..master import GradStash, MasterParams
-from ..ops import multi_tensor_unscale_l2norm, new_found_inf
+from ..ops import multi_tensor_l2norm, multi_tensor_unscale_l2norm, new_found_inf
 from ..scaler import LossScaler
 
 __all__ = ['MixedPrecisionOptimWrapper', 'STATE_KEY']
@@ -52,11 +55,36 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         verbose (bool): Log every skipped step (always on rank 0 only).
         accumulative_counts (int): Iterations per optimizer step (mmengine). Defaults to 1.
         clip_grad (dict, optional): mmengine's ``clip_grad``; applied to unscaled fp32 gradients.
+        overflow_report (bool): On every skipped step, log the first parameters whose gradients
+            hold inf/nan and whether the loss itself was non-finite. Defaults to False.
+        on_scale_collapse (str): What to do when ``collapse_patience`` consecutive steps overflow
+            while the scale cannot go lower (a static scale, or a dynamic one at its floor:
+            ``min_loss_scale``, or 1.0 without one): ``'warn'`` (default), ``'raise'``
+            (``FloatingPointError``) or ``'ignore'``.
+        collapse_patience (int): See ``on_scale_collapse``. Defaults to 10.
+        sync_found_inf (bool, optional): All-reduce (MAX) the overflow flag across ranks before
+            deciding to skip. None (default) does it when a process group of several ranks exists
+            and the model is not DDP-wrapped (DDP already all-reduces the gradients, so every rank
+            sees the same inf); sharded setups need it.
+        log_interval (int, optional): Iterations between publications of the ``amp_*`` scalars
+            to the MessageHub (each costs a host sync on GPU). None: every iteration on CPU
+            (free), every 10 on other devices; ``mp_wrappers.MixedPrecisionHook`` sets it to the
+            LoggerHook's interval.
+
+    The MessageHub scalars (names without ``loss``/``grad_norm``, which mmengine would print as
+    10-iteration means): ``amp_scale`` (``amp_scale_<k>`` for loss ``k`` > 0), ``amp_skipped``
+    (total), ``amp_skipped_recent`` (since the previous publication), ``amp_gnorm`` (norm of the
+    unscaled gradients the optimizer stepped with).
     """
+
+    _COLLAPSE_POLICIES = ('warn', 'raise', 'ignore')
 
     def __init__(self, optimizer: Optimizer, loss_scalers: Sequence[LossScaler],
                  master_weights: bool = True, verbose: bool = True, accumulative_counts: int = 1,
-                 clip_grad: Optional[dict] = None) -> None:
+                 clip_grad: Optional[dict] = None, overflow_report: bool = False,
+                 on_scale_collapse: str = 'warn', collapse_patience: int = 10,
+                 sync_found_inf: Optional[bool] = None,
+                 log_interval: Optional[int] = None) -> None:
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f'optimizer must be a torch.optim.Optimizer, got '
                             f'{type(optimizer).__name__}')
@@ -67,6 +95,16 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         if clip_grad is not None and not isinstance(clip_grad, dict):
             raise TypeError(f'clip_grad must be a dict such as dict(max_norm=1.0) or None, got '
                             f'{clip_grad!r}')
+        if on_scale_collapse not in self._COLLAPSE_POLICIES:
+            raise ValueError(f'on_scale_collapse={on_scale_collapse!r} is not allowed; expected '
+                             f'one of {self._COLLAPSE_POLICIES}')
+        for name, value in (('collapse_patience', collapse_patience),
+                            ('log_interval', log_interval)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f'{name} must be an integer >= 1, got {value!r}')
+        if sync_found_inf is not None and not isinstance(sync_found_inf, bool):
+            raise ValueError(f'sync_found_inf must be True, False or None, got {sync_found_inf!r}')
         _check_params(optimizer)
         # mmengine pops 'type' from clip_grad; give it a copy so the user's config stays intact.
         super().__init__(optimizer, accumulative_counts=accumulative_counts,
@@ -80,6 +118,18 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self._pending_scaler: Optional[int] = None  # scaler of the grads now in the model's .grad
         self._used_scalers: List[int] = []  # scalers that took part in the current step
         self._last_step_skipped = False
+        self.overflow_report = bool(overflow_report)
+        self.on_scale_collapse = on_scale_collapse
+        self.collapse_patience = collapse_patience
+        self.sync_found_inf = sync_found_inf
+        self.log_interval = log_interval
+        self._stuck_steps = 0  # consecutive overflowing steps with no room to lower the scale
+        self._loss_nonfinite: Optional[Tensor] = None  # any non-finite loss since the last step
+        self._grad_norm: Optional[Tensor] = None  # of the last applied step, read when publishing
+        self._skipped_published = 0
+        self._model_is_ddp = False
+        self._param_names: Dict[int, str] = {}
+        self._names_for: Optional[int] = None
 
     # ---- masters ---------------------------------------------------------------------------------
     def _master_params(self) -> MasterParams:
@@ -93,6 +143,18 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
     def add_param_group(self, param_group: dict) -> None:
         """Add a param group; its fp16/bf16 params get fp32 masters (apex's add_param_group)."""
         self._master_params().add_param_group(param_group)
+
+    # ---- the model (seen only in optim_context) ---------------------------------------------------
+    @contextlib.contextmanager
+    def optim_context(self, model: nn.Module):
+        """mmengine's forward context (DDP ``no_sync`` while accumulating); records param names."""
+        self._model_is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        module = model.module if is_model_wrapper(model) else model
+        if self._names_for != id(module):
+            self._param_names = {id(p): n for n, p in module.named_parameters()}
+            self._names_for = id(module)
+        with super().optim_context(model):
+            yield
 
     # ---- backward --------------------------------------------------------------------------------
     def _check_loss_id(self, loss_id: int) -> None:
@@ -115,11 +177,36 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         if self._pending_scaler is not None and self._pending_scaler != loss_id:
             # The model grads were scaled by another scaler: move them to the fp32 stash first.
             self._unscale_pending()
+        if self.overflow_report:
+            bad = ~torch.isfinite(loss.detach()).all()
+            self._loss_nonfinite = bad if self._loss_nonfinite is None else \
+                self._loss_nonfinite | bad
         self.loss_scalers[loss_id].scale_loss(loss).backward(**kwargs)
         self._pending_scaler = loss_id
         if loss_id not in self._used_scalers:
             self._used_scalers.append(loss_id)
         self._inner_count += 1
+
+    def update_params(self, loss: Tensor, step_kwargs: Optional[Dict] = None,
+                      zero_kwargs: Optional[Dict] = None, loss_id: int = 0) -> None:
+        """mmengine's update: divide by the accumulation factor, backward, step when due.
+
+        Args:
+            loss (Tensor): The loss of this iteration.
+            step_kwargs (dict, optional): Passed to :meth:`step`.
+            zero_kwargs (dict, optional): Passed to :meth:`zero_grad`.
+            loss_id (int): The loss scaler to use. Defaults to 0.
+        """
+        loss = self.scale_loss(loss)
+        self._backward_for_update(loss, loss_id)
+        if self.should_update():
+            self.step(**(step_kwargs or {}))
+            self.zero_grad(**(zero_kwargs or {}))
+        if self.message_hub.get_info('iter') is not None and self._publish_due():
+            self.publish_scalars()
+
+    def _backward_for_update(self, loss: Tensor, loss_id: int) -> None:
+        self.backward(loss, loss_id=loss_id)
 
     def _flag(self, loss_id: int) -> Tensor:
         flag = self._found_inf.get(loss_id)
@@ -133,6 +220,18 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             return
         self._stash.absorb(self._master_params(), self.loss_scalers[k].inv_scale(), self._flag(k))
         self._pending_scaler = None
+
+    def _sync_flags(self) -> None:
+        """All-reduce (MAX) this step's overflow flags across ranks when gradients are not."""
+        want = self.sync_found_inf
+        if want is None:
+            want = (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+                    and not self._model_is_ddp)
+        if want and self._used_scalers:
+            flags = torch.cat([self._flag(k) for k in self._used_scalers])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            for i, k in enumerate(self._used_scalers):
+                self._flag(k).copy_(flags[i:i + 1])
 
     def _step_found_inf(self) -> Optional[Tensor]:
         flags = [self._flag(k) for k in self._used_scalers]
@@ -157,6 +256,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             self._fused_step(masters)
             return
         self._unscale_pending()
+        self._sync_flags()
         found_inf = self._step_found_inf()
         # One host read per step, as torch's GradScaler does: the host must know whether to call
         # the optimizer at all.
@@ -165,9 +265,22 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             self._stash.hand_to_optimizer(masters)
             if self.clip_grad_kwargs:
                 self._clip_grad()
+            elif self._publish_due():
+                grads = self._stash.grads(masters)
+                self._grad_norm = multi_tensor_l2norm(grads)[0] if grads else None
             self.optimizer.step(**kwargs)
             masters.copy_masters_to_model()
         self._finish_step(skipped)
+
+    def _clip_grad(self) -> None:
+        # mmengine's, on the optimizer's (unscaled fp32) grads, keeping the norm for amp_gnorm.
+        params = [p for g in self.optimizer.param_groups for p in g['params'] if p.grad is not None]
+        if params:
+            norm = self.clip_func(params, **self.clip_grad_kwargs)
+            if norm is not None:
+                self.message_hub.update_scalar(f'train/{self.grad_name}', float(norm))
+                if self.grad_name == 'grad_norm':
+                    self._grad_norm = norm
 
     # Note [fused step and clipping]: clip_grad_norm_ multiplies the unscaled grads by
     # coef = min(1, max_norm / (norm + 1e-6)). Dividing by grad_scale / coef does the same inside the
@@ -209,66 +322,133 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         inv_scale = scaler.inv_scale()
         norms = [multi_tensor_unscale_l2norm(gs, inv_scale, found_inf=flag)[0]
                  for gs in by_dtype.values()]
+        self._sync_flags()
         grad_scale = scaler.scale
-        if self.clip_grad_kwargs and norms:
-            total = torch.linalg.vector_norm(torch.stack(norms))
+        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else None
+        if self.clip_grad_kwargs and total is not None:
             coef = torch.clamp(self.clip_grad_kwargs['max_norm'] / (total + 1e-6), max=1.0)
             grad_scale = grad_scale / coef
-            self._pending_grad_norm = total
         self.optimizer.fused_master_step(grads, models, grad_scale=grad_scale, found_inf=flag)
         self._pending_scaler = None
-        # On CPU the flag read is free; it tells the log line and last_step_skipped.
-        self._finish_step(skipped=bool(flag.item() > 0))
-        grad_norm = getattr(self, '_pending_grad_norm', None)
-        if grad_norm is not None and not self._last_step_skipped:
-            self.message_hub.update_scalar(f'train/{self.grad_name}', float(grad_norm))
-        self._pending_grad_norm = None
+        self._grad_norm = total
+        # The update already happened (or not) on the device; the host reads the flag only for the
+        # bookkeeping below (free on CPU; one sync per step elsewhere, like GradScaler).
+        skipped = bool(flag.item() > 0)
+        self._finish_step(skipped)
+        if self.clip_grad_kwargs and total is not None and not skipped:
+            self.message_hub.update_scalar(f'train/{self.grad_name}', float(total))
 
     def _finish_step(self, skipped: bool) -> None:
-        old_scales = {k: self.loss_scalers[k].loss_scale for k in self._used_scalers} if skipped \
+        before = {k: self.loss_scalers[k].loss_scale for k in self._used_scalers} if skipped \
             else {}
+        if skipped:
+            self._grad_norm = None
+            self._react_to_overflow(before)
+        else:
+            self._stuck_steps = 0
         for k in self._used_scalers:
             self.loss_scalers[k].update(self._flag(k))
-        if skipped:
-            self._report_skip(old_scales)
+        if skipped and self.verbose:
+            for k in before:
+                if self._flag_was_set(k):
+                    new = self.loss_scalers[k].loss_scale
+                    verb = f'reducing loss scale to {new}' if new != before[k] else \
+                        f'keeps loss scale {new}'
+                    print_log(f'Gradient overflow.  Skipping step, loss scaler {k} {verb}',
+                              logger='current', level=logging.INFO)
         self._last_step_skipped = skipped
         self._reset_step_state()
-        self._log_scalars()
+        if self.message_hub.get_info('iter') is None:  # no runner: publish at every step
+            self.publish_scalars()
+
+    def _react_to_overflow(self, scales_before: Dict[int, float]) -> None:
+        """Overflow report and the scale-collapse policy, while the bad gradients still exist."""
+        stuck = any(self._flag_was_set(k) and self.loss_scalers[k].at_floor(scales_before[k])
+                    for k in scales_before)
+        self._stuck_steps = self._stuck_steps + 1 if stuck else 0
+        collapsed = (self.on_scale_collapse != 'ignore'
+                     and self._stuck_steps == self.collapse_patience)
+        if not (self.overflow_report or collapsed):
+            return
+        names = self.nonfinite_param_names()
+        loss_bad = self._loss_nonfinite is not None and bool(self._loss_nonfinite.item())
+        where = self._where()
+        detail = (f'first parameters with non-finite gradients: {names or "none found"}; the loss '
+                  f'itself was {"non-finite" if loss_bad else "finite"}'
+                  if self.overflow_report or names else f'parameters: {names or "none found"}')
+        if self.overflow_report:
+            print_log(f'mp_wrappers overflow at {where}: {detail}', logger='current',
+                      level=logging.WARNING)
+        if collapsed:
+            scales = ', '.join(f'{scales_before[k]}' for k in scales_before)
+            msg = (f'mp_wrappers: the loss scale collapsed at {where}: {self._stuck_steps} '
+                   f'consecutive steps had non-finite gradients while the scale ({scales}) could '
+                   f'not go lower; {detail}. Training on is likely wasted: check the learning rate '
+                   'and the data, try bfloat16, or set min_loss_scale lower.')
+            if self.on_scale_collapse == 'raise':
+                raise FloatingPointError(msg)
+            print_log(msg, logger='current', level=logging.WARNING)
+            warnings.warn(msg, RuntimeWarning, stacklevel=4)
+
+    def _where(self) -> str:
+        it = self.message_hub.get_info('iter')
+        steps = self.loss_scalers[0].steps
+        return f'iteration {it}' if it is not None else f'optimizer step {steps}'
+
+    def nonfinite_param_names(self, limit: int = 5) -> List[str]:
+        """Names (or shapes, when the model was never seen) of parameters with inf/nan gradients.
+
+        Looks at this step's unscaled stash and at the model gradients still present; a host sync.
+        """
+        masters = self._master_params()
+        found = []
+        for slot, model_p in masters.slots():
+            grads = [self._stash.grad_of(slot), (model_p if model_p is not None else slot).grad]
+            if any(g is not None and not bool(torch.isfinite(g).all()) for g in grads):
+                param = model_p if model_p is not None else slot
+                found.append(self._param_names.get(id(param), f'<param {tuple(param.shape)}>'))
+                if len(found) == limit:
+                    break
+        return found
 
     def _reset_step_state(self) -> None:
         for flag in self._found_inf.values():
             flag.zero_()
         self._used_scalers = []
         self._pending_scaler = None
+        self._loss_nonfinite = None
         if self._masters is not None:
             self._stash.clear(self._masters)
-
-    def _report_skip(self, old_scales: Dict[int, float]) -> None:
-        if not self.verbose:
-            return
-        for k, old in old_scales.items():
-            if self._flag_was_set(k):
-                new = self.loss_scalers[k].loss_scale
-                if new != old:
-                    msg = (f'Gradient overflow.  Skipping step, loss scaler {k} reducing loss scale '
-                           f'to {new}')
-                else:
-                    msg = (f'Gradient overflow.  Skipping step, loss scaler {k} keeps loss scale '
-                           f'{new}')
-                print_log(msg, logger='current', level=logging.INFO)
 
     def _flag_was_set(self, k: int) -> bool:
         return bool(self._found_inf[k].item() > 0) if k in self._found_inf else False
 
-    def _log_scalars(self) -> None:
-        # Names without 'loss': mmengine prints keys containing 'loss' as a 10-iteration mean, and
-        # the log line must show the current scale.
+    # ---- what the logs show ------------------------------------------------------------------------
+    def _publish_due(self) -> bool:
+        it = self.message_hub.get_info('iter')
+        if it is None:
+            return True
+        interval = self.log_interval
+        if interval is None:
+            interval = 1 if self.loss_scalers[0].device.type == 'cpu' else 10
+        return (it + 1) % interval == 0
+
+    def publish_scalars(self) -> None:
+        """Write the ``amp_*`` scalars to the MessageHub (reads device state: a host sync).
+
+        Called by :meth:`update_params` at log intervals (see ``log_interval``) and by
+        ``mp_wrappers.MixedPrecisionHook``.
+        """
         hub = self.message_hub
         for k, scaler in enumerate(self.loss_scalers):
             hub.update_scalar('train/amp_scale' if k == 0 else f'train/amp_scale_{k}',
                               scaler.loss_scale)
-        hub.update_scalar('train/amp_skipped', float(sum(s.skipped_steps
-                                                         for s in self.loss_scalers)))
+        total = sum(s.skipped_steps for s in self.loss_scalers)
+        hub.update_scalar('train/amp_skipped', float(total))
+        hub.update_scalar('train/amp_skipped_recent', float(total - self._skipped_published))
+        self._skipped_published = total
+        if self._grad_norm is not None:
+            hub.update_scalar('train/amp_gnorm', float(self._grad_norm))
 
     @property
     def last_step_skipped(self) -> bool:

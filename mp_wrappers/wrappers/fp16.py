@@ -39,6 +39,9 @@ class FP16OptimWrapper(MixedPrecisionOptimWrapper):
         verbose (bool): Log skipped steps. Defaults to True.
         accumulative_counts (int): mmengine gradient accumulation. Defaults to 1.
         clip_grad (dict, optional): mmengine's ``clip_grad``, applied to unscaled fp32 master grads.
+        **kwargs: Options shared by all our wrappers (``overflow_report``, ``on_scale_collapse``,
+            ``collapse_patience``, ``sync_found_inf``, ``log_interval``): see
+            :class:`~mp_wrappers.wrappers.base.MixedPrecisionOptimWrapper`.
 
     Examples:
         >>> optim_wrapper = dict(
@@ -53,18 +56,18 @@ class FP16OptimWrapper(MixedPrecisionOptimWrapper):
     def __init__(self, optimizer: Optimizer, static_loss_scale: float = 1.0,
                  dynamic_loss_scale: bool = False, dynamic_loss_args: Optional[Dict[str, Any]] = None,
                  verbose: bool = True, accumulative_counts: int = 1,
-                 clip_grad: Optional[dict] = None) -> None:
+                 clip_grad: Optional[dict] = None, **kwargs) -> None:
         if not isinstance(dynamic_loss_scale, bool):
             raise TypeError(f'dynamic_loss_scale must be True or False, got {dynamic_loss_scale!r}')
         scaler = build_loss_scaler(dynamic_loss_scale, static_loss_scale, dynamic_loss_args)
         super().__init__(optimizer, [scaler], master_weights=True, verbose=verbose,
-                         accumulative_counts=accumulative_counts, clip_grad=clip_grad)
+                         accumulative_counts=accumulative_counts, clip_grad=clip_grad, **kwargs)
         self.dynamic_loss_scale = dynamic_loss_scale
         self._master_params()  # create masters now, as FP16_Optimizer does at construction
 
     # ---- apex FP16_Optimizer API -------------------------------------------------------------------
     def backward(self, loss: Tensor, update_master_grads: bool = True, retain_graph: bool = False,
-                 **kwargs) -> None:
+                 loss_id: int = 0, **kwargs) -> None:
         """Scale ``loss``, back-propagate and (by default) unscale the grads into the masters.
 
         Args:
@@ -74,7 +77,7 @@ class FP16OptimWrapper(MixedPrecisionOptimWrapper):
                 the last one. Defaults to True (apex).
             retain_graph (bool): Passed to ``Tensor.backward``.
         """
-        super().backward(loss, retain_graph=retain_graph, **kwargs)
+        super().backward(loss, loss_id=loss_id, retain_graph=retain_graph, **kwargs)
         if update_master_grads:
             self.update_master_grads()
 
@@ -83,16 +86,10 @@ class FP16OptimWrapper(MixedPrecisionOptimWrapper):
         self._unscale_pending()
         self._stash.hand_to_optimizer(self._master_params())
 
-    def update_params(self, loss: Tensor, step_kwargs: Optional[Dict] = None,
-                      zero_kwargs: Optional[Dict] = None) -> None:
-        """mmengine's update: scale by the accumulation factor, backward, and step when due."""
-        loss = self.scale_loss(loss)
+    def _backward_for_update(self, loss: Tensor, loss_id: int) -> None:
         # Unscaling once per optimizer step (not per accumulation iteration) is enough: the loss
         # scale only changes at a step, so every accumulated backward used the same one.
-        self.backward(loss, update_master_grads=False)
-        if self.should_update():
-            self.step(**(step_kwargs or {}))
-            self.zero_grad(**(zero_kwargs or {}))
+        self.backward(loss, update_master_grads=False, loss_id=loss_id)
 
     def step(self, closure: Optional[Callable[[], Tensor]] = None, **kwargs) -> Optional[Tensor]:
         """Step the masters and copy them to the model, or skip the step on overflow.
