@@ -24,7 +24,9 @@ class DigitsAccuracy(BaseMetric):
         >>> val_evaluator = dict(type='mp_wrappers.DigitsAccuracy')
     """
 
-    default_prefix: Optional[str] = None
+    # '' (not None): the metric is logged as plain ``accuracy`` and mmengine does not warn that no
+    # prefix is set; pass ``prefix='digits'`` to get ``digits/accuracy``.
+    default_prefix: Optional[str] = ''
 
     def __init__(self, collect_device: str = 'cpu', prefix: Optional[str] = None) -> None:
         super().__init__(collect_device=collect_device, prefix=prefix)
