@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ['LAUNCHERS', 'prepare_distributed', 'backend_summary']
+__all__ = ['LAUNCHERS', 'prepare_distributed', 'configure_torch_threads', 'backend_summary']
 
 LAUNCHERS = ('none', 'pytorch', 'slurm', 'mpi')
 _DEFAULT_PORT = '29500'  # torch.distributed's default, as in mmengine
@@ -117,6 +117,30 @@ def _init_gloo(launcher: str, dist_cfg: Dict[str, Any]) -> None:
         os.environ.setdefault('LOCAL_RANK', os.environ['RANK'])
     dist.init_process_group(backend=backend, init_method='env://', rank=int(os.environ['RANK']),
                             world_size=int(os.environ['WORLD_SIZE']), **kwargs)
+
+
+def configure_torch_threads(cfg: Any) -> Optional[int]:
+    """Apply the config's ``torch_num_threads`` (intra-op CPU threads) if it is set.
+
+    ``None`` or absent leaves torch's default (one thread per core, or ``OMP_NUM_THREADS``; torchrun
+    sets that to 1 per process).
+
+    Args:
+        cfg: The mmengine ``Config``.
+
+    Returns:
+        The number of threads set, or ``None`` when the config leaves it alone.
+
+    Raises:
+        ValueError: ``torch_num_threads`` is not a positive integer.
+    """
+    value = cfg.get('torch_num_threads', None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f'torch_num_threads={value!r} must be a positive integer or None')
+    torch.set_num_threads(value)
+    return value
 
 
 def backend_summary() -> str:

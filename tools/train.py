@@ -25,7 +25,8 @@ from mmengine.logging import print_log  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
 
 import mp_wrappers  # noqa: E402,F401  (installs the secure checkpoint loader)
-from mp_wrappers.runtime import LAUNCHERS, backend_summary, prepare_distributed  # noqa: E402
+from mp_wrappers.runtime import (LAUNCHERS, backend_summary, configure_torch_threads,  # noqa: E402
+                                 prepare_distributed)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -69,6 +70,7 @@ def build_config(args: argparse.Namespace) -> Config:
 def main(argv=None) -> None:
     args = parse_args(argv)
     cfg = build_config(args)
+    configure_torch_threads(cfg)
     runner = Runner.from_cfg(cfg)
     print_log(backend_summary(), logger='current')
     runner.train()
