@@ -27,29 +27,58 @@ def _load_train_tool():
     return module
 
 
-def _train(*args, env=None):
-    proc = subprocess.run([sys.executable, 'tools/train.py', CONFIG, *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout + proc.stderr
+@pytest.fixture
+def train_main(capsys):
+    """tools/train.py's main() in this process (no interpreter and torch start-up per run).
+
+    Returns a function that runs ``main`` with CLI arguments plus ``--cfg-options`` and returns what it
+    printed. Global torch
+    settings the run changes (threads, deterministic algorithms) are put back afterwards.
+    """
+    train = _load_train_tool()
+    threads = torch.get_num_threads()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    runs = []
+
+    def run(*args, options=()):
+        runs.append(len(runs))
+        # A distinct experiment name per run: mmengine keys its logger and message hub by it.
+        train.main([CONFIG, *args, '--cfg-options', *options, f'experiment_name=train_tool_test_{len(runs)}'])
+        return capsys.readouterr().out
+
+    yield run
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic)
 
 
-def test_train_then_resume(tmp_path):
+def test_train_then_resume(tmp_path, train_main):
     work_dir = tmp_path / 'wd'
-    out = _train('--work-dir', str(work_dir), '--cfg-options', 'train_cfg.max_epochs=2', *SHORT)
+    out = train_main('--work-dir', str(work_dir), options=['train_cfg.max_epochs=2', *SHORT])
     assert (work_dir / 'epoch_1.pth').is_file() and (work_dir / 'epoch_2.pth').is_file()
     assert (work_dir / 'last_checkpoint').read_text().strip().endswith('epoch_2.pth')
     assert 'Epoch(train) [2][6/6]' in out and 'accuracy:' in out
     assert 'mp_wrappers ops backend:' in out
 
-    out = _train('--work-dir', str(work_dir), '--resume', '--cfg-options', 'train_cfg.max_epochs=3', *SHORT)
+    out = train_main('--work-dir', str(work_dir), '--resume', options=['train_cfg.max_epochs=3', *SHORT])
     assert 'Loads checkpoint by local_secure backend' in out
     assert 'resumed epoch: 2, iter: 12' in out
     assert 'Epoch(train) [3][6/6]' in out and 'Epoch(train) [1]' not in out
     assert (work_dir / 'epoch_3.pth').is_file()
-    # The log file mmengine writes in the work dir has the same lines.
+    # mmengine also writes the log to a file in the work dir.
     logs = list(work_dir.glob('*/*.log'))
     assert any('Epoch(train) [3][6/6]' in log.read_text() for log in logs)
+
+
+def test_cli_runs_as_a_script(tmp_path):
+    """The script itself, in a fresh interpreter, with the repository not on sys.path."""
+    work_dir = tmp_path / 'wd'
+    env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, 'tools', 'train.py'), os.path.join(REPO, CONFIG),
+         '--work-dir', str(work_dir), '--cfg-options', 'train_cfg.max_epochs=1', *SHORT],
+        cwd=str(tmp_path), capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert 'Epoch(train) [1][6/6]' in proc.stdout and (work_dir / 'epoch_1.pth').is_file()
 
 
 def test_build_config_work_dir_and_resume_options():
