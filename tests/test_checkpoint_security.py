@@ -1,4 +1,4 @@
-"""The weights_only loader for mmengine checkpoints: real Runner resume, malicious files refused, switch-off."""
+"""The weights_only loader for mmengine checkpoints: Runner resume, malicious files refused, switch-off."""
 import os
 import pickle
 import subprocess
@@ -69,7 +69,8 @@ def runner_checkpoint(tmp_path_factory):
 
 def test_loader_is_installed_on_import():
     assert secure_checkpoint_loader_installed()
-    assert CheckpointLoader._get_checkpoint_loader('/some/local/file.pth').__name__ == 'load_from_local_secure'
+    loader = CheckpointLoader._get_checkpoint_loader('/some/local/file.pth')
+    assert loader.__name__ == 'load_from_local_secure'
 
 
 def test_plain_weights_only_load_fails_on_runner_checkpoint(runner_checkpoint):
