@@ -125,6 +125,16 @@ def test_malicious_checkpoint_is_refused_without_side_effect(tmp_path, load):
     assert not marker.exists()
 
 
+def test_refused_even_when_torch_is_told_to_skip_weights_only(tmp_path, monkeypatch):
+    # TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD only changes torch.load's *default*; we pass weights_only=True.
+    monkeypatch.setenv('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', '1')
+    marker = tmp_path / 'pwned.txt'
+    torch.save({'meta': _RunsCode(marker)}, tmp_path / 'evil.pth')
+    with pytest.raises(UnsafeCheckpointError):
+        _load_checkpoint(str(tmp_path / 'evil.pth'))
+    assert not marker.exists()
+
+
 def test_getattr_stand_in_only_resolves_history_buffer_statistics(tmp_path):
     path = tmp_path / 'gadget.pth'
     torch.save({'x': _GetattrGadget()}, path)
