@@ -2,8 +2,12 @@
 
 Importing the package registers its optimizer wrappers, optimizers, example workloads and hooks in
 mmengine's registries under the ``mp_wrappers`` scope (``type='mp_wrappers.FP16OptimWrapper'``).
+
+Importing the package also installs a ``weights_only`` loader for mmengine checkpoints (see
+:mod:`mp_wrappers.checkpoint`; ``MP_WRAPPERS_SECURE_CHECKPOINT_LOADER=0`` turns that off), so that
+``--resume`` and ``load_from`` work on torch >= 2.6 without unpickling arbitrary code.
 """
-from . import ops
+from . import checkpoint, ops
 from .autocast import disable_casts, float_function, half_function, promote_function
 from .casting import cast_model
 from .ddp import MixedPrecisionDistributedDataParallel
@@ -15,9 +19,11 @@ from .wrappers import ApexOptimWrapper, FP16OptimWrapper, MixedPrecisionOptimWra
 
 __version__ = '0.1.0'
 __all__ = [
-    'ops', 'cast_model', 'LossScaler', 'StaticLossScaler', 'DynamicLossScaler',
+    'checkpoint', 'ops', 'cast_model', 'LossScaler', 'StaticLossScaler', 'DynamicLossScaler',
     'MixedPrecisionOptimWrapper', 'FP16OptimWrapper', 'ApexOptimWrapper', 'Properties',
     'resolve_properties', 'half_function', 'float_function', 'promote_function', 'disable_casts',
     'MixedPrecisionDistributedDataParallel', 'FusedOptimizer', 'FusedAdam', 'FusedSGD',
     'FusedLAMB', 'FusedAdagrad', 'FusedNovoGrad', '__version__',
 ]
+
+checkpoint._install_from_env()

@@ -1,0 +1,80 @@
+"""Train a model from an mmengine config, OpenMMLab style, on CPU or GPU, single or multi-process.
+
+Examples:
+    python tools/train.py configs/digits/cnn_bf16.py
+    python tools/train.py configs/digits/cnn_bf16.py --resume            # latest checkpoint in work dir
+    python tools/train.py configs/digits/cnn_fp32.py --cfg-options train_cfg.max_epochs=2
+    torchrun --nproc_per_node=2 tools/train.py configs/digits/cnn_fp32.py --launcher pytorch
+
+The two mmengine 0.10.7 traps on torch 2.13 are handled by the package, not here: importing
+``mp_wrappers`` installs the weights_only checkpoint loader (:mod:`mp_wrappers.checkpoint`), and
+:func:`mp_wrappers.runtime.prepare_distributed` starts a gloo group on machines without CUDA.
+"""
+import argparse
+import os
+import os.path as osp
+import sys
+
+# Run from a checkout without installing: the repository root holds the mp_wrappers package.
+_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from mmengine.config import Config, DictAction  # noqa: E402
+from mmengine.logging import print_log  # noqa: E402
+from mmengine.runner import Runner  # noqa: E402
+
+import mp_wrappers  # noqa: E402,F401  (installs the secure checkpoint loader)
+from mp_wrappers.runtime import (LAUNCHERS, backend_summary, configure_torch_threads,  # noqa: E402
+                                 prepare_distributed)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description='Train a model with mmengine and mp_wrappers')
+    parser.add_argument('config', help='train config file path')
+    parser.add_argument('--work-dir', help='the dir to save logs and checkpoints '
+                        '(default: work_dirs/<config name>)')
+    parser.add_argument('--resume', nargs='?', type=str, const='auto',
+                        help='resume from the given checkpoint, or, without a value, from the latest '
+                        'checkpoint in the work dir')
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+                        help='override config settings, e.g. train_cfg.max_epochs=2 '
+                        'optim_wrapper.optimizer.lr=0.1 (lists as key="[a,b]")')
+    parser.add_argument('--launcher', choices=LAUNCHERS, default='none', help='job launcher')
+    # torch.distributed.launch passes --local-rank (torch>=2.0) or --local_rank.
+    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    args = parser.parse_args(argv)
+    if 'LOCAL_RANK' not in os.environ:
+        os.environ['LOCAL_RANK'] = str(args.local_rank)
+    return args
+
+
+def build_config(args: argparse.Namespace) -> Config:
+    cfg = Config.fromfile(args.config)
+    if args.cfg_options is not None:
+        cfg.merge_from_dict(args.cfg_options)
+    # Priority: --work-dir > work_dir in the config > work_dirs/<config name>.
+    if args.work_dir is not None:
+        cfg.work_dir = args.work_dir
+    elif cfg.get('work_dir', None) is None:
+        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
+    if args.resume == 'auto':
+        cfg.resume = True
+        cfg.load_from = None
+    elif args.resume is not None:
+        cfg.resume = True
+        cfg.load_from = args.resume
+    return prepare_distributed(cfg, args.launcher)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    cfg = build_config(args)
+    configure_torch_threads(cfg)
+    runner = Runner.from_cfg(cfg)
+    print_log(backend_summary(), logger='current')
+    runner.train()
+
+
+if __name__ == '__main__':
+    main()
