@@ -29,30 +29,36 @@ inline double sumsq_span(const T* p, int64_t n, float inv_scale, bool* bad) {
   using F = typename V::F;
   using Acc = SumSq32<V>;
   Acc acc;
-  F probe = V::zero();
+  // One probe per vector of a block, so the probes are independent add chains.
+  F probe[Acc::kVecs];
+  for (int k = 0; k < Acc::kVecs; ++k) probe[k] = V::zero();
   const F s = V::set1(inv_scale);
   F block[Acc::kVecs];
-  auto prepare = [&](F x) {
+  auto prepare = [&](F x, int k) {
     if (kUnscale) {
-      probe = V::nonfinite_probe(probe, x);
+      probe[k] = V::nonfinite_probe(probe[k], x);
       x = V::mul(x, s);
     }
     return x;
   };
   int64_t i = 0;
   for (; i + Acc::kLanes <= n; i += Acc::kLanes) {
-    for (int k = 0; k < Acc::kVecs; ++k) block[k] = prepare(V::load(p + i + k * V::kWidth));
+    for (int k = 0; k < Acc::kVecs; ++k) block[k] = prepare(V::load(p + i + k * V::kWidth), k);
     acc.add_block(block);
   }
   if (i < n) {
     // Zero-padded tail: 0 * inv_scale squared adds exactly nothing, on every flavour.
     for (int k = 0; k < Acc::kVecs; ++k) {
       const int64_t m = n - i - k * V::kWidth;
-      block[k] = m > 0 ? prepare(load_n<V>(p + i + k * V::kWidth, m)) : V::zero();
+      block[k] = m > 0 ? prepare(load_n<V>(p + i + k * V::kWidth, m), k) : V::zero();
     }
     acc.add_block(block);
   }
-  if (kUnscale) *bad = V::any_nonfinite(probe);
+  if (kUnscale) {
+    bool any = false;
+    for (int k = 0; k < Acc::kVecs; ++k) any |= V::any_nonfinite(probe[k]);
+    *bad = any;
+  }
   return acc.total();
 }
 

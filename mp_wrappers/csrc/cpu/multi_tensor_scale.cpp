@@ -30,9 +30,25 @@ inline void with_typed(const RawTensor& t, const Fn& fn) {
 // inf * 0 must still be reported.
 template <class V, class Tin, class Tout>
 inline bool scale_span(const Tin* in, Tout* out, int64_t n, float scale) {
-  const typename V::F s = V::set1(scale);
-  typename V::F probe = V::zero();
+  using F = typename V::F;
+  const F s = V::set1(scale);
+  // Four independent probes: one add chain would cap the loop at one vector per add latency,
+  // below the memory bandwidth of a single core.
+  F p0 = V::zero(), p1 = V::zero(), p2 = V::zero(), p3 = V::zero();
   int64_t i = 0;
+  for (; i + 4 * V::kWidth <= n; i += 4 * V::kWidth) {
+    const F x0 = V::load(in + i), x1 = V::load(in + i + V::kWidth);
+    const F x2 = V::load(in + i + 2 * V::kWidth), x3 = V::load(in + i + 3 * V::kWidth);
+    p0 = V::nonfinite_probe(p0, x0);
+    p1 = V::nonfinite_probe(p1, x1);
+    p2 = V::nonfinite_probe(p2, x2);
+    p3 = V::nonfinite_probe(p3, x3);
+    V::store(out + i, V::mul(x0, s));
+    V::store(out + i + V::kWidth, V::mul(x1, s));
+    V::store(out + i + 2 * V::kWidth, V::mul(x2, s));
+    V::store(out + i + 3 * V::kWidth, V::mul(x3, s));
+  }
+  F probe = V::add(V::add(p0, p1), V::add(p2, p3));  // NaN survives the adds
   for (; i + V::kWidth <= n; i += V::kWidth) {
     const typename V::F x = V::load(in + i);
     probe = V::nonfinite_probe(probe, x);
