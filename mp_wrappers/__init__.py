@@ -1,6 +1,6 @@
 """mp_wrappers: apex-grade mixed precision for mmengine, on CPU and CUDA, without NVIDIA apex.
 
-Importing the package registers its optimizer wrappers, optimizers, example workloads and hooks in
+Importing the package registers its optimizer wrappers, optimizers, example workloads and ``MixedPrecisionHook`` in
 mmengine's registries under the ``mp_wrappers`` scope (``type='mp_wrappers.FP16OptimWrapper'``).
 
 Importing the package also installs a ``weights_only`` loader for mmengine checkpoints (see
@@ -11,6 +11,7 @@ from . import checkpoint, ops
 from .autocast import disable_casts, float_function, half_function, promote_function
 from .casting import cast_model
 from .ddp import MixedPrecisionDistributedDataParallel
+from .hooks import MixedPrecisionHook
 from .optim import (FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedOptimizer,
                     FusedSGD)
 from .policy import Properties, resolve_properties
@@ -23,7 +24,7 @@ __all__ = [
     'MixedPrecisionOptimWrapper', 'FP16OptimWrapper', 'ApexOptimWrapper', 'Properties',
     'resolve_properties', 'half_function', 'float_function', 'promote_function', 'disable_casts',
     'MixedPrecisionDistributedDataParallel', 'FusedOptimizer', 'FusedAdam', 'FusedSGD',
-    'FusedLAMB', 'FusedAdagrad', 'FusedNovoGrad', '__version__',
+    'FusedLAMB', 'FusedAdagrad', 'FusedNovoGrad', 'MixedPrecisionHook', '__version__',
 ]
 
 checkpoint._install_from_env()

@@ -6,6 +6,10 @@ multi-process run dies before training. :func:`prepare_distributed` starts the g
 itself when CUDA is unavailable (``Runner.setup_env`` then skips ``init_dist``, it only initialises an
 uninitialised group) and makes the DDP wrapper CPU-friendly. With CUDA, mmengine's own nccl path is
 left untouched.
+
+:func:`add_mixed_precision_hook` adds :class:`mp_wrappers.MixedPrecisionHook` to configs that train
+with one of our optimizer wrappers, so the ``amp_*`` log fields, the precision summary and
+skip-aware schedules come without configuration.
 """
 import datetime
 import os
@@ -15,7 +19,8 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ['LAUNCHERS', 'prepare_distributed', 'configure_torch_threads', 'backend_summary']
+__all__ = ['LAUNCHERS', 'prepare_distributed', 'configure_torch_threads', 'backend_summary',
+           'add_mixed_precision_hook', 'uses_our_optim_wrapper']
 
 LAUNCHERS = ('none', 'pytorch', 'slurm', 'mpi')
 _DEFAULT_PORT = '29500'  # torch.distributed's default, as in mmengine
@@ -153,3 +158,93 @@ def backend_summary() -> str:
         return f'mp_wrappers ops backend: {backend_fn()}'
     except Exception as exc:  # reporting must never stop training; the ops report again at first use
         return f'mp_wrappers ops backend: unavailable ({type(exc).__name__}: {exc})'
+
+
+def _resolve_optim_wrapper_type(type_: Any, default_scope: Optional[str]) -> Any:
+    """The class a config's ``optim_wrapper.type`` names, resolved as the Runner would."""
+    if not isinstance(type_, str):
+        return type_
+    from mmengine.registry import OPTIM_WRAPPERS as ROOT
+    from .registry import OPTIM_WRAPPERS as OURS
+    if '.' in type_:
+        return ROOT.get(type_)  # 'mp_wrappers.X' finds our child registry from the root
+    # Unprefixed: the default scope decides (mmengine has an ApexOptimWrapper of its own).
+    return OURS.get(type_) if default_scope == OURS.scope else ROOT.get(type_)
+
+
+def uses_our_optim_wrapper(cfg: Any) -> bool:
+    """Whether ``cfg.optim_wrapper`` builds an mp_wrappers optimizer wrapper.
+
+    Looks at ``optim_wrapper.type`` and, for multi-optimizer configs (an ``OptimWrapperDict`` built
+    by a constructor), at the ``type`` of every sub-dict.
+
+    Args:
+        cfg: The mmengine ``Config``.
+
+    Returns:
+        True when at least one wrapper is a :class:`~mp_wrappers.MixedPrecisionOptimWrapper`.
+    """
+    from .wrappers.base import MixedPrecisionOptimWrapper
+    optim = cfg.get('optim_wrapper', None)
+    if not isinstance(optim, dict):
+        return False
+    scope = cfg.get('default_scope', None)
+    candidates = [optim] + [v for v in optim.values() if isinstance(v, dict) and 'type' in v]
+    for entry in candidates:
+        if 'type' not in entry:
+            continue
+        cls = _resolve_optim_wrapper_type(entry['type'], scope)
+        if isinstance(cls, type) and issubclass(cls, MixedPrecisionOptimWrapper):
+            return True
+    return False
+
+
+def _is_mixed_precision_hook(hook_cfg: Any) -> bool:
+    from .hooks import MixedPrecisionHook
+    if isinstance(hook_cfg, MixedPrecisionHook):
+        return True
+    type_ = hook_cfg.get('type') if isinstance(hook_cfg, dict) else None
+    if isinstance(type_, str):
+        return type_.split('.')[-1] == MixedPrecisionHook.__name__
+    return isinstance(type_, type) and issubclass(type_, MixedPrecisionHook)
+
+
+def add_mixed_precision_hook(cfg: Any) -> bool:
+    """Append ``dict(type='mp_wrappers.MixedPrecisionHook')`` to ``cfg.custom_hooks`` when useful.
+
+    The hook is added when the config trains with one of our optimizer wrappers, has no
+    ``MixedPrecisionHook`` in ``custom_hooks`` yet, and does not opt out with
+    ``mixed_precision_hook = False``. ``mixed_precision_hook`` may also be a dict of hook options,
+    e.g. ``mixed_precision_hook = dict(skip_aware_schedules=False)``.
+
+    Args:
+        cfg: The mmengine ``Config`` (modified in place).
+
+    Returns:
+        True when the hook was added.
+
+    Raises:
+        ValueError: ``mixed_precision_hook`` is neither True, False, None nor a dict.
+
+    Examples:
+        >>> # in a config: keep the hook out
+        >>> mixed_precision_hook = False
+        >>> # or configure the automatic one
+        >>> mixed_precision_hook = dict(overflow_report=True)
+    """
+    option = cfg.get('mixed_precision_hook', True)
+    if option is None:
+        option = True
+    if not (option is True or option is False or isinstance(option, dict)):
+        raise ValueError(f'mixed_precision_hook={option!r} is not allowed; expected True, False or '
+                         'a dict of MixedPrecisionHook options')
+    if option is False or not uses_our_optim_wrapper(cfg):
+        return False
+    hooks = list(cfg.get('custom_hooks', None) or [])
+    if any(_is_mixed_precision_hook(h) for h in hooks):
+        return False
+    options = dict(option) if isinstance(option, dict) else {}
+    options.pop('type', None)
+    hooks.append(dict(type='mp_wrappers.MixedPrecisionHook', **options))
+    cfg.custom_hooks = hooks
+    return True

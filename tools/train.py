@@ -9,6 +9,8 @@ Examples:
 The two mmengine 0.10.7 traps on torch 2.13 are handled by the package, not here: importing
 ``mp_wrappers`` installs the weights_only checkpoint loader (:mod:`mp_wrappers.checkpoint`), and
 :func:`mp_wrappers.runtime.prepare_distributed` starts a gloo group on machines without CUDA.
+:func:`mp_wrappers.runtime.add_mixed_precision_hook` adds ``mp_wrappers.MixedPrecisionHook`` when the
+config trains with one of our optimizer wrappers (``mixed_precision_hook = False`` opts out).
 """
 import argparse
 import os
@@ -25,8 +27,8 @@ from mmengine.logging import print_log  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
 
 import mp_wrappers  # noqa: E402,F401  (installs the secure checkpoint loader)
-from mp_wrappers.runtime import (LAUNCHERS, backend_summary, configure_torch_threads,  # noqa: E402
-                                 prepare_distributed)
+from mp_wrappers.runtime import (LAUNCHERS, add_mixed_precision_hook,  # noqa: E402
+                                 backend_summary, configure_torch_threads, prepare_distributed)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,6 +66,9 @@ def build_config(args: argparse.Namespace) -> Config:
     elif args.resume is not None:
         cfg.resume = True
         cfg.load_from = args.resume
+    # amp_* log fields, precision summary and skip-aware schedules for our wrappers (opt out with
+    # `mixed_precision_hook = False` in the config).
+    add_mixed_precision_hook(cfg)
     return prepare_distributed(cfg, args.launcher)
 
 

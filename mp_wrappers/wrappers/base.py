@@ -69,7 +69,8 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         log_interval (int, optional): Iterations between publications of the ``amp_*`` scalars
             to the MessageHub (each costs a host sync on GPU). None: every iteration on CPU
             (free), every 10 on other devices; ``mp_wrappers.MixedPrecisionHook`` sets it to the
-            LoggerHook's interval.
+            LoggerHook's interval. ``publish_now`` (True/False, set per iteration by that hook)
+            overrides it; None (the default) uses ``log_interval``.
 
     The MessageHub scalars (names without ``loss``/``grad_norm``, which mmengine would print as
     10-iteration means): ``amp_scale`` (``amp_scale_<k>`` for loss ``k`` > 0), ``amp_skipped``
@@ -123,6 +124,10 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self.collapse_patience = collapse_patience
         self.sync_found_inf = sync_found_inf
         self.log_interval = log_interval
+        # Set per iteration by MixedPrecisionHook (True/False) so publications follow the LoggerHook
+        # exactly: in epoch-based loops it counts iterations within the epoch and logs the last one
+        # of each epoch, which ``log_interval`` arithmetic on the global iteration cannot match.
+        self.publish_now: Optional[bool] = None
         self._stuck_steps = 0  # consecutive overflowing steps with no room to lower the scale
         self._loss_nonfinite: Optional[Tensor] = None  # any non-finite loss since the last step
         self._grad_norm: Optional[Tensor] = None  # of the last applied step, read when publishing
@@ -425,6 +430,8 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
 
     # ---- what the logs show ------------------------------------------------------------------------
     def _publish_due(self) -> bool:
+        if self.publish_now is not None:
+            return self.publish_now
         it = self.message_hub.get_info('iter')
         if it is None:
             return True

@@ -11,6 +11,14 @@ default_hooks = dict(
     param_scheduler=dict(type='ParamSchedulerHook'),
     checkpoint=dict(type='CheckpointHook', interval=5, max_keep_ckpts=2, save_last=True),
 )
+# amp_* log fields (loss scale, skipped steps, gradient norm), the precision summary and skip-aware
+# parameter schedules; it does nothing with a plain fp32 OptimWrapper. tools/train.py would add it
+# anyway for our wrappers; listing it keeps the config self-describing.
+custom_hooks = [dict(type='mp_wrappers.MixedPrecisionHook', skip_aware_schedules=True)]
+# Every visualizer backend receives the log scalars (amp_* included): LocalVisBackend writes
+# <work_dir>/<timestamp>/vis_data/scalars.json. For TensorBoard (needs `pip install tensorboard`):
+# visualizer = dict(type='Visualizer', vis_backends=[dict(type='LocalVisBackend'),
+#                                                    dict(type='TensorboardVisBackend')])
 env_cfg = dict(
     cudnn_benchmark=False,
     mp_cfg=dict(mp_start_method='fork', opencv_num_threads=0),
