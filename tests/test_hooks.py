@@ -205,3 +205,31 @@ def test_add_mixed_precision_hook():
     assert opts.custom_hooks == [dict(type='mp_wrappers.MixedPrecisionHook', overflow_report=True)]
     with pytest.raises(ValueError, match="mixed_precision_hook='on' is not allowed"):
         add_mixed_precision_hook(Config(dict(mixed_precision_hook='on')))
+
+
+def _analyze_logs():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        'analyze_logs', os.path.join(REPO, 'tools', 'analyze_logs.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_analyze_logs_plot(planted_run, tmp_path, capsys):
+    _, run_dir = planted_run
+    (scalars,) = run_dir.glob('*/vis_data/scalars.json')
+    tool = _analyze_logs()
+    skips = tool._skipped_at(tool.load_scalars(str(scalars)))
+    assert skips == [4.0, 6.0, 10.0]  # the log lines right after iterations 3, 4 and 8 (0-based)
+    out = tmp_path / 'curve.png'
+    assert tool.main(['plot', str(scalars), str(scalars), '--keys', 'loss', 'amp_scale', 'lr',
+                      '--out', str(out)]) == 0
+    data = out.read_bytes()
+    assert data[:8] == b'\x89PNG\r\n\x1a\n' and len(data) > 10_000
+
+    assert tool.main(['plot', str(scalars), '--keys', 'accuracy', '--out', str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "no values for key(s) 'accuracy'" in err and 'available keys: amp_gnorm, amp_scale' in err
+    assert tool.main(['plot', str(tmp_path / 'missing.json'), '--out', str(out)]) == 2
+    assert 'missing.json: no such file' in capsys.readouterr().err
