@@ -1,0 +1,413 @@
+"""Train one config under several apex opt levels and dtypes and compare them in one table.
+
+Examples:
+    python tools/compare_precision.py configs/digits/cnn_fp32.py --iters 900 --dtypes bfloat16
+    python tools/compare_precision.py configs/charlm/lm_fp32.py --iters 1000 \\
+        --levels O0 O1 O2 O3 --dtypes bfloat16 --out work_dirs/compare/charlm.md
+
+Every (level, dtype) pair trains the same config, with the same seed, schedule and data order, with
+its ``optim_wrapper`` replaced by ``mp_wrappers.ApexOptimWrapper(opt_level=level, dtype=dtype)`` (the
+config's optimizer, ``clip_grad`` and ``accumulative_counts`` are kept; a ``dtype`` in the model config
+is reset to None so the opt level alone decides the precision). O0 is the fp32 baseline and runs once
+whatever ``--dtypes`` says. Each run is a separate Python process, so no global state (threads,
+deterministic flags, allocator caches, message hubs, peak-memory counters) leaks between runs.
+
+The table has, per run:
+
+* **time/iter**: mean wall time of the training iterations (forward, backward, step, hooks), from the
+  first tenth of the iterations on (warm-up: allocator, oneDNN kernel selection) and excluding
+  validation and data loading.
+* **peak memory**: on CUDA ``torch.cuda.max_memory_allocated()`` during training. On CPU the growth of
+  the process's peak resident set size (``ru_maxrss``) from the start of training to its end: it
+  counts parameters, optimizer state and the largest iteration's activations that were not already
+  resident, but also the allocator's caching, so compare it between rows rather than read it as an
+  exact tensor byte count. (``tracemalloc`` does not see torch's C++ allocations.)
+* **final train loss**: mean of the last 10 iterations' losses (one iteration is noisy).
+* the validation metrics of the final evaluation, and **skipped** optimizer steps (overflows).
+
+``--iters N`` trains N iterations with mmengine's ``IterBasedTrainLoop`` (epoch-based schedulers are
+converted with ``convert_to_iter_based=True``, so their epochs become ``len(train_dataloader)``
+iterations) and validates once at the end; without it the config's own loop runs.
+"""
+import argparse
+import datetime
+import json
+import os
+import os.path as osp
+import platform
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+__all__ = ['plan_runs', 'build_run_config', 'format_table', 'main']
+
+LEVELS = ('O0', 'O1', 'O2', 'O3')
+DTYPES = ('float16', 'bfloat16')
+_LOSS_WINDOW = 10
+
+
+def plan_runs(levels: Sequence[str], dtypes: Sequence[str]) -> List[Tuple[str, str]]:
+    """The ``(level, dtype)`` pairs to train: O0 once (as float32), the others per dtype.
+
+    Raises:
+        ValueError: an unknown level or dtype, naming the allowed values.
+    """
+    for level in levels:
+        if level not in LEVELS:
+            raise ValueError(f'--levels: {level!r} is not an opt level; allowed: '
+                             f'{", ".join(LEVELS)} (the letter O, not zero)')
+    for dtype in dtypes:
+        if dtype not in DTYPES:
+            raise ValueError(f'--dtypes: {dtype!r} is not supported; allowed: {", ".join(DTYPES)}')
+    runs: List[Tuple[str, str]] = []
+    for level in dict.fromkeys(levels):
+        if level == 'O0':
+            runs.append(('O0', 'float32'))
+        else:
+            runs += [(level, d) for d in dict.fromkeys(dtypes)]
+    return runs
+
+
+def build_run_config(cfg: Any, level: str, dtype: str, iters: Optional[int], work_dir: str) -> Any:
+    """Rewrite a loaded mmengine ``Config`` for one comparison run (in place; returned).
+
+    Args:
+        cfg: The config.
+        level: ``'O0'`` .. ``'O3'``.
+        dtype: ``'float32'`` (O0), ``'float16'`` or ``'bfloat16'``.
+        iters: Iteration budget, or None for the config's own loop.
+        work_dir: Where this run writes logs.
+    """
+    old = cfg.get('optim_wrapper', None)
+    if not isinstance(old, dict) or 'optimizer' not in old:
+        raise ValueError('compare_precision needs a config whose optim_wrapper is a single wrapper '
+                         "dict with an 'optimizer' (multi-optimizer configs are not supported)")
+    wrapper = dict(type='mp_wrappers.ApexOptimWrapper', opt_level=level,
+                   dtype='bfloat16' if dtype == 'float32' else dtype,
+                   optimizer=old['optimizer'], verbosity=0)
+    for key in ('clip_grad', 'accumulative_counts'):
+        if old.get(key) is not None:
+            wrapper[key] = old[key]
+    cfg.optim_wrapper = wrapper
+    if isinstance(cfg.get('model'), dict) and cfg.model.get('dtype') is not None:
+        cfg.model.dtype = None  # the opt level decides; a pre-cast model would defeat O0/O1
+    if iters is not None:
+        if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+            raise ValueError(f'--iters={iters!r} must be a positive integer')
+        cfg.train_cfg = dict(type='IterBasedTrainLoop', max_iters=iters, val_interval=iters)
+        cfg.train_dataloader.sampler = dict(type='InfiniteSampler', shuffle=True)
+        schedulers = cfg.get('param_scheduler', None) or []
+        if isinstance(schedulers, dict):
+            schedulers = [schedulers]
+        for sched in schedulers:
+            if sched.get('by_epoch', True):
+                sched['convert_to_iter_based'] = True
+        if cfg.get('log_processor') is not None:
+            cfg.log_processor.by_epoch = False
+    # No checkpoints: nothing to resume, and saving would be timed.
+    cfg.default_hooks.checkpoint = dict(type='CheckpointHook', interval=10 ** 9, by_epoch=False,
+                                        save_last=False)
+    cfg.custom_hooks = list(cfg.get('custom_hooks', None) or []) + [
+        dict(type='CompareProbeHook', progress_file=osp.join(work_dir, 'progress'))]
+    cfg.work_dir = work_dir
+    cfg.experiment_name = f'compare_{level}_{dtype}'
+    return cfg
+
+
+# ---- the child process: one run ------------------------------------------------------------------
+def _probe_hook_class():
+    import resource
+
+    import torch
+    from mmengine.hooks import Hook
+    from mmengine.registry import HOOKS
+
+    @HOOKS.register_module(force=True)
+    class CompareProbeHook(Hook):
+        """Times training iterations, tracks peak memory and keeps the last validation metrics."""
+
+        priority = 'VERY_LOW'
+
+        def __init__(self, progress_file: str) -> None:
+            self.progress_file = progress_file
+            self.iter_times: List[float] = []
+            self.metrics: Dict[str, float] = {}
+            self._t0 = 0.0
+            self.rss0_kb = 0
+            self.peak_bytes: Optional[int] = None
+
+        def before_train(self, runner) -> None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            self.rss0_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+        def before_train_iter(self, runner, batch_idx, data_batch=None) -> None:
+            self._t0 = time.perf_counter()
+
+        def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None) -> None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # time the work, not its launch
+            self.iter_times.append(time.perf_counter() - self._t0)
+            it = runner.iter + 1
+            if it % 5 == 0 or it == runner.max_iters:
+                with open(self.progress_file, 'w') as f:
+                    f.write(f'{it} {runner.max_iters}')
+
+        def after_train(self, runner) -> None:
+            if torch.cuda.is_available():
+                self.peak_bytes = int(torch.cuda.max_memory_allocated())
+            else:
+                rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                self.peak_bytes = int(max(rss1 - self.rss0_kb, 0) * 1024)  # Linux: kilobytes
+
+        def after_val_epoch(self, runner, metrics=None) -> None:
+            self.metrics = {k: float(v) for k, v in (metrics or {}).items()}
+
+    return CompareProbeHook
+
+
+def _run_one(config: str, level: str, dtype: str, iters: Optional[int], work_dir: str,
+             result_path: str, cfg_options: Optional[dict]) -> None:
+    import torch
+    from mmengine.config import Config
+    from mmengine.runner import Runner
+
+    import mp_wrappers  # noqa: F401  (registries, secure checkpoint loader)
+    from mp_wrappers.runtime import add_mixed_precision_hook, configure_torch_threads
+
+    probe_cls = _probe_hook_class()
+    cfg = Config.fromfile(config)
+    if cfg_options:
+        cfg.merge_from_dict(cfg_options)
+    os.makedirs(work_dir, exist_ok=True)
+    build_run_config(cfg, level, dtype, iters, work_dir)
+    add_mixed_precision_hook(cfg)
+    threads = configure_torch_threads(cfg)
+    runner = Runner.from_cfg(cfg)
+    runner.train()
+    probe = next(h for h in runner.hooks if isinstance(h, probe_cls))
+    wrapper = runner.optim_wrapper
+    losses = runner.message_hub.get_scalar('train/loss').data[0][-_LOSS_WINDOW:]
+    warmup = max(1, len(probe.iter_times) // 10)
+    timed = probe.iter_times[warmup:] or probe.iter_times
+    result = dict(
+        level=level, dtype=dtype, iters=len(probe.iter_times),
+        time_per_iter=sum(timed) / len(timed),
+        peak_memory_bytes=probe.peak_bytes,
+        memory_kind='cuda_max_allocated' if torch.cuda.is_available() else 'cpu_peak_rss_growth',
+        final_train_loss=float(sum(losses) / len(losses)),
+        metrics=probe.metrics,
+        skipped=int(sum(s.skipped_steps for s in wrapper.loss_scalers)),
+        loss_scale=float(wrapper.loss_scale),
+        threads=threads if threads is not None else torch.get_num_threads())
+    with open(result_path, 'w') as f:
+        json.dump(result, f)
+
+
+# ---- the parent: runs, progress, table --------------------------------------------------------------
+def _fmt(value: Optional[float], digits: int = 4) -> str:
+    if value is None:
+        return '-'
+    return f'{value:.{digits}f}'
+
+
+def format_table(results: Sequence[Dict[str, Any]]) -> str:
+    """One Markdown table: a row per run (failed runs say so), O0 speed-up and metric deltas."""
+    metric_names: List[str] = []
+    for r in results:
+        for k in r.get('metrics', {}):
+            if k not in metric_names:
+                metric_names.append(k)
+    base = next((r for r in results if r['level'] == 'O0' and 'error' not in r), None)
+    mem_kind = next((r['memory_kind'] for r in results if 'memory_kind' in r), 'cpu_peak_rss_growth')
+    mem_head = 'peak mem (MiB, CUDA)' if mem_kind == 'cuda_max_allocated' else \
+        'peak RSS growth (MiB)'
+    head = ['level', 'dtype', 'ms/iter', 'speed-up vs O0', mem_head, 'final train loss',
+            *[f'val {m}' for m in metric_names], 'skipped steps']
+    if base:
+        head[-1:-1] = [f'Δ {m} vs O0' for m in metric_names]
+    lines = ['| ' + ' | '.join(head) + ' |', '|' + '|'.join('---' for _ in head) + '|']
+    for r in results:
+        if 'error' in r:
+            cells = [r['level'], r['dtype'], f"failed: {r['error']}"] + [''] * (len(head) - 3)
+            lines.append('| ' + ' | '.join(cells) + ' |')
+            continue
+        mem = r['peak_memory_bytes']
+        cells = [r['level'], r['dtype'], _fmt(1e3 * r['time_per_iter'], 1),
+                 _fmt(base['time_per_iter'] / r['time_per_iter'], 2) + 'x' if base else '-',
+                 _fmt(mem / 2 ** 20, 1) if mem is not None else '-',
+                 _fmt(r['final_train_loss'])]
+        cells += [_fmt(r['metrics'].get(m)) for m in metric_names]
+        if base:
+            for m in metric_names:
+                v, b = r['metrics'].get(m), base['metrics'].get(m)
+                if v is None or b is None:
+                    cells.append('-')
+                elif abs(b) > 0 and 'acc' not in m:
+                    cells.append(f'{100 * (v - b) / abs(b):+.2f}%')
+                else:  # accuracy is already a percentage: report points
+                    cells.append(f'{v - b:+.2f}')
+        cells.append(str(r['skipped']))
+        lines.append('| ' + ' | '.join(cells) + ' |')
+    return '\n'.join(lines)
+
+
+def _machine() -> str:
+    import torch
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    try:
+        out = subprocess.run(['lscpu'], capture_output=True, text=True, timeout=10).stdout
+        name = next((ln.split(':', 1)[1].strip() for ln in out.splitlines()
+                     if ln.startswith('Model name')), platform.processor())
+    except (OSError, subprocess.SubprocessError):
+        name = platform.processor() or 'unknown CPU'
+    return f'{name}, {os.cpu_count()} CPUs'
+
+
+def _progress():
+    try:
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                   TimeElapsedColumn)
+    except ImportError:  # rich comes with mmengine; degrade to plain lines without it
+        return None
+    return Progress(TextColumn('{task.description}'), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), transient=False)
+
+
+def _launch(args: argparse.Namespace, level: str, dtype: str, run_dir: str) -> Dict[str, Any]:
+    os.makedirs(run_dir, exist_ok=True)
+    result_path = osp.join(run_dir, 'result.json')
+    progress_file = osp.join(run_dir, 'progress')
+    for path in (result_path, progress_file):
+        if osp.exists(path):
+            os.remove(path)
+    cmd = [sys.executable, osp.abspath(__file__), args.config, '--run-one', level, dtype,
+           '--work-dir', run_dir]
+    if args.iters is not None:
+        cmd += ['--iters', str(args.iters)]
+    if args.cfg_options:
+        cmd += ['--cfg-options', *args.raw_cfg_options]
+    env = dict(os.environ)
+    env['PYTHONPATH'] = _ROOT + os.pathsep + env.get('PYTHONPATH', '')
+    with open(osp.join(run_dir, 'run.log'), 'w') as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        yield proc, progress_file
+    if proc.returncode == 0 and osp.exists(result_path):
+        with open(result_path) as f:
+            return json.load(f)
+    return dict(level=level, dtype=dtype,
+                error=f'exit code {proc.returncode}, see {osp.join(run_dir, "run.log")}')
+
+
+def _run_all(args: argparse.Namespace, runs: List[Tuple[str, str]]) -> List[Dict[str, Any]]:
+    results = []
+    progress = None if args.no_progress else _progress()
+    if progress is not None:
+        progress.start()
+    try:
+        overall = progress.add_task('all runs', total=len(runs)) if progress else None
+        for level, dtype in runs:
+            run_dir = osp.join(args.work_dir, f'{level}_{dtype}')
+            task = progress.add_task(f'{level} {dtype}', total=args.iters) if progress else None
+            if progress is None:
+                print(f'compare_precision: training {level} {dtype} ...', flush=True)
+            gen = _launch(args, level, dtype, run_dir)
+            proc, progress_file = next(gen)
+            while proc.poll() is None:
+                time.sleep(0.5)
+                if progress is not None and osp.exists(progress_file):
+                    try:
+                        done, total = map(int, open(progress_file).read().split())
+                        progress.update(task, completed=done, total=total)
+                    except ValueError:
+                        pass  # caught the file mid-write
+            try:
+                next(gen)
+            except StopIteration as stop:
+                results.append(stop.value)
+            if progress is not None:
+                progress.update(task, completed=progress.tasks[task].total or 1)
+                progress.advance(overall)
+    finally:
+        if progress is not None:
+            progress.stop()
+    return results
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from mmengine.config import DictAction
+    parser = argparse.ArgumentParser(
+        description='Train a config under several apex opt levels/dtypes and compare them')
+    parser.add_argument('config', help='train config file path')
+    parser.add_argument('--iters', type=int, default=None,
+                        help='iterations per run (IterBasedTrainLoop, validation at the end); '
+                        "default: the config's own loop")
+    parser.add_argument('--levels', nargs='+', default=list(LEVELS), help='opt levels (O0-O3)')
+    parser.add_argument('--dtypes', nargs='+', default=['bfloat16'],
+                        help='half types for O1-O3: float16 and/or bfloat16 (default bfloat16)')
+    parser.add_argument('--out', default=None, help='write the Markdown table here')
+    parser.add_argument('--work-dir', default=None,
+                        help='runs write logs under WORK_DIR/<level>_<dtype> '
+                        '(default: work_dirs/compare_<config name>)')
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+                        help='override config settings for every run')
+    parser.add_argument('--no-progress', action='store_true', help='plain lines, no progress bar')
+    parser.add_argument('--run-one', nargs=2, metavar=('LEVEL', 'DTYPE'), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    # Hand the raw option strings on to the child processes.
+    raw = list(argv if argv is not None else sys.argv[1:])
+    args.raw_cfg_options = []
+    if '--cfg-options' in raw:
+        for item in raw[raw.index('--cfg-options') + 1:]:
+            if item.startswith('--'):
+                break
+            args.raw_cfg_options.append(item)
+    if args.work_dir is None:
+        args.work_dir = osp.join('work_dirs', 'compare_' + osp.splitext(osp.basename(args.config))[0])
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.run_one:
+        level, dtype = args.run_one
+        _run_one(args.config, level, dtype, args.iters, args.work_dir,
+                 osp.join(args.work_dir, 'result.json'), args.cfg_options)
+        return 0
+    if not osp.isfile(args.config):
+        print(f'compare_precision.py: error: config {args.config!r} does not exist', file=sys.stderr)
+        return 2
+    try:
+        runs = plan_runs(args.levels, args.dtypes)
+    except ValueError as exc:
+        print(f'compare_precision.py: error: {exc}', file=sys.stderr)
+        return 2
+    started = datetime.datetime.now()
+    results = _run_all(args, runs)
+
+    import torch
+    budget = f'{args.iters} iterations' if args.iters else "the config's own schedule"
+    header = (f'`{args.config}`, {budget} per run, seed from the config; '
+              f'{_machine()}; torch {torch.__version__}; {started:%Y-%m-%d %H:%M}')
+    table = format_table(results)
+    print(header)
+    print(table)
+    if args.out:
+        os.makedirs(osp.dirname(osp.abspath(args.out)), exist_ok=True)
+        with open(args.out, 'w') as f:
+            f.write(header + '\n\n' + table + '\n')
+        with open(osp.splitext(args.out)[0] + '.json', 'w') as f:
+            json.dump(dict(config=args.config, iters=args.iters, results=results), f, indent=1)
+        print(f'wrote {args.out}')
+    return 1 if any('error' in r for r in results) else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
