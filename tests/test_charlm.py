@@ -89,6 +89,7 @@ def test_dtype_option_keeps_layernorm_fp32(train_set):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.filterwarnings('ignore:ApexOptimWrapper.*dtype=float16 on a CPU')
 @pytest.mark.parametrize('level', ['O0', 'O1', 'O2', 'O3'])
 @pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])
 def test_every_opt_level_trains(train_set, level, dtype):

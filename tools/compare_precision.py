@@ -281,13 +281,15 @@ def _progress():
                     TimeElapsedColumn(), transient=False)
 
 
-def _launch(args: argparse.Namespace, level: str, dtype: str, run_dir: str) -> Dict[str, Any]:
+def _start(args: argparse.Namespace, level: str, dtype: str,
+           run_dir: str) -> Tuple[subprocess.Popen, str, str]:
+    """Start the child process of one run; returns it, its progress file and its result file."""
     os.makedirs(run_dir, exist_ok=True)
     result_path = osp.join(run_dir, 'result.json')
     progress_file = osp.join(run_dir, 'progress')
     for path in (result_path, progress_file):
         if osp.exists(path):
-            os.remove(path)
+            os.remove(path)  # a stale file from an earlier comparison must not pass for this run
     cmd = [sys.executable, osp.abspath(__file__), args.config, '--run-one', level, dtype,
            '--work-dir', run_dir]
     if args.iters is not None:
@@ -296,9 +298,13 @@ def _launch(args: argparse.Namespace, level: str, dtype: str, run_dir: str) -> D
         cmd += ['--cfg-options', *args.raw_cfg_options]
     env = dict(os.environ)
     env['PYTHONPATH'] = _ROOT + os.pathsep + env.get('PYTHONPATH', '')
-    with open(osp.join(run_dir, 'run.log'), 'w') as log:
+    with open(osp.join(run_dir, 'run.log'), 'w') as log:  # the child keeps its own handle
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        yield proc, progress_file
+    return proc, progress_file, result_path
+
+
+def _result(proc: subprocess.Popen, level: str, dtype: str, run_dir: str,
+            result_path: str) -> Dict[str, Any]:
     if proc.returncode == 0 and osp.exists(result_path):
         with open(result_path) as f:
             return json.load(f)
@@ -318,20 +324,17 @@ def _run_all(args: argparse.Namespace, runs: List[Tuple[str, str]]) -> List[Dict
             task = progress.add_task(f'{level} {dtype}', total=args.iters) if progress else None
             if progress is None:
                 print(f'compare_precision: training {level} {dtype} ...', flush=True)
-            gen = _launch(args, level, dtype, run_dir)
-            proc, progress_file = next(gen)
+            proc, progress_file, result_path = _start(args, level, dtype, run_dir)
             while proc.poll() is None:
                 time.sleep(0.5)
                 if progress is not None and osp.exists(progress_file):
                     try:
-                        done, total = map(int, open(progress_file).read().split())
+                        with open(progress_file) as f:
+                            done, total = map(int, f.read().split())
                         progress.update(task, completed=done, total=total)
                     except ValueError:
                         pass  # caught the file mid-write
-            try:
-                next(gen)
-            except StopIteration as stop:
-                results.append(stop.value)
+            results.append(_result(proc, level, dtype, run_dir, result_path))
             if progress is not None:
                 progress.update(task, completed=progress.tasks[task].total or 1)
                 progress.advance(overall)
