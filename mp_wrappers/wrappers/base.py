@@ -584,7 +584,10 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             if p is None:
                 continue
             for name, value in param_state.items():
-                if isinstance(value, Tensor) and value.dim() > 0 and value.shape != p.shape:
+                # 1-element tensors are counters and scalars, not per-element state: the fused
+                # optimizers' `step` and NovoGrad's norm have shape (1,) whatever the param's.
+                if (isinstance(value, Tensor) and value.dim() > 0 and value.numel() != 1
+                        and value.shape != p.shape):
                     raise ValueError(f"optimizer state '{name}' of parameter {idx} has shape "
                                      f'{tuple(value.shape)} but the parameter has shape '
                                      f'{tuple(p.shape)}')
