@@ -162,7 +162,10 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
             keep_bn = bool(props.keep_batchnorm_fp32)
             done = model_cast_dtype(module)
             if wrapped and isinstance(model, torch.nn.parallel.DistributedDataParallel):
-                if done is None or done[0] != cast:
+                # O0 "casts" to fp32: an fp32 model under DDP needs nothing, so nothing to refuse.
+                already_fp32 = cast == torch.float32 and all(
+                    p.dtype == torch.float32 for p in module.parameters() if p.is_floating_point())
+                if (done is None or done[0] != cast) and not already_fp32:
                     raise RuntimeError(
                         f'ApexOptimWrapper(opt_level={props.opt_level!r}) must cast the model to '
                         f'{cast} before DistributedDataParallel wraps it: casting afterwards silently'
