@@ -8,6 +8,7 @@ thread, ``randomness.deterministic``, an iteration-based loop whose data order m
 
 Reproduce a case: ``MP_CRASH_SEED=<seed> python -m pytest tests/test_crash_resume.py -k <case>``.
 """
+import io
 import os
 import random
 import re
@@ -228,15 +229,21 @@ def test_sigkill_during_a_large_save_keeps_the_previous_checkpoint(tmp_path):
     save_checkpoint({'w': torch.zeros(4)}, str(target))
     old = target.read_bytes()
     marker = tmp_path / 'writing'
+    # Serialise here, as save_checkpoint does before handing the bytes to the backend: after a fork
+    # the child must not run torch ops (an OpenMP pool inherited from the parent can hang it).
+    buf = io.BytesIO()
+    torch.save({'w': torch.ones(16 * 2**20)}, buf)
+    payload = buf.getvalue()
+    backend = get_file_backend(str(target))
     pid = os.fork()
-    if pid == 0:  # child: save, and stop for good just before the data is synced
+    if pid == 0:  # child: write, and stop for good just before the data is synced
         try:
             def stall(fd):
                 marker.write_text('x')
                 time.sleep(120)
 
             atomic_io.os.fsync = stall
-            save_checkpoint({'w': torch.ones(16 * 2**20)}, str(target))
+            backend.put(payload, str(target))
         finally:
             os._exit(3)
     try:
