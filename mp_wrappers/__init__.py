@@ -5,9 +5,12 @@ mmengine's registries under the ``mp_wrappers`` scope (``type='mp_wrappers.FP16O
 
 Importing the package also installs a ``weights_only`` loader for mmengine checkpoints (see
 :mod:`mp_wrappers.checkpoint`; ``MP_WRAPPERS_SECURE_CHECKPOINT_LOADER=0`` turns that off), so that
-``--resume`` and ``load_from`` work on torch >= 2.6 without unpickling arbitrary code.
+``--resume`` and ``load_from`` work on torch >= 2.6 without unpickling arbitrary code, and makes
+mmengine's local checkpoint writes atomic (see :mod:`mp_wrappers.atomic_io`;
+``MP_WRAPPERS_ATOMIC_CHECKPOINTS=0`` turns that off), so a process killed while saving never leaves a
+truncated checkpoint under its final name.
 """
-from . import checkpoint, ops
+from . import atomic_io, checkpoint, ops
 from .autocast import disable_casts, float_function, half_function, promote_function
 from .casting import cast_model
 from .ddp import MixedPrecisionDistributedDataParallel
@@ -20,7 +23,7 @@ from .wrappers import ApexOptimWrapper, FP16OptimWrapper, MixedPrecisionOptimWra
 
 __version__ = '0.1.0'
 __all__ = [
-    'checkpoint', 'ops', 'cast_model', 'LossScaler', 'StaticLossScaler', 'DynamicLossScaler',
+    'atomic_io', 'checkpoint', 'ops', 'cast_model', 'LossScaler', 'StaticLossScaler', 'DynamicLossScaler',
     'MixedPrecisionOptimWrapper', 'FP16OptimWrapper', 'ApexOptimWrapper', 'Properties',
     'resolve_properties', 'half_function', 'float_function', 'promote_function', 'disable_casts',
     'MixedPrecisionDistributedDataParallel', 'FusedOptimizer', 'FusedAdam', 'FusedSGD',
@@ -28,3 +31,4 @@ __all__ = [
 ]
 
 checkpoint._install_from_env()
+atomic_io._install_from_env()

@@ -63,6 +63,9 @@ def cast_model(model: nn.Module, dtype: torch.dtype, keep_norm_fp32: bool = True
     ``dtype`` (apex's keep_batchnorm_fp32). Parameters keep their identity (``param.data`` is
     replaced), so optimizers built before the cast still point at them.
     """
+    # A non-float dtype would fail deep inside torch ("data set to a tensor that requires gradients
+    # must be floating point"), naming neither the option nor the fix.
+    dtype = parse_dtype(dtype, 'cast_model(dtype)', allowed=('float16', 'bfloat16', 'float32'))
     keep = _norm_param_names(model) if keep_norm_fp32 else set()
     for name, p in model.named_parameters():
         if p.is_floating_point() and name not in keep and p.dtype != dtype:

@@ -218,11 +218,14 @@ class GradStash:
             grouped_scale(fresh_in, fresh_out, inv_scale, found_inf)
         if add_in:
             # Only steps with several losses (or an explicit update_master_grads between backwards)
-            # get here: unscale into temporaries, then add.
+            # get here: unscale into temporaries, then add. Only the incoming gradients are checked
+            # (arg_to_check=0, as apex's unscale_with_stashed): the stash was checked by the scaler
+            # that put it there, and re-checking it would charge another loss's overflow to this
+            # loss's scaler, backing off a scale that did not overflow.
             tmp = [torch.empty_like(b) for b in add_out]
             grouped_scale(add_in, tmp, inv_scale, found_inf)
             for xs, ys in _buckets(list(zip(tmp, add_out))).values():
-                multi_tensor_axpby(xs, ys, ys, 1.0, 1.0, arg_to_check=-1, found_inf=found_inf)
+                multi_tensor_axpby(xs, ys, ys, 1.0, 1.0, arg_to_check=0, found_inf=found_inf)
 
     def hand_to_optimizer(self, masters: MasterParams) -> None:
         """Set every optimizer slot's ``.grad`` to its stash (None when it got no gradient)."""

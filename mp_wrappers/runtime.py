@@ -35,6 +35,12 @@ def prepare_distributed(cfg: Any, launcher: str) -> Any:
     * initialises ``torch.distributed`` with the gloo backend from the launcher's environment
       (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` from torchrun; ``SLURM_*`` or ``OMPI_COMM_WORLD_*``
       translated the way mmengine does) unless a group is already initialised;
+    * (with or without CUDA) when the optim wrapper is ``mp_wrappers.ApexOptimWrapper`` at a level
+      that casts the model (O2/O3, or any ``cast_model_type`` override to a half type) and the
+      config has no ``model_wrapper_cfg``, sets ``model_wrapper_cfg=dict(
+      type='mp_wrappers.MixedPrecisionDistributedDataParallel', dtype=..., keep_batchnorm_fp32=...)``
+      from the resolved opt-level properties, so that the model is cast *before* DDP wraps it
+      (casting after wrapping silently stops gradient all-reduce);
     * sets ``cfg.model_wrapper_cfg = dict(type='MMDistributedDataParallel', device_ids=None,
       broadcast_buffers=False, find_unused_parameters=...)`` (mmengine's GPU defaults, minus the
       device) when the config has none, or adds ``device_ids=None`` to a configured wrapper that lacks
@@ -55,12 +61,40 @@ def prepare_distributed(cfg: Any, launcher: str) -> Any:
         raise ValueError(f'launcher={launcher!r} is not supported; allowed: '
                          f'{", ".join(repr(x) for x in LAUNCHERS)}')
     cfg.launcher = launcher
+    if launcher != 'none':
+        _apex_model_wrapper_cfg(cfg)
     if launcher == 'none' or torch.cuda.is_available():
         return cfg  # mmengine's own path: init_dist with the configured backend (nccl) and device ids
     if not (dist.is_available() and dist.is_initialized()):
         _init_gloo(launcher, cfg.get('env_cfg', {}).get('dist_cfg', {}) or {})
     _cpu_model_wrapper_cfg(cfg)
     return cfg
+
+
+_APEX_TYPES = ('mp_wrappers.ApexOptimWrapper',)
+_PROPERTY_KEYS = ('enabled', 'loss_scale', 'cast_model_type', 'patch_torch_functions',
+                  'keep_batchnorm_fp32', 'master_weights', 'cast_model_outputs', 'dtype')
+
+
+def _apex_model_wrapper_cfg(cfg: Any) -> None:
+    """Cast-before-DDP wrapper for ApexOptimWrapper levels that cast the model (O2/O3)."""
+    optim = cfg.get('optim_wrapper', None)
+    if cfg.get('model_wrapper_cfg', None) is not None or not hasattr(optim, 'get'):
+        return
+    from .wrappers import ApexOptimWrapper
+    wrapper_type = optim.get('type', None)
+    if not (wrapper_type in _APEX_TYPES or wrapper_type is ApexOptimWrapper):
+        return
+    from .policy import resolve_properties
+    kwargs = {k: optim[k] for k in _PROPERTY_KEYS if optim.get(k, None) is not None}
+    props = resolve_properties(optim.get('opt_level', 'O1'), **kwargs)
+    cast = props.cast_model_type
+    if not props.enabled or cast is None or cast == torch.float32:
+        return
+    cfg.model_wrapper_cfg = dict(
+        type='mp_wrappers.MixedPrecisionDistributedDataParallel',
+        dtype=str(cast).replace('torch.', ''), keep_batchnorm_fp32=bool(props.keep_batchnorm_fp32),
+        broadcast_buffers=False, find_unused_parameters=cfg.get('find_unused_parameters', False))
 
 
 def _cpu_model_wrapper_cfg(cfg: Any) -> None:

@@ -2,7 +2,7 @@
 
 Examples:
     python tools/train.py configs/digits/cnn_bf16.py
-    python tools/train.py configs/digits/cnn_bf16.py --resume            # latest checkpoint in work dir
+    python tools/train.py configs/digits/cnn_bf16.py --resume            # last complete checkpoint
     python tools/train.py configs/digits/cnn_fp32.py --cfg-options train_cfg.max_epochs=2
     torchrun --nproc_per_node=2 tools/train.py configs/digits/cnn_fp32.py --launcher pytorch
 
@@ -26,7 +26,8 @@ from mmengine.config import Config, DictAction  # noqa: E402
 from mmengine.logging import print_log  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
 
-import mp_wrappers  # noqa: E402,F401  (installs the secure checkpoint loader)
+import mp_wrappers  # noqa: E402,F401  (installs the secure loader and atomic checkpoint writes)
+from mp_wrappers.atomic_io import resolve_resume_checkpoint  # noqa: E402
 from mp_wrappers.runtime import (LAUNCHERS, add_mixed_precision_hook,  # noqa: E402
                                  backend_summary, configure_torch_threads, prepare_distributed)
 
@@ -37,8 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--work-dir', help='the dir to save logs and checkpoints '
                         '(default: work_dirs/<config name>)')
     parser.add_argument('--resume', nargs='?', type=str, const='auto',
-                        help='resume from the given checkpoint, or, without a value, from the latest '
-                        'checkpoint in the work dir')
+                        help='resume from the given checkpoint, or, without a value, from the last '
+                        'complete checkpoint in the work dir')
     parser.add_argument('--cfg-options', nargs='+', action=DictAction,
                         help='override config settings, e.g. train_cfg.max_epochs=2 '
                         'optim_wrapper.optimizer.lr=0.1 (lists as key="[a,b]")')
@@ -62,7 +63,9 @@ def build_config(args: argparse.Namespace) -> Config:
         cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
     if args.resume == 'auto':
         cfg.resume = True
-        cfg.load_from = None
+        # mmengine would follow the last_checkpoint pointer blindly; take the last *complete*
+        # checkpoint instead (mp_wrappers.atomic_io: a run killed mid-save, a truncated pointer).
+        cfg.load_from = resolve_resume_checkpoint(cfg.work_dir)
     elif args.resume is not None:
         cfg.resume = True
         cfg.load_from = args.resume

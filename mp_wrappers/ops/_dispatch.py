@@ -1,6 +1,6 @@
 """The one place that chooses an op implementation: compiled kernel or pure-PyTorch reference."""
 import functools
-from typing import Callable, List, Sequence
+from typing import Any, Callable, List, Sequence
 
 import torch
 from torch import Tensor
@@ -8,7 +8,7 @@ from torch import Tensor
 from . import reference
 from ._extension import has_kernels
 
-__all__ = ['implementation', 'check_tensor_lists']
+__all__ = ['implementation', 'check_tensor_lists', 'as_tensor_list']
 
 
 # Dispatch keys of the device types we may see; anything else has no kernels of ours.
@@ -41,6 +41,14 @@ def implementation(name: str, device: torch.device) -> Callable:
     if has_kernels(device) and _op_has_kernel(name, device.type):
         return getattr(torch.ops.mp_wrappers, name)
     return getattr(reference, name)
+
+
+def as_tensor_list(op: str, name: str, value: Any) -> List[Tensor]:
+    """``list(value)``, refusing a bare tensor: ``list(t)`` would silently split it into its rows."""
+    if isinstance(value, Tensor):
+        raise TypeError(f'{op}: {name} must be a list of tensors, got a Tensor of shape '
+                        f'{tuple(value.shape)}; wrap it in a list: [{name}]')
+    return list(value)
 
 
 def check_tensor_lists(op: str, names: Sequence[str], lists: Sequence[List[Tensor]],

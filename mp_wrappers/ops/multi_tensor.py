@@ -8,7 +8,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from ._dispatch import check_tensor_lists, implementation
+from ._dispatch import as_tensor_list, check_tensor_lists, implementation
 
 __all__ = ['multi_tensor_scale', 'multi_tensor_l2norm', 'multi_tensor_unscale_l2norm',
            'multi_tensor_axpby', 'update_scale_hysteresis_', 'new_found_inf']
@@ -63,7 +63,8 @@ def multi_tensor_scale(inputs: Sequence[Tensor], outputs: Sequence[Tensor],
         >>> grads = [p.grad for p in model.parameters()]
         >>> found_inf = multi_tensor_scale(grads, grads, 1.0 / 65536)
     """
-    inputs, outputs = list(inputs), list(outputs)
+    inputs = as_tensor_list('multi_tensor_scale', 'inputs', inputs)
+    outputs = as_tensor_list('multi_tensor_scale', 'outputs', outputs)
     device = check_tensor_lists('multi_tensor_scale', ('inputs', 'outputs'), (inputs, outputs))
     flag = _checked_flag('multi_tensor_scale', found_inf, device)
     s = _as_scalar_tensor('multi_tensor_scale', 'scale', scale, device)
@@ -80,7 +81,7 @@ def multi_tensor_l2norm(tensors: Sequence[Tensor], per_tensor: bool = False
         tuple: ``(total_norm, per_tensor_norms)`` where ``per_tensor_norms`` is a float32 tensor of
         shape ``[len(tensors)]`` when ``per_tensor`` is True, else None.
     """
-    tensors = list(tensors)
+    tensors = as_tensor_list('multi_tensor_l2norm', 'tensors', tensors)
     device = check_tensor_lists('multi_tensor_l2norm', ('tensors',), (tensors,))
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device), (
@@ -97,8 +98,8 @@ def multi_tensor_unscale_l2norm(tensors: Sequence[Tensor], inv_scale: Union[floa
     Returns:
         tuple: ``(total_norm, per_tensor_norms or None, found_inf)``.
     """
-    tensors = list(tensors)
     op = 'multi_tensor_unscale_l2norm'
+    tensors = as_tensor_list(op, 'tensors', tensors)
     device = check_tensor_lists(op, ('tensors',), (tensors,))
     flag = _checked_flag(op, found_inf, device)
     s = _as_scalar_tensor(op, 'inv_scale', inv_scale, device)
@@ -113,7 +114,8 @@ def multi_tensor_axpby(x: Sequence[Tensor], y: Sequence[Tensor], out: Sequence[T
                        b: float, arg_to_check: int = -1, found_inf: Optional[Tensor] = None
                        ) -> Tensor:
     """``out = a * x + b * y`` (fp32 math), checking x (0), y (1) or both (-1) for inf/nan."""
-    x, y, out = list(x), list(y), list(out)
+    x, y, out = (as_tensor_list('multi_tensor_axpby', n, v) for n, v in (('x', x), ('y', y),
+                                                                          ('out', out)))
     op = 'multi_tensor_axpby'
     if arg_to_check not in (-1, 0, 1):
         raise ValueError(f'{op}: arg_to_check={arg_to_check!r}; allowed: -1 (x and y), 0 (x), 1 (y)')

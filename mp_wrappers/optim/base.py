@@ -141,6 +141,9 @@ class FusedOptimizer(Optimizer):
     def __init__(self, params: ParamsT, defaults: Dict[str, Any], set_grad_none: bool) -> None:
         self._check_hyperparameters(defaults)
         self.set_grad_none = bool(set_grad_none)
+        # Our own hyperparameters: torch's Optimizer.__setstate__ (run by load_state_dict) adds
+        # 'differentiable' to self.defaults, which must not leak into resumed param groups.
+        self._hyperparameter_keys = tuple(defaults)
         super().__init__(params, defaults)
 
     # ---- hooks for subclasses ----------------------------------------------------------------------
@@ -279,8 +282,9 @@ class FusedOptimizer(Optimizer):
             elif 'step' in state:  # a plain number from an older optimizer
                 state['step'] = torch.full((1,), float(state['step']), device=param.device)
         for group in self.param_groups:
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)  # e.g. a torch.optim.Adam dict lacks adam_w_mode
+            for key in self._hyperparameter_keys:
+                # e.g. a torch.optim.Adam dict lacks adam_w_mode
+                group.setdefault(key, self.defaults[key])
             self._check_hyperparameters(group)
             self._check_loaded_state(group, name)
         self._merge_step_cohorts()

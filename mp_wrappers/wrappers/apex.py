@@ -17,7 +17,7 @@ from ..casting import (HALF_DTYPES, ForwardCaster, cast_model, fp32_state_dict_h
 from ..policy import DEFAULT, Properties, resolve_properties
 from ..registry import OPTIM_WRAPPERS
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
-from .base import MixedPrecisionOptimWrapper
+from .base import STATE_KEY, MixedPrecisionOptimWrapper
 
 __all__ = ['ApexOptimWrapper']
 
@@ -162,7 +162,10 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
             keep_bn = bool(props.keep_batchnorm_fp32)
             done = model_cast_dtype(module)
             if wrapped and isinstance(model, torch.nn.parallel.DistributedDataParallel):
-                if done is None or done[0] != cast:
+                # O0 "casts" to fp32: an fp32 model under DDP needs nothing, so nothing to refuse.
+                already_fp32 = cast == torch.float32 and all(
+                    p.dtype == torch.float32 for p in module.parameters() if p.is_floating_point())
+                if (done is None or done[0] != cast) and not already_fp32:
                     raise RuntimeError(
                         f'ApexOptimWrapper(opt_level={props.opt_level!r}) must cast the model to '
                         f'{cast} before DistributedDataParallel wraps it: casting afterwards silently'
@@ -189,7 +192,7 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
         self._master_params()
         if self._deferred_state is not None:
             state, self._deferred_state = self._deferred_state, None
-            super().load_state_dict(state)
+            super().load_state_dict(state)  # warns nothing twice: the same dict was checked
         if self.verbosity >= 1:
             print_log(props.describe(), logger='current', level=logging.INFO)
 
@@ -275,9 +278,15 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
             if not isinstance(state_dict, dict):
                 raise TypeError(f'state_dict must be a dict, got {type(state_dict).__name__}')
             self._check_optimizer_state(dict(state_dict))
+            ours = state_dict.get(STATE_KEY)
+            if isinstance(ours, dict):
+                self._warn_if_foreign(ours)  # now, at resume time, not at the first forward
             self._deferred_state = dict(state_dict)
             return
         super().load_state_dict(state_dict)
 
     def _extra_state(self) -> Dict[str, Any]:
+        return self._policy()
+
+    def _policy(self) -> Dict[str, Any]:
         return dict(opt_level=self.opt_level, dtype=str(self.properties.dtype))

@@ -35,7 +35,11 @@ from ..master import GradStash, MasterParams
 from ..ops import multi_tensor_l2norm, multi_tensor_unscale_l2norm, new_found_inf
 from ..scaler import LossScaler
 
-__all__ = ['MixedPrecisionOptimWrapper', 'STATE_KEY']
+__all__ = ['MixedPrecisionOptimWrapper', 'STATE_KEY', 'CheckpointMismatchWarning']
+
+
+class CheckpointMismatchWarning(UserWarning):
+    """A checkpoint written by another wrapper or precision policy was loaded (what carried over)."""
 
 # Our top-level key in the wrapper's state_dict (beside the optimizer's 'state' and 'param_groups').
 STATE_KEY = 'mp_wrappers'
@@ -534,6 +538,8 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             if version > _STATE_VERSION:
                 raise ValueError(f"state_dict['{STATE_KEY}'] has version {version}; this "
                                  f'mp_wrappers reads versions <= {_STATE_VERSION}')
+        if ours is not None:
+            self._warn_if_foreign(ours)
         masters = self._master_params()
         self._check_optimizer_state(state)
         super().load_state_dict(state)  # pops base_param_settings, loads the optimizer
@@ -552,6 +558,33 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
 
     def _load_extra_state(self, ours: Dict[str, Any]) -> None:
         """Subclass hook: read the entries added by :meth:`_extra_state`."""
+
+    def _policy(self) -> Dict[str, Any]:
+        """Subclass hook: the precision settings a checkpoint records and is compared on."""
+        return {}
+
+    def _warn_if_foreign(self, ours: Dict[str, Any]) -> None:
+        """Warn (never silently accept) when the checkpoint came from another wrapper or policy.
+
+        Switching wrappers or opt levels mid-training is allowed (optimizer state, masters and
+        scaler state carry over where the parameters match, as with mmengine/apex checkpoints),
+        but it changes the numerics, so it must be visible in the log.
+        """
+        if getattr(self, '_foreign_checked', None) == id(ours):
+            return  # ApexOptimWrapper checks at load time and loads at its first forward
+        self._foreign_checked = id(ours)
+        mine = dict(wrapper=type(self).__name__, **self._policy())
+        diffs = [f'{k}={ours[k]!r} (now {k}={v!r})' for k, v in mine.items()
+                 if k in ours and ours[k] != v]
+        if diffs:
+            saved = ', '.join(f'{k}={ours[k]!r}' for k in mine if k in ours)
+            msg = (f'loading a checkpoint written by {ours.get("wrapper", "?")} with {saved} '
+                   f'into {type(self).__name__} with '
+                   f'{", ".join(f"{k}={v!r}" for k, v in mine.items())}: differs in '
+                   f'{"; ".join(diffs)}. Optimizer state, fp32 masters and loss-scaler state carry '
+                   'over where the parameters match; the precision policy is the new one.')
+            warnings.warn(msg, CheckpointMismatchWarning, stacklevel=3)
+            print_log(f'mp_wrappers: {msg}', logger='current', level=logging.WARNING)
 
     def _load_apex_amp(self, apex_amp: Dict[str, Any]) -> None:
         if not isinstance(apex_amp, dict):
@@ -591,7 +624,10 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             if p is None:
                 continue
             for name, value in param_state.items():
-                if isinstance(value, Tensor) and value.dim() > 0 and value.shape != p.shape:
+                # 1-element tensors are counters and scalars, not per-element state: the fused
+                # optimizers' `step` and NovoGrad's norm have shape (1,) whatever the param's.
+                if (isinstance(value, Tensor) and value.dim() > 0 and value.numel() != 1
+                        and value.shape != p.shape):
                     raise ValueError(f"optimizer state '{name}' of parameter {idx} has shape "
                                      f'{tuple(value.shape)} but the parameter has shape '
                                      f'{tuple(p.shape)}')
