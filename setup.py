@@ -41,8 +41,11 @@ def _extension():
     sources = [os.path.join(CSRC, 'bindings.cpp')]
     sources += sorted(glob.glob(os.path.join(CSRC, 'cpu', '*.cpp')))
     # -fopenmp must reach the link too, or at::parallel_for silently runs on one thread;
-    # -fno-math-errno lets gcc vectorise sqrt (Adam is 4x slower without it).
-    cxx = ['-O3', '-std=c++17', '-fopenmp', '-fno-math-errno', '-fvisibility=hidden']
+    # -fno-math-errno lets gcc vectorise sqrt (Adam is 4x slower without it);
+    # -ffp-contract=off keeps gcc from fusing a*b+c into an FMA on its own: kernels must round like
+    # the torch references and give the same bits on every ISA (they call V::fmadd where they want one).
+    cxx = ['-O3', '-std=c++17', '-fopenmp', '-fno-math-errno', '-ffp-contract=off',
+           '-fvisibility=hidden']
     extra = {'cxx': cxx}
     macros = []
     if with_cuda:

@@ -31,6 +31,7 @@ def extension():
         else:
             try:
                 from mp_wrappers import _C  # importing registers torch.ops.mp_wrappers.*
+                from . import _fake  # noqa: F401  fake kernels need the schemas registered above
                 _ext = _C
             except Exception as exc:  # ImportError, undefined symbols, ABI mismatch...
                 _load_error = exc

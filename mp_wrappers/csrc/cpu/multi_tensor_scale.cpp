@@ -1,0 +1,146 @@
+// CPU kernels of multi_tensor_scale_ (out = in * scale) and multi_tensor_axpby_ (out = a*x + b*y),
+// both with the non-finite check on their inputs. Semantics: mp_wrappers/ops/reference.py.
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "mp_wrappers/checks.h"
+#include "mp_wrappers/cpu_features.h"
+#include "mp_wrappers/cpu_multi_tensor.h"
+#include "mp_wrappers/cpu_vec.h"
+
+namespace mp_wrappers {
+namespace cpu {
+namespace {
+
+// Calls fn(typed pointer) for the storage dtype of a raw tensor.
+template <class Fn>
+inline void with_typed(const RawTensor& t, const Fn& fn) {
+  switch (t.dtype) {
+    case StorageDtype::kHalf: return fn(static_cast<c10::Half*>(t.data));
+    case StorageDtype::kBFloat16: return fn(static_cast<c10::BFloat16*>(t.data));
+    default: return fn(static_cast<float*>(t.data));
+  }
+}
+
+// out[i] = in[i] * scale for n elements; returns whether any *input* was inf or nan. The input,
+// not the product, is checked: a finite gradient times a huge scale is not an overflow, and
+// inf * 0 must still be reported.
+template <class V, class Tin, class Tout>
+inline bool scale_span(const Tin* in, Tout* out, int64_t n, float scale) {
+  const typename V::F s = V::set1(scale);
+  typename V::F probe = V::zero();
+  int64_t i = 0;
+  for (; i + V::kWidth <= n; i += V::kWidth) {
+    const typename V::F x = V::load(in + i);
+    probe = V::nonfinite_probe(probe, x);
+    V::store(out + i, V::mul(x, s));
+  }
+  if (i < n) {
+    const typename V::F x = load_partial<V>(in + i, n - i);
+    probe = V::nonfinite_probe(probe, x);
+    store_partial<V>(out + i, V::mul(x, s), n - i);
+  }
+  return V::any_nonfinite(probe);
+}
+
+struct ScaleChunk {
+  template <class V>
+  static void run(const RawTensor& in, const RawTensor& out, const TensorChunk& c, float scale,
+                  bool* bad) {
+    with_typed(in, [&](auto* src) {
+      with_typed(out, [&](auto* dst) {
+        *bad = scale_span<V>(src + c.begin, dst + c.begin, c.end - c.begin, scale);
+      });
+    });
+  }
+};
+
+// out = a*x + b*y as torch computes `a * x.float() + b * y.float()`: two products and a sum, each
+// rounded to fp32 (no FMA, so the result matches the reference bit for bit).
+template <class V, class Tx, class Ty, class To>
+inline bool axpby_span(const Tx* x, const Ty* y, To* out, int64_t n, float a, float b,
+                       bool check_x, bool check_y) {
+  const typename V::F va = V::set1(a), vb = V::set1(b);
+  typename V::F probe = V::zero();
+  for (int64_t i = 0; i < n; i += V::kWidth) {
+    const int64_t m = n - i;
+    const typename V::F xv = load_n<V>(x + i, m);
+    const typename V::F yv = load_n<V>(y + i, m);
+    if (check_x) probe = V::nonfinite_probe(probe, xv);
+    if (check_y) probe = V::nonfinite_probe(probe, yv);
+    store_n<V>(out + i, V::add(V::mul(va, xv), V::mul(vb, yv)), m);
+  }
+  return V::any_nonfinite(probe);
+}
+
+struct AxpbyChunk {
+  template <class V>
+  static void run(const RawTensor& x, const RawTensor& y, const RawTensor& out,
+                  const TensorChunk& c, float a, float b, bool check_x, bool check_y, bool* bad) {
+    with_typed(x, [&](auto* xp) {
+      with_typed(y, [&](auto* yp) {
+        with_typed(out, [&](auto* op) {
+          *bad = axpby_span<V>(xp + c.begin, yp + c.begin, op + c.begin, c.end - c.begin, a, b,
+                               check_x, check_y);
+        });
+      });
+    });
+  }
+};
+
+void multi_tensor_scale_cpu(at::TensorList inputs, at::TensorList outputs, const at::Tensor& scale,
+                            const at::Tensor& found_inf) {
+  constexpr const char* op = "multi_tensor_scale_";
+  const at::Device device =
+      check_tensor_lists(op, {{"inputs", inputs}, {"outputs", outputs}});
+  check_scalar_tensor(op, "scale", scale, device);
+  check_found_inf(op, found_inf, device);
+
+  const float s = *scale.data_ptr<float>();
+  const std::vector<RawTensor> in = raw_tensors(inputs), out = raw_tensors(outputs);
+  const ChunkPlan plan(inputs);
+  std::vector<uint8_t> bad(plan.size(), 0);
+  const CpuIsa isa = cpu_isa();
+  plan.parallel_for_each([&](int64_t i, const TensorChunk& c) {
+    bool b = false;
+    run_cpu_kernel<ScaleChunk>(isa, in[c.tensor], out[c.tensor], c, s, &b);
+    bad[i] = b;
+  });
+  set_found_inf_cpu(found_inf, std::any_of(bad.begin(), bad.end(), [](uint8_t v) { return v; }));
+}
+
+void multi_tensor_axpby_cpu(at::TensorList x, at::TensorList y, at::TensorList out, double a,
+                            double b, int64_t arg_to_check, const at::Tensor& found_inf) {
+  constexpr const char* op = "multi_tensor_axpby_";
+  TORCH_CHECK(arg_to_check >= -1 && arg_to_check <= 1, op, ": arg_to_check=", arg_to_check,
+              "; allowed: -1 (x and y), 0 (x), 1 (y)");
+  const at::Device device = check_tensor_lists(op, {{"x", x}, {"y", y}, {"out", out}});
+  check_found_inf(op, found_inf, device);
+
+  const std::vector<RawTensor> xs = raw_tensors(x), ys = raw_tensors(y), os = raw_tensors(out);
+  const ChunkPlan plan(x);
+  std::vector<uint8_t> bad(plan.size(), 0);
+  const bool check_x = arg_to_check != 1, check_y = arg_to_check != 0;
+  // torch rounds a Python float multiplier to the tensor's fp32 opmath type; do the same.
+  const float fa = static_cast<float>(a), fb = static_cast<float>(b);
+  const CpuIsa isa = cpu_isa();
+  plan.parallel_for_each([&](int64_t i, const TensorChunk& c) {
+    bool bd = false;
+    run_cpu_kernel<AxpbyChunk>(isa, xs[c.tensor], ys[c.tensor], os[c.tensor], c, fa, fb, check_x,
+                               check_y, &bd);
+    bad[i] = bd;
+  });
+  set_found_inf_cpu(found_inf, std::any_of(bad.begin(), bad.end(), [](uint8_t v) { return v; }));
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace mp_wrappers
+
+TORCH_LIBRARY_IMPL(mp_wrappers, CPU, m) {
+  m.impl("multi_tensor_scale_", &mp_wrappers::cpu::multi_tensor_scale_cpu);
+  m.impl("multi_tensor_axpby_", &mp_wrappers::cpu::multi_tensor_axpby_cpu);
+}
