@@ -7,6 +7,8 @@ from . import ops
 from .autocast import disable_casts, float_function, half_function, promote_function
 from .casting import cast_model
 from .ddp import MixedPrecisionDistributedDataParallel
+from .optim import (FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedOptimizer,
+                    FusedSGD)
 from .policy import Properties, resolve_properties
 from .scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 from .wrappers import ApexOptimWrapper, FP16OptimWrapper, MixedPrecisionOptimWrapper
@@ -16,5 +18,6 @@ __all__ = [
     'ops', 'cast_model', 'LossScaler', 'StaticLossScaler', 'DynamicLossScaler',
     'MixedPrecisionOptimWrapper', 'FP16OptimWrapper', 'ApexOptimWrapper', 'Properties',
     'resolve_properties', 'half_function', 'float_function', 'promote_function', 'disable_casts',
-    'MixedPrecisionDistributedDataParallel', '__version__',
+    'MixedPrecisionDistributedDataParallel', 'FusedOptimizer', 'FusedAdam', 'FusedSGD',
+    'FusedLAMB', 'FusedAdagrad', 'FusedNovoGrad', '__version__',
 ]

@@ -1,0 +1,54 @@
+"""FusedAdagrad: Adagrad in one multi-tensor op per bucket (apex's signature and defaults)."""
+from typing import Any, Dict, Optional
+
+from torch import Tensor
+
+from ..ops.optimizers import _check_lr, _check_nonnegative
+from ..registry import OPTIMIZERS
+from .base import FusedOptimizer, ParamsT, _Bucket
+
+__all__ = ['FusedAdagrad']
+
+
+@OPTIMIZERS.register_module()
+class FusedAdagrad(FusedOptimizer):
+    """Adagrad (apex FusedAdagrad): ``h += g * g; p -= lr * g / (sqrt(h) + eps)``.
+
+    Matches ``torch.optim.Adagrad`` with ``lr_decay=0`` and ``initial_accumulator_value=0``. Weight
+    decay is L2 on the gradient, or with ``adagrad_w_mode`` decoupled (``+ weight_decay * p`` in the
+    update). The sums of squares are float32 for every param dtype.
+
+    Args:
+        params: Parameters or param-group dicts.
+        lr: Learning rate.
+        eps: Added to the denominator.
+        weight_decay: Weight decay coefficient.
+        set_grad_none: Default of ``zero_grad(set_to_none=...)``.
+        adagrad_w_mode: Decoupled weight decay when True.
+
+    Examples:
+        >>> optim_wrapper = dict(
+        ...     type='OptimWrapper',
+        ...     optimizer=dict(type='mp_wrappers.FusedAdagrad', lr=1e-2))
+    """
+
+    _op = 'multi_tensor_adagrad_'
+    _tensor_state = ('sum',)
+
+    def __init__(self, params: ParamsT, lr: float = 1e-2, eps: float = 1e-10,
+                 weight_decay: float = 0.0, set_grad_none: bool = True,
+                 adagrad_w_mode: bool = False) -> None:
+        defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode)
+        super().__init__(params, defaults, set_grad_none)
+
+    def _check_hyperparameters(self, group: Dict[str, Any]) -> None:
+        _check_lr('FusedAdagrad', group['lr'])
+        _check_nonnegative('FusedAdagrad', 'eps', group['eps'])
+        _check_nonnegative('FusedAdagrad', 'weight_decay', group['weight_decay'])
+
+    def _launch(self, bucket: _Bucket, grad_scale: Optional[Tensor], found_inf: Optional[Tensor],
+                prepared: Any) -> None:
+        g = bucket.group
+        self._call_op(bucket, bucket.params, bucket.grads, bucket.states['sum'],
+                      bucket.model_params, bucket.step, float(g['lr']), float(g['eps']),
+                      float(g['weight_decay']), bool(g['adagrad_w_mode']), grad_scale, found_inf)

@@ -1,0 +1,98 @@
+"""FusedAdam: Adam and AdamW in one multi-tensor op per bucket (apex's signature and defaults)."""
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..casting import HALF_DTYPES
+from ..ops.optimizers import _check_betas, _check_lr, _check_nonnegative
+from ..registry import OPTIMIZERS
+from .base import FusedOptimizer, ParamsT, _Bucket, _like
+
+__all__ = ['FusedAdam']
+
+
+@OPTIMIZERS.register_module()
+class FusedAdam(FusedOptimizer):
+    """Adam / AdamW with the update of each bucket of params in one fused op (apex FusedAdam).
+
+    With ``adam_w_mode=True`` (the default, as in apex) weight decay is decoupled:
+    ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)``, i.e. torch's AdamW. With False it
+    is L2 regularisation added to the gradient, i.e. torch's Adam. Moments are float32 for every
+    param dtype; the step count is per param cohort (normally per group) and lives on the device.
+    See :class:`~mp_wrappers.optim.FusedOptimizer` for loss scaling and ``fused_master_step``.
+
+    Args:
+        params: Parameters or param-group dicts.
+        lr: Learning rate.
+        bias_correction: Divide the moments by ``1 - beta**t``.
+        betas: Coefficients of the running averages of the gradient and its square.
+        eps: Added to the denominator.
+        adam_w_mode: Decoupled weight decay (AdamW) when True, L2 regularisation when False.
+        weight_decay: Weight decay coefficient.
+        amsgrad: Must be False; the AMSGrad variant is not implemented (apex neither).
+        set_grad_none: Default of ``zero_grad(set_to_none=...)``.
+        capturable: Accepted for apex compatibility. The step count always lives on the device and
+            no update reads anything back to the host, so the step is CUDA-graph friendly either way;
+            note that hyperparameters are read as Python numbers when the step is called.
+        master_weights: Keep an fp32 master copy of every fp16/bf16 param in the optimizer state
+            and update it, rounding the result into the param (apex's option). Not needed when a
+            wrapper already swaps fp32 masters into ``param_groups``.
+
+    Examples:
+        >>> optim_wrapper = dict(
+        ...     type='OptimWrapper',
+        ...     optimizer=dict(type='mp_wrappers.FusedAdam', lr=1e-3, weight_decay=0.05))
+        >>> opt = FusedAdam(model.parameters(), lr=1e-3)
+        >>> loss.backward(); opt.step(); opt.zero_grad()
+    """
+
+    _op = 'multi_tensor_adam_'
+    _tensor_state = ('exp_avg', 'exp_avg_sq')
+
+    def __init__(self, params: ParamsT, lr: float = 1e-3, bias_correction: bool = True,
+                 betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False,
+                 set_grad_none: bool = True, capturable: bool = False,
+                 master_weights: bool = False) -> None:
+        if amsgrad:
+            raise ValueError('FusedAdam: amsgrad=True is not supported (there is no fused AMSGrad '
+                             'update); use amsgrad=False or torch.optim.Adam(amsgrad=True)')
+        self.capturable = bool(capturable)
+        self.master_weights = bool(master_weights)
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                        weight_decay=weight_decay, adam_w_mode=adam_w_mode)
+        super().__init__(params, defaults, set_grad_none)
+
+    def _check_hyperparameters(self, group: Dict[str, Any]) -> None:
+        _check_lr('FusedAdam', group['lr'])
+        _check_betas('FusedAdam', group['betas'])
+        _check_nonnegative('FusedAdam', 'eps', group['eps'])
+        _check_nonnegative('FusedAdam', 'weight_decay', group['weight_decay'])
+        if group.get('amsgrad', False):
+            raise ValueError('FusedAdam: amsgrad=True is not supported')
+
+    def _init_extra_state(self, param: Tensor, state: Dict[str, Any]) -> None:
+        if self.master_weights and param.dtype in HALF_DTYPES:
+            state['master_param'] = _like(param, torch.float32).copy_(param)
+
+    def _update_target(self, param: Tensor, state: Dict[str, Any],
+                       model: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+        master = state.get('master_param')
+        if master is None:
+            return param, model
+        if model is not None:
+            raise ValueError('FusedAdam(master_weights=True) keeps its own fp32 master for a half '
+                             'param; fused_master_step cannot also write a model copy for it')
+        # The internal master is updated and the param itself is the model copy.
+        return master, param
+
+    def _launch(self, bucket: _Bucket, grad_scale: Optional[Tensor], found_inf: Optional[Tensor],
+                prepared: Any) -> None:
+        g = bucket.group
+        beta1, beta2 = g['betas']
+        self._call_op(bucket, bucket.params, bucket.grads, bucket.states['exp_avg'],
+                      bucket.states['exp_avg_sq'], bucket.model_params, bucket.step,
+                      float(g['lr']), float(beta1), float(beta2), float(g['eps']),
+                      float(g['weight_decay']), bool(g['adam_w_mode']),
+                      bool(g['bias_correction']), grad_scale, found_inf)

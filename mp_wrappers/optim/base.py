@@ -1,0 +1,434 @@
+"""The base class of the fused optimizers: bucketing, state, skipped steps and the master-step protocol.
+
+Note [fused master step]
+    A mixed-precision wrapper keeps fp32 master params in ``optimizer.param_groups`` while the model
+    holds fp16/bf16 params whose ``.grad`` is scaled by the loss scale. The classic way (apex O2,
+    FP16_Optimizer) unscales every half grad into an fp32 master grad, steps the masters and copies
+    them back into the model: about 44 bytes of memory traffic per parameter. ``fused_master_step``
+    hands the half grads and the half model params straight to the update op, which unscales, updates
+    the master and its state and writes the rounded value into the model in one pass (about 30 bytes,
+    see REFERENCE.md section 7), with the overflow skip decided on the device.
+
+Note [step cohorts]
+    Each parameter's state holds ``step``, a 1-element float32 tensor counting the updates applied to
+    it (incremented by the op on the device, not when a step is skipped for an overflow). Params that
+    received their first gradient at the same step share one tensor object, so normally a whole group
+    shares one counter, as apex's per-group step, and a bucket needs one op call. A param that starts
+    later gets its own counter, which is torch.optim's per-parameter semantics (SGD initialises its
+    momentum buffer, Adam starts its bias correction, on that param's own first update). Loading a
+    state dict merges counters of equal value again.
+"""
+from collections import defaultdict
+from itertools import chain
+from typing import (Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple,
+                    Union)
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from ..ops._dispatch import implementation
+
+__all__ = ['FusedOptimizer']
+
+ParamsT = Union[Iterable[Tensor], Iterable[Dict[str, Any]]]
+# Top-level key of state_dict(): the layout version of the per-parameter state written here.
+_VERSION_KEY = 'mp_wrappers_fused_optimizer_version'
+_VERSION = 1
+
+
+def _is_dense(t: Tensor) -> bool:
+    """Whether ``t`` covers a gap-free, non-overlapping block of memory (any dim order)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.size()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _same_order(t: Tensor, ref: Tensor) -> bool:
+    """Whether the memory-order flat views of ``t`` and ``ref`` pair up the same elements."""
+    if t.is_contiguous() and ref.is_contiguous():
+        return True
+    return t.shape == ref.shape and t.stride() == ref.stride() and _is_dense(t)
+
+
+def _flat(t: Tensor) -> Tensor:
+    """The 1-D view of a dense tensor in memory order (channels_last tensors included)."""
+    if t.is_contiguous():
+        return t.view(-1)
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def _like(ref: Tensor, dtype: torch.dtype) -> Tensor:
+    """An empty tensor with ``ref``'s shape and memory order (contiguous when ``ref`` is not dense)."""
+    if _is_dense(ref):
+        return torch.empty_like(ref, dtype=dtype, memory_format=torch.preserve_format)
+    return torch.empty(ref.shape, dtype=dtype, device=ref.device)
+
+
+class _Bucket:
+    """The lists of one op call: one group, device, set of dtypes and step counter."""
+
+    __slots__ = ('group', 'device', 'step', 'params', 'grads', 'model_params', 'states')
+
+    def __init__(self, group: Dict[str, Any], device: torch.device, step: Tensor,
+                 state_keys: Sequence[str]) -> None:
+        self.group = group
+        self.device = device
+        self.step = step
+        self.params: List[Tensor] = []
+        self.grads: List[Tensor] = []
+        self.model_params: List[Tensor] = []
+        self.states: Dict[str, List[Tensor]] = {k: [] for k in state_keys}
+
+
+class FusedOptimizer(Optimizer):
+    """Base class of the fused optimizers: one multi-tensor op call per (group, device, dtype) bucket.
+
+    Subclasses declare their per-parameter state and launch their op on a bucket; this class does the
+    rest the same way for all of them:
+
+    * **Buckets.** Params with a gradient are grouped by param group, device, the dtypes of param,
+      grad and model copy, and step counter (Note [step cohorts]); every bucket is one op call, which
+      reads the group's hyperparameters then, so LR schedulers take effect at the next step.
+    * **State.** float32 tensors (moments even for half params), shaped and laid out like the param;
+      ``step`` a 1-element float32 tensor. ``state_dict()`` holds tensors and numbers only (loadable
+      with ``torch.load(weights_only=True)``) plus a version key; ``load_state_dict`` keeps the state
+      float32 where torch's loader would cast it to the param's dtype.
+    * **Loss scaling in the kernel.** ``step(grad_scale=..., found_inf=...)`` divides the grads by
+      ``grad_scale`` and, when ``found_inf`` is nonzero, leaves params, state and step counters
+      bit-identical, decided on the device (no host sync). ``_step_supports_amp_scaling = True`` makes
+      ``torch.amp.GradScaler.step`` pass its scale and flag this way (as the ``grad_scale`` /
+      ``found_inf`` attributes it sets on the optimizer) instead of unscaling the grads itself.
+    * **Fused mixed-precision step** (Note [fused master step]). With ``supports_fused_master_step``
+      every fused optimizer implements::
+
+          fused_master_step(grads, model_params, grad_scale=None, found_inf=None) -> None
+
+      ``grads[g][i]`` is the gradient for ``self.param_groups[g]['params'][i]`` (an fp32 master), of
+      any float dtype and scaled by ``grad_scale``, or None to use that param's own ``.grad`` (the
+      slot is skipped when that is None too). ``model_params[g][i]`` is the fp16/bf16 model tensor
+      that receives the updated value rounded to its dtype, or None (an fp32 param stepped as it is).
+      Either argument may be None as a whole (all None). The update is one op call per bucket; no
+      fp32 master-grad buffers are made, and ``found_inf`` skips the model copies too.
+
+    ``zero_grad(set_to_none=None)`` uses the constructor's ``set_grad_none`` by default (apex), and
+    accepts torch's keyword.
+    """
+
+    _step_supports_amp_scaling: ClassVar[bool] = True
+    supports_fused_master_step: ClassVar[bool] = True
+    #: The op of ``mp_wrappers.ops.reference`` / ``torch.ops.mp_wrappers`` this optimizer calls.
+    _op: ClassVar[str] = ''
+    #: Per-parameter float32 state tensors shaped like the param (besides ``step``).
+    _tensor_state: ClassVar[Tuple[str, ...]] = ()
+    #: Per-parameter 1-element float32 state (NovoGrad's running grad norm).
+    _scalar_state: ClassVar[Tuple[str, ...]] = ()
+
+    def __init__(self, params: ParamsT, defaults: Dict[str, Any], set_grad_none: bool) -> None:
+        self._check_hyperparameters(defaults)
+        self.set_grad_none = bool(set_grad_none)
+        super().__init__(params, defaults)
+
+    # ---- hooks for subclasses ----------------------------------------------------------------------
+
+    def _check_hyperparameters(self, group: Dict[str, Any]) -> None:
+        """Raise ValueError naming the option when a group's hyperparameter is invalid."""
+        raise NotImplementedError
+
+    def _tensor_state_keys(self, group: Dict[str, Any]) -> Tuple[str, ...]:
+        """The tensor-state keys a param of ``group`` needs (SGD needs none without momentum)."""
+        return self._tensor_state
+
+    def _update_target(self, param: Tensor, state: Dict[str, Any],
+                       model: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+        """The tensor the op updates for ``param`` and the model copy it writes (FusedAdam's
+        ``master_weights`` substitutes an internal fp32 master here)."""
+        return param, model
+
+    def _init_extra_state(self, param: Tensor, state: Dict[str, Any]) -> None:
+        """Create state beyond the declared tensors (FusedAdam's internal master)."""
+
+    def _prepare(self, buckets: List[_Bucket], grad_scale: Optional[Tensor]) -> Any:
+        """Work over all buckets before any update (LAMB's global grad norm); passed to _launch."""
+        return None
+
+    def _launch(self, bucket: _Bucket, grad_scale: Optional[Tensor], found_inf: Optional[Tensor],
+                prepared: Any) -> None:
+        """Call the op once on ``bucket`` with its group's hyperparameters."""
+        raise NotImplementedError
+
+    # ---- torch.optim.Optimizer API -----------------------------------------------------------------
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Add a group after checking its hyperparameters (those it sets and the defaults)."""
+        merged = dict(self.defaults)
+        merged.update({k: v for k, v in param_group.items() if k != 'params'})
+        self._check_hyperparameters(merged)
+        super().add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        """Reset the grads; ``set_to_none`` defaults to the constructor's ``set_grad_none``."""
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None, *,
+             grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> Any:
+        """Update every param that has a ``.grad``.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (run with grad enabled).
+            grad_scale: 1-element float32 tensor the grads are divided by, e.g. a loss scale. When
+                omitted, the ``grad_scale`` attribute ``torch.amp.GradScaler.step`` sets is used.
+            found_inf: 1-element float32 flag; nonzero skips the whole update on the device. When
+                omitted, the ``found_inf`` attribute set by GradScaler is used.
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if grad_scale is None:
+            grad_scale = getattr(self, 'grad_scale', None)
+        if found_inf is None:
+            found_inf = getattr(self, 'found_inf', None)
+        self._update(None, None, grad_scale, found_inf)
+        return loss
+
+    @torch.no_grad()
+    def fused_master_step(self, grads: Optional[Sequence[Sequence[Optional[Tensor]]]],
+                          model_params: Optional[Sequence[Sequence[Optional[Tensor]]]],
+                          grad_scale: Optional[Tensor] = None,
+                          found_inf: Optional[Tensor] = None) -> None:
+        """Update the fp32 masters in ``param_groups`` from half grads and write the half model.
+
+        See the class docstring and Note [fused master step] for the protocol.
+
+        Args:
+            grads: Per group, per param: the (scaled) gradient to use, or None for ``param.grad``.
+            model_params: Per group, per param: the model tensor receiving the rounded new value,
+                or None.
+            grad_scale: 1-element float32 tensor the grads are divided by.
+            found_inf: 1-element float32 flag; nonzero skips params, state, step counters and
+                model copies alike.
+        """
+        for name, nested in (('grads', grads), ('model_params', model_params)):
+            if nested is None:
+                continue
+            if len(nested) != len(self.param_groups):
+                raise ValueError(f'{type(self).__name__}.fused_master_step: {name} has '
+                                 f'{len(nested)} groups but the optimizer has '
+                                 f'{len(self.param_groups)}')
+            for gi, (entries, group) in enumerate(zip(nested, self.param_groups)):
+                if len(entries) != len(group['params']):
+                    raise ValueError(f'{type(self).__name__}.fused_master_step: {name}[{gi}] has '
+                                     f'{len(entries)} entries but param group {gi} has '
+                                     f'{len(group["params"])} params')
+        self._update(grads, model_params, grad_scale, found_inf)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's optimizer state dict plus a layout version key."""
+        state = super().state_dict()
+        state[_VERSION_KEY] = _VERSION
+        return state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state dict of this optimizer (or of the matching torch.optim one).
+
+        Raises:
+            ValueError: When the layout version is unknown, the groups do not match, or a param's
+                state lacks a tensor this optimizer needs.
+        """
+        name = type(self).__name__
+        version = state_dict.get(_VERSION_KEY, _VERSION)
+        if version != _VERSION:
+            raise ValueError(f'{name}.load_state_dict: state layout version {version!r} is not '
+                             f'supported (this version of mp_wrappers writes {_VERSION})')
+        super().load_state_dict(state_dict)
+        # torch's loader casts every floating state tensor to its param's dtype, which would round
+        # the fp32 moments of half params; and it returns the caller's own tensors when no cast is
+        # needed. Re-read the saved values: fp32 copies on the param's device.
+        saved_ids = chain.from_iterable(g['params'] for g in state_dict['param_groups'])
+        for saved_id, group_params in zip(saved_ids, chain.from_iterable(
+                g['params'] for g in self.param_groups)):
+            saved = state_dict['state'].get(saved_id)
+            if saved is None:
+                continue
+            param = group_params
+            state = self.state[param]
+            for key, value in saved.items():
+                if isinstance(value, Tensor) and value.is_floating_point():
+                    state[key] = value.to(device=param.device, dtype=torch.float32, copy=True)
+            if 'step' in state and isinstance(state['step'], Tensor):
+                state['step'] = state['step'].reshape(1)
+            elif 'step' in state:  # a plain number from an older optimizer
+                state['step'] = torch.full((1,), float(state['step']), device=param.device)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)  # e.g. a torch.optim.Adam dict lacks adam_w_mode
+            self._check_hyperparameters(group)
+            self._check_loaded_state(group, name)
+        self._merge_step_cohorts()
+
+    # ---- internals ---------------------------------------------------------------------------------
+
+    def _check_loaded_state(self, group: Dict[str, Any], name: str) -> None:
+        keys = self._tensor_state_keys(group) + self._scalar_state + ('step',)
+        for i, param in enumerate(group['params']):
+            state = self.state.get(param)
+            if not state:
+                continue
+            for key in keys:
+                value = state.get(key)
+                if not isinstance(value, Tensor):
+                    raise ValueError(f'{name}.load_state_dict: the state of param {i} of its group '
+                                     f'lacks the tensor {key!r} (has {sorted(state)}); was it '
+                                     'saved by another optimizer?')
+                want = 1 if key in self._scalar_state or key == 'step' else param.numel()
+                if value.numel() != want:
+                    raise ValueError(f'{name}.load_state_dict: state {key!r} of param {i} has '
+                                     f'{value.numel()} elements, expected {want}')
+
+    def _merge_step_cohorts(self) -> None:
+        """Share one step tensor among the params of a group (and device) whose counts are equal.
+
+        Runs at load time only, where reading the counts to the host is fine.
+        """
+        for group in self.param_groups:
+            by_device: Dict[torch.device, List[Dict[str, Any]]] = defaultdict(list)
+            for param in group['params']:
+                state = self.state.get(param)
+                if state and isinstance(state.get('step'), Tensor):
+                    by_device[param.device].append(state)
+            for states in by_device.values():
+                counts = torch.cat([s['step'].reshape(1) for s in states]).tolist()
+                shared: Dict[float, Tensor] = {}
+                for state, count in zip(states, counts):
+                    state['step'] = shared.setdefault(count, state['step'])
+
+    def _init_state(self, param: Tensor, group: Dict[str, Any], step: Tensor) -> Dict[str, Any]:
+        state = self.state[param]
+        for key in self._tensor_state_keys(group):
+            state[key] = _like(param, torch.float32).zero_()
+        for key in self._scalar_state:
+            state[key] = torch.zeros(1, dtype=torch.float32, device=param.device)
+        state['step'] = step
+        self._init_extra_state(param, state)
+        return state
+
+    def _ensure_layout(self, state: Dict[str, Any], key: str, ref: Tensor) -> Tensor:
+        """The state tensor ``key`` in ``ref``'s memory order, re-laid out once if needed."""
+        value = state.get(key)
+        if value is None:  # e.g. SGD momentum switched on after the first steps
+            value = state[key] = _like(ref, torch.float32).zero_()
+        elif not _same_order(value, ref) or value.dtype != torch.float32:
+            value = state[key] = _like(ref, torch.float32).copy_(value.reshape(ref.shape))
+        return value
+
+    def _collect(self, grads: Optional[Sequence[Sequence[Optional[Tensor]]]],
+                 model_params: Optional[Sequence[Sequence[Optional[Tensor]]]],
+                 writebacks: List[Tuple[Tensor, Tensor]]) -> List[_Bucket]:
+        name = type(self).__name__
+        buckets: Dict[tuple, _Bucket] = {}
+        for gi, group in enumerate(self.param_groups):
+            keys = self._tensor_state_keys(group)
+            new_steps: Dict[torch.device, Tensor] = {}
+            for pi, param in enumerate(group['params']):
+                grad = grads[gi][pi] if grads is not None else None
+                if grad is None:
+                    grad = param.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise RuntimeError(f'{name} does not support sparse gradients (param {pi} of '
+                                       f'group {gi}); use torch.optim.SparseAdam for sparse ones')
+                model = model_params[gi][pi] if model_params is not None else None
+                state = self.state[param]
+                if 'step' not in state:
+                    step = new_steps.get(param.device)
+                    if step is None:
+                        step = new_steps[param.device] = torch.zeros(
+                            1, dtype=torch.float32, device=param.device)
+                    state = self._init_state(param, group, step)
+                target, model = self._update_target(param, state, model)
+                for what, t in (('gradient', grad), ('model param', model)):
+                    if t is None:
+                        continue
+                    if not t.is_floating_point():
+                        raise TypeError(f'{name}: the {what} of param {pi} of group {gi} has '
+                                        f'dtype {t.dtype}; expected a floating-point tensor')
+                    if t.device != target.device or t.numel() != target.numel():
+                        raise ValueError(f'{name}: the {what} of param {pi} of group {gi} is '
+                                         f'{tuple(t.shape)} on {t.device}, but the param is '
+                                         f'{tuple(target.shape)} on {target.device}')
+                key = (gi, target.device, target.dtype, grad.dtype,
+                       None if model is None else model.dtype, id(state['step']))
+                bucket = buckets.get(key)
+                if bucket is None:
+                    bucket = buckets[key] = _Bucket(group, target.device, state['step'],
+                                                    keys + self._scalar_state)
+                # Every tensor of one slot is passed as a flat view in the target's memory order
+                # (so channels_last params work); tensors in another order are copied, and written
+                # ones copied back after the op (a skipped step copies back the same bits).
+                if _is_dense(target):
+                    order = target
+                else:  # e.g. a strided view: update a contiguous copy of the same shape
+                    order = target.clone(memory_format=torch.contiguous_format)
+                    writebacks.append((target, order))
+                bucket.params.append(_flat(order))
+                bucket.grads.append(_flat(grad) if _same_order(grad, order) else
+                                    _flat(_like(order, grad.dtype).copy_(grad.reshape(order.shape))))
+                if model is not None:
+                    if _same_order(model, order):
+                        bucket.model_params.append(_flat(model))
+                    else:
+                        staged_model = _flat(_like(order, model.dtype).copy_(
+                            model.reshape(order.shape)))
+                        writebacks.append((model, staged_model))
+                        bucket.model_params.append(staged_model)
+                for k in keys:
+                    bucket.states[k].append(_flat(self._ensure_layout(state, k, order)))
+                for k in self._scalar_state:
+                    bucket.states[k].append(state[k])
+        return list(buckets.values())
+
+    def _update(self, grads: Optional[Sequence[Sequence[Optional[Tensor]]]],
+                model_params: Optional[Sequence[Sequence[Optional[Tensor]]]],
+                grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+        writebacks: List[Tuple[Tensor, Tensor]] = []
+        buckets = self._collect(grads, model_params, writebacks)
+        if not buckets:
+            return
+        # A step counter shared by several buckets (a group mixing dtypes) must advance once: each
+        # of those buckets advances a copy, and one copy is written back (they all agree).
+        users: Dict[int, int] = defaultdict(int)
+        for bucket in buckets:
+            users[id(bucket.step)] += 1
+        for bucket in buckets:
+            if users[id(bucket.step)] > 1:
+                shared = bucket.step
+                bucket.step = shared.clone()
+                writebacks.append((shared, bucket.step))
+        prepared = self._prepare(buckets, grad_scale)
+        for bucket in buckets:
+            self._launch(bucket, _scalar_on(grad_scale, bucket.device),
+                         _scalar_on(found_inf, bucket.device), prepared)
+        for dst, src in writebacks:
+            dst.copy_(src.reshape(dst.shape))
+
+    def _call_op(self, bucket: _Bucket, *args: Any) -> None:
+        implementation(self._op, bucket.device)(*args)
+
+
+def _scalar_on(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
+    """A scale or flag as the ops take it: 1-element float32 on ``device`` (GradScaler's are 0-dim,
+    and its summed flag lives on the scaler's device)."""
+    if t is None:
+        return None
+    if not isinstance(t, Tensor) or t.numel() != 1:
+        raise ValueError(f'grad_scale and found_inf must be 1-element tensors, got {t!r}')
+    return t.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1)

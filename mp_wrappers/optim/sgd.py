@@ -1,0 +1,73 @@
+"""FusedSGD: SGD with momentum in one multi-tensor op per bucket (apex's signature and defaults)."""
+from typing import Any, Dict, Optional, Tuple
+
+from torch import Tensor
+
+from ..ops.optimizers import _check_lr, _check_nonnegative
+from ..registry import OPTIMIZERS
+from .base import FusedOptimizer, ParamsT, _Bucket
+
+__all__ = ['FusedSGD']
+
+
+@OPTIMIZERS.register_module()
+class FusedSGD(FusedOptimizer):
+    """SGD with momentum, dampening, Nesterov and weight decay (torch.optim.SGD math, apex FusedSGD).
+
+    The first applied update sets the momentum buffer to the gradient, as torch does; the decision
+    is made on the device from the step count, so an overflow-skipped first step leaves the buffer
+    untouched and the next applied step is still "first" (some fused SGDs advance momentum on skipped
+    steps; this one does not). ``wd_after_momentum`` adds ``weight_decay * p`` to the direction after
+    the momentum instead of to the gradient before it (apex).
+
+    Args:
+        params: Parameters or param-group dicts.
+        lr: Learning rate (required, as in apex).
+        momentum: Momentum factor (0 disables the buffers).
+        dampening: Dampening of the gradient in the momentum update.
+        weight_decay: Weight decay (L2) coefficient.
+        nesterov: Nesterov momentum (needs momentum > 0 and dampening 0).
+        wd_after_momentum: Apply weight decay after the momentum.
+        materialize_master_grads: Accepted for apex compatibility (there it decided whether amp
+            made fp32 master grads). Never needed here: ``fused_master_step`` reads the half grads
+            directly. Kept as the attribute of the same name.
+        set_grad_none: Default of ``zero_grad(set_to_none=...)`` (False, as in apex).
+
+    Examples:
+        >>> optim_wrapper = dict(
+        ...     type='OptimWrapper',
+        ...     optimizer=dict(type='mp_wrappers.FusedSGD', lr=0.1, momentum=0.9,
+        ...                    weight_decay=1e-4, nesterov=True))
+    """
+
+    _op = 'multi_tensor_sgd_'
+
+    def __init__(self, params: ParamsT, lr: float, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False,
+                 wd_after_momentum: bool = False, materialize_master_grads: bool = True,
+                 set_grad_none: bool = False) -> None:
+        self.materialize_master_grads = bool(materialize_master_grads)
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, wd_after_momentum=wd_after_momentum)
+        super().__init__(params, defaults, set_grad_none)
+
+    def _check_hyperparameters(self, group: Dict[str, Any]) -> None:
+        _check_lr('FusedSGD', group['lr'])
+        _check_nonnegative('FusedSGD', 'momentum', group['momentum'])
+        _check_nonnegative('FusedSGD', 'dampening', group['dampening'])
+        _check_nonnegative('FusedSGD', 'weight_decay', group['weight_decay'])
+        if group['nesterov'] and (group['momentum'] <= 0 or group['dampening'] != 0):
+            raise ValueError('FusedSGD: nesterov=True requires momentum > 0 and dampening == 0, '
+                             f'got momentum={group["momentum"]!r}, '
+                             f'dampening={group["dampening"]!r}')
+
+    def _tensor_state_keys(self, group: Dict[str, Any]) -> Tuple[str, ...]:
+        return ('momentum_buffer',) if group['momentum'] != 0 else ()
+
+    def _launch(self, bucket: _Bucket, grad_scale: Optional[Tensor], found_inf: Optional[Tensor],
+                prepared: Any) -> None:
+        g = bucket.group
+        self._call_op(bucket, bucket.params, bucket.grads, bucket.states.get('momentum_buffer', []),
+                      bucket.model_params, bucket.step, float(g['lr']), float(g['momentum']),
+                      float(g['dampening']), float(g['weight_decay']), bool(g['nesterov']),
+                      bool(g['wd_after_momentum']), grad_scale, found_inf)
