@@ -1,0 +1,281 @@
+"""Optimizer-step benchmark: mp_wrappers' fused optimizers against what torch offers.
+
+Two workloads on ~25M parameters in ~200 tensors (a 20-layer transformer-like stack; ``--quick``
+uses ~0.8M in 42 tensors, for the pure-PyTorch references or a smoke test):
+
+(a) fp32 AdamW step: ``FusedAdam`` vs ``torch.optim.AdamW(fused=True)`` and ``(foreach=True)``.
+(b) O2-style step: fp16/bf16 model params, fp32 masters, half grads scaled by a loss scale.
+    *fused*: one read-only pass over the half grads for the overflow flag (and the norm), then
+    ``FusedAdam.fused_master_step`` (unscale, AdamW on the masters, rounded copy into the model, skip
+    on the device) -- about 30 bytes per parameter.
+    *composed from torch*: ``torch._amp_foreach_non_finite_check_and_unscale_`` on the half grads,
+    ``g.float()`` into fp32 master grads, ``AdamW(fused=True)`` on the masters (skip through its
+    ``found_inf``), masters copied back into the model -- about 44 bytes per parameter.
+
+Every pipeline is first checked against the others on one step from the same state, then timed
+(median of ``--iters`` steps after warm-up), with 1 and 2 threads. Memory traffic per parameter
+over the time gives GB/s, compared with the measured in-place (read-modify-write) bandwidth, the
+roofline of these updates (REFERENCE.md section 7). Output is Markdown.
+
+Run: ``python benchmarks/bench_optimizers.py [--quick] [--threads 1 2] [--device cpu]``.
+"""
+import argparse
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+# Run from a checkout without installing: the package sits next to this folder.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import mp_wrappers  # noqa: E402
+from mp_wrappers.ops import multi_tensor_unscale_l2norm  # noqa: E402
+from mp_wrappers.optim import FusedAdam  # noqa: E402
+
+LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
+SCALE = 2.0 ** 12
+# Bytes moved per parameter by each pipeline (REFERENCE.md section 7).
+BYTES_FP32_ADAM = 28          # read p, g, m, v; write p, m, v
+BYTES_O2_FUSED = 2 + 28       # check pass over g16; g16 + p32/m/v read and written + p16 written
+BYTES_O2_COMPOSED = 4 + 6 + 28 + 6  # unscale g16 in place; g16 -> g32; Adam; p32 -> p16
+
+
+def shapes(quick: bool) -> List[Tuple[int, ...]]:
+    """Per layer: qkv, out, two MLP matrices, their biases and two norms' weight and bias."""
+    d, layers = (128, 4) if quick else (320, 20)
+    layer = [(3 * d, d), (3 * d,), (d, d), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,), (d,),
+             (d,)]
+    return [s for _ in range(layers) for s in layer] + [(d,), (d,)]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+def timeit(fn: Callable[[], None], device: torch.device, iters: int, warmup: int) -> float:
+    """Median seconds per call."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bandwidth(device: torch.device, numel: int) -> Dict[str, float]:
+    """Measured copy and in-place bandwidth in GB/s, read + write bytes counted."""
+    a = torch.rand(numel, device=device)
+    b = torch.empty_like(a)
+    copy = timeit(lambda: b.copy_(a), device, iters=10, warmup=2)
+    inplace = timeit(lambda: a.mul_(1.0000001), device, iters=10, warmup=2)
+    return dict(copy=2 * 4 * numel / copy / 1e9, inplace=2 * 4 * numel / inplace / 1e9)
+
+
+def make_fp32(sizes: Sequence[Tuple[int, ...]], device: torch.device, seed: int = 0
+              ) -> Tuple[List[Tensor], List[Tensor]]:
+    gen = torch.Generator(device='cpu').manual_seed(seed)
+    params = [torch.randn(s, generator=gen).mul_(0.02).to(device).requires_grad_() for s in sizes]
+    grads = [torch.randn(s, generator=gen).mul_(1e-3).to(device) for s in sizes]
+    return params, grads
+
+
+# ---- (a) fp32 AdamW ----------------------------------------------------------------------------------
+
+def fp32_pipelines(sizes, device) -> Dict[str, Tuple[List[Tensor], Callable[[], None]]]:
+    """name -> (params, one step)."""
+    out = {}
+    for name in ('mp_wrappers FusedAdam', 'torch AdamW fused=True', 'torch AdamW foreach=True'):
+        params, grads = make_fp32(sizes, device)
+        for p, g in zip(params, grads):
+            p.grad = g
+        if name.startswith('mp_wrappers'):
+            opt = FusedAdam(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        elif 'fused' in name:
+            opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                                    fused=True)
+        else:
+            opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                                    foreach=True)
+        out[name] = (params, opt.step)
+    return out
+
+
+# ---- (b) O2 step ---------------------------------------------------------------------------------------
+
+class O2State:
+    """Half model params with scaled half grads, and their fp32 masters."""
+
+    def __init__(self, sizes, device, half: torch.dtype) -> None:
+        masters, grads = make_fp32(sizes, device)
+        self.model = [m.detach().to(half) for m in masters]
+        self.masters = [m.float().requires_grad_() for m in self.model]
+        self.grads = [(g * SCALE).to(half) for g in grads]  # what backward of a scaled loss gives
+        self.pristine_grads = [g.clone() for g in self.grads]
+        self.scale = torch.full((1,), SCALE, device=device)
+        self.inv_scale = torch.full((1,), 1.0 / SCALE, device=device)
+
+    def restore_grads(self) -> None:
+        """The composed pipeline unscales the half grads in place; the next step needs scaled ones
+        (a real loop gets them from the next backward)."""
+        torch._foreach_copy_(self.grads, self.pristine_grads)
+
+
+def o2_fused(sizes, device, half) -> Tuple[O2State, Callable[[], None]]:
+    st = O2State(sizes, device, half)
+    opt = FusedAdam(st.masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    grads, model = [st.grads], [st.model]
+
+    def step() -> None:
+        # Read-only pass: overflow flag (and the global norm, free in the same pass, for clipping).
+        _, _, found_inf = multi_tensor_unscale_l2norm(st.grads, st.inv_scale)
+        opt.fused_master_step(grads, model, grad_scale=st.scale, found_inf=found_inf)
+
+    return st, step
+
+
+def o2_composed(sizes, device, half) -> Tuple[O2State, Callable[[], None]]:
+    st = O2State(sizes, device, half)
+    master_grads = [torch.empty_like(m) for m in st.masters]
+    for m, g in zip(st.masters, master_grads):
+        m.grad = g
+    opt = torch.optim.AdamW(st.masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
+
+    def step() -> None:
+        found_inf = torch.zeros((), device=device)  # torch fused Adam wants a 0-dim flag
+        # GradScaler.unscale_ refuses fp16 grads, but the op itself handles them.
+        torch._amp_foreach_non_finite_check_and_unscale_(st.grads, found_inf, st.inv_scale)
+        torch._foreach_copy_(master_grads, st.grads)
+        opt.found_inf = found_inf  # torch's fused Adam skips on the device through this attribute
+        opt.step()
+        del opt.found_inf
+        torch._foreach_copy_(st.model, st.masters)
+
+    return st, step
+
+
+# ---- driver --------------------------------------------------------------------------------------------
+
+def check_fp32(sizes, device) -> None:
+    pipes = fp32_pipelines(sizes, device)
+    results = {}
+    for name, (params, step) in pipes.items():
+        step()
+        results[name] = params
+    ref = results['torch AdamW fused=True']
+    for name, params in results.items():
+        for p, q in zip(params, ref):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f'(a) {name} disagrees with torch: {m}')
+
+
+def check_o2(sizes, device, half) -> float:
+    """Both O2 pipelines against torch fused AdamW on exactly unscaled fp32 grads.
+
+    Returns the largest deviation of the composed pipeline: unscaling fp16 grads in fp16 flushes
+    small ones into subnormals, which moves Adam's first steps by up to ``lr`` on those elements.
+    """
+    fused, fstep = o2_fused(sizes, device, half)
+    composed, cstep = o2_composed(sizes, device, half)
+    exact = [m.detach().clone().requires_grad_() for m in fused.masters]
+    for m, g in zip(exact, fused.grads):
+        m.grad = g.float() / SCALE
+    torch.optim.AdamW(exact, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True).step()
+    fstep()
+    cstep()
+    for a, b in zip(fused.masters, exact):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f'(b) fused masters disagree: {m}')
+    for a, b in zip(fused.model, exact):
+        # Model copies are masters rounded once: at most one half-precision ulp apart.
+        torch.testing.assert_close(a.float(), b.to(half).float(), rtol=1e-2, atol=1e-6)
+    worst = 0.0
+    for a, b in zip(composed.masters, exact):
+        torch.testing.assert_close(a, b, rtol=0, atol=2 * LR,
+                                   msg=lambda m: f'(b) composed masters disagree: {m}')
+        worst = max(worst, float((a - b).abs().max()))
+    return worst
+
+
+def row(name: str, seconds: float, bytes_per_param: int, numel: int, bw: float,
+        baseline: float) -> str:
+    gbs = bytes_per_param * numel / seconds / 1e9
+    return (f'| {name} | {seconds * 1e3:.2f} | {baseline / seconds:.2f}x | {bytes_per_param} | '
+            f'{gbs:.1f} | {100 * gbs / bw:.0f}% |')
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--quick', action='store_true', help='small workload (~0.8M params)')
+    parser.add_argument('--threads', type=int, nargs='+', default=[1, 2])
+    parser.add_argument('--iters', type=int, default=None, help='timed steps (median reported)')
+    parser.add_argument('--device', default='cpu')
+    parser.add_argument('--half', nargs='+', default=['bfloat16', 'float16'],
+                        choices=['bfloat16', 'float16'])
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    iters = args.iters or (5 if args.quick else 20)
+    warmup = 2 if args.quick else 3
+    sizes = shapes(args.quick)
+    numel = sum(torch.Size(s).numel() for s in sizes)
+
+    print('# Optimizer step benchmark\n')
+    print(f'- torch {torch.__version__}, mp_wrappers {mp_wrappers.__version__}, backend '
+          f'{mp_wrappers.ops.backend()}')
+    print(f'- {platform.processor() or platform.machine()}, device {device}')
+    print(f'- {numel / 1e6:.2f}M params in {len(sizes)} tensors; median of {iters} steps')
+    check_fp32(sizes, device)
+    deviations = {half: check_o2(sizes, device, getattr(torch, half)) for half in args.half}
+    print('- correctness: on one step every pipeline agrees with torch fused AdamW given exactly '
+          'unscaled fp32 grads; the composed O2 pipeline deviates by up to '
+          + ', '.join(f'{v:.1e} ({k})' for k, v in deviations.items())
+          + ' (it unscales in half precision)\n')
+
+    header = ('| pipeline | ms/step | speed-up vs torch baseline | bytes/param | GB/s | '
+              '% of in-place bandwidth |\n|---|---|---|---|---|---|')
+    for threads in args.threads:
+        if device.type == 'cpu':
+            torch.set_num_threads(threads)
+        bw = bandwidth(device, max(numel, 1 << 24))
+        print(f'## {threads} thread(s)\n')
+        print(f'Measured bandwidth: copy {bw["copy"]:.1f} GB/s, in-place {bw["inplace"]:.1f} GB/s '
+              '(read + write). Roofline of an fp32 Adam step: '
+              f'{BYTES_FP32_ADAM * numel / bw["inplace"] / 1e6:.2f} ms.\n')
+        print('### (a) fp32 AdamW\n')
+        print(header)
+        timings = {name: timeit(step, device, iters, warmup)
+                   for name, (_, step) in fp32_pipelines(sizes, device).items()}
+        base = timings['torch AdamW fused=True']
+        for name, sec in timings.items():
+            print(row(name, sec, BYTES_FP32_ADAM, numel, bw['inplace'], base))
+        for half in args.half:
+            dtype = getattr(torch, half)
+            print(f'\n### (b) O2 step, {half} model, fp32 masters, scaled {half} grads\n')
+            print(header)
+            composed_state, composed = o2_composed(sizes, device, dtype)
+            _, fused = o2_fused(sizes, device, dtype)
+
+            def composed_step() -> None:
+                composed()
+                composed_state.restore_grads()
+            # The grad restore is timed separately and subtracted: it is not part of a real step.
+            restore = timeit(composed_state.restore_grads, device, iters, warmup)
+            t_composed = max(timeit(composed_step, device, iters, warmup) - restore, 1e-9)
+            t_fused = timeit(fused, device, iters, warmup)
+            print(row('torch composed (unscale, cast, AdamW fused, copy back)', t_composed,
+                      BYTES_O2_COMPOSED, numel, bw['inplace'], t_composed))
+            print(row('mp_wrappers check pass + FusedAdam.fused_master_step', t_fused,
+                      BYTES_O2_FUSED, numel, bw['inplace'], t_composed))
+        print()
+
+
+if __name__ == '__main__':
+    main()
