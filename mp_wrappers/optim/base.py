@@ -55,9 +55,11 @@ def _same_order(t: Tensor, ref: Tensor) -> bool:
 
 
 def _flat(t: Tensor) -> Tensor:
-    """The 1-D view of a dense tensor in memory order (channels_last tensors included)."""
+    """A dense tensor as the ops take it: contiguous tensors as they are (the ops pair elements in
+    memory order whatever the shape, and skipping the ``view`` saves ~5 Python calls per param per
+    step), others as the 1-D view in memory order (channels_last tensors included)."""
     if t.is_contiguous():
-        return t.view(-1)
+        return t
     return t.as_strided((t.numel(),), (1,), t.storage_offset())
 
 
