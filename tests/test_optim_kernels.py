@@ -291,6 +291,24 @@ def test_opcheck(op):
     torch.library.opcheck(_kernel(op), st.args(op, hp))
 
 
+@pytest.mark.parametrize('op', OPS)
+def test_fake_kernel_runs_on_meta_tensors(op):
+    """opcheck passes without a fake kernel (the ops return nothing), but meta tensors and traces
+    need one; it validates the lists like eager mode does."""
+    hp = VARIANTS[op][0][1]
+    st = State(op, [37, 5], DTYPES[1], 'cpu', seed=4)
+
+    def to_meta(a):
+        if isinstance(a, list):
+            return [t.to('meta') for t in a]
+        return a.to('meta') if isinstance(a, torch.Tensor) else a
+    args = [to_meta(a) for a in st.args(op, hp)]
+    _kernel(op)(*args)  # no error, nothing to compute
+    args[1] = args[1][:1]  # grads no longer parallel to params
+    with pytest.raises(ValueError, match='grads has 1 tensors but params has 2'):
+        _kernel(op)(*args)
+
+
 def test_kernels_reject_bad_arguments():
     """Direct torch.ops calls are checked in C++ with messages naming the argument."""
     hp = VARIANTS['multi_tensor_adam_'][0][1]
