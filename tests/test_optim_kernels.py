@@ -284,10 +284,13 @@ def test_novograd_norms_are_exact(norm_type, device):
     torch.testing.assert_close(st.norms.double(), want, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('op', OPS)
-def test_opcheck(op):
+def test_opcheck(op, device):
+    if not _kernel_available(op, device):
+        pytest.skip(f'no {device} kernel built')
     hp = VARIANTS[op][0][1]
-    st = State(op, [37, 5], DTYPES[1], 'cpu', seed=4)
+    st = State(op, [37, 5], DTYPES[1], device, seed=4)
     torch.library.opcheck(_kernel(op), st.args(op, hp))
 
 
