@@ -4,9 +4,12 @@
 //
 // Semantics are those of mp_wrappers/ops/reference.py. The kernels repeat the reference's fp32
 // operations in the same order (Python float hyperparameters rounded to fp32 once, as torch does
-// for `tensor * python_float`), with no FMA contraction (-ffp-contract=off), so fp32 results are
-// bit-identical to the reference except where the reference itself reduces in another order
-// (LAMB's and NovoGrad's norms, accumulated here in double).
+// for `tensor * python_float`), with no FMA contraction (-ffp-contract=off) and correctly rounded
+// divide and sqrt. fp32 results therefore match the reference bit for bit except (a) where torch's
+// CPU sqrt is not correctly rounded (measured on torch 2.13 / AVX-512: ~16% of results 1 ulp off),
+// so Adam-family params can differ by an ulp, and (b) where the reference reduces in another order
+// (LAMB's and NovoGrad's norms: fp32 vector_norm there, double here). All three ISA flavours give
+// the same bits (tests/test_optim_kernels.py::test_isa_flavours_agree).
 #pragma once
 
 #include <ATen/core/Tensor.h>
