@@ -376,7 +376,7 @@ class FusedOptimizer(Optimizer):
                 # Every tensor of one slot is passed as a flat view in the target's memory order
                 # (so channels_last params work); tensors in another order are copied, and written
                 # ones copied back after the op (a skipped step copies back the same bits).
-                if _is_dense(target):
+                if target.is_contiguous() or _is_dense(target):  # fast path first
                     order = target
                 else:  # e.g. a strided view: update a contiguous copy of the same shape
                     order = target.clone(memory_format=torch.contiguous_format)
