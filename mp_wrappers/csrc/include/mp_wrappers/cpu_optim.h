@@ -134,6 +134,28 @@ inline const RawTensor* raw_at(const std::vector<RawTensor>& list, int64_t i) {
   return list.empty() ? nullptr : &list[static_cast<size_t>(i)];
 }
 
+// ---- software prefetch ---------------------------------------------------------------------------
+
+// The update loops stream 4-6 arrays at once (p, g, state, model copy), more than the hardware
+// prefetchers track well: an explicit prefetch 512 elements ahead of each stream made the fp32
+// Adam step ~10% faster on one thread here (interleaved A/B against torch's fused Adam: time ratio
+// 0.99-1.03 without, 0.88-0.89 with; neutral to slightly positive on two threads). A prefetch
+// never faults, so running past the end of an array is harmless.
+constexpr int64_t kPrefetchAhead = 512;
+
+// The address is formed as an integer: `p + kPrefetchAhead` past the end of an array would be
+// undefined behaviour even though the prefetch itself is not.
+template <class T>
+inline const void* ahead(const T* p) {
+  return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + kPrefetchAhead * sizeof(T));
+}
+template <class T>
+inline void prefetch_read(const T* p) { __builtin_prefetch(ahead(p), 0); }
+template <class T>
+inline void prefetch_write(T* p) {
+  if constexpr (!std::is_same<T, NoOut>::value) __builtin_prefetch(ahead(p), 1);
+}
+
 }  // namespace optim
 }  // namespace cpu
 }  // namespace mp_wrappers
