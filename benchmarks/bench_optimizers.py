@@ -13,9 +13,10 @@ uses ~0.8M in 42 tensors, for the pure-PyTorch references or a smoke test):
     ``found_inf``), masters copied back into the model -- about 44 bytes per parameter.
 
 Every pipeline is first checked against the others on one step from the same state, then timed
-(median of ``--iters`` steps after warm-up), with 1 and 2 threads. Memory traffic per parameter
-over the time gives GB/s, compared with the measured in-place (read-modify-write) bandwidth, the
-roofline of these updates (REFERENCE.md section 7). Output is Markdown.
+with 1 and 2 threads: ``--iters`` rounds after warm-up, one step of each pipeline per round (so load
+from other processes hits all alike), reporting the fastest and the median step. Memory traffic per
+parameter over the fastest time gives GB/s, compared with the measured in-place (read-modify-write)
+bandwidth, the roofline of these updates (REFERENCE.md section 7). Output is Markdown.
 
 Run: ``python benchmarks/bench_optimizers.py [--quick] [--threads 1 2] [--device cpu]``.
 """
@@ -58,7 +59,7 @@ def sync(device: torch.device) -> None:
 
 
 def timeit(fn: Callable[[], None], device: torch.device, iters: int, warmup: int) -> float:
-    """Median seconds per call."""
+    """Seconds of the fastest call (the least disturbed by other processes)."""
     for _ in range(warmup):
         fn()
     sync(device)
@@ -68,15 +69,47 @@ def timeit(fn: Callable[[], None], device: torch.device, iters: int, warmup: int
         fn()
         sync(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
+
+
+def time_interleaved(fns: Dict[str, Tuple[Callable[[], None], Callable[[], None]]],
+                     device: torch.device, iters: int, warmup: int
+                     ) -> Dict[str, Tuple[float, float]]:
+    """name -> (min, median) seconds per call of ``fns[name][0]``; ``fns[name][1]`` runs untimed
+    after each call (e.g. restoring inputs a pipeline consumes).
+
+    The pipelines are timed in rounds, one call of each per round, so that a burst of load from
+    other processes on a shared machine hits all of them alike instead of whichever happened to be
+    running (timing one pipeline's steps back to back made 2-thread ratios swing by 3x here). The
+    minimum is the least disturbed step; the median shows the spread.
+    """
+    for fn, after in fns.values():
+        for _ in range(warmup):
+            fn()
+            after()
+    sync(device)
+    times: Dict[str, List[float]] = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, (fn, after) in fns.items():
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - start)
+            after()
+    sync(device)
+    return {name: (min(t), statistics.median(t)) for name, t in times.items()}
+
+
+def _nothing() -> None:
+    pass
 
 
 def bandwidth(device: torch.device, numel: int) -> Dict[str, float]:
     """Measured copy and in-place bandwidth in GB/s, read + write bytes counted."""
     a = torch.rand(numel, device=device)
     b = torch.empty_like(a)
-    copy = timeit(lambda: b.copy_(a), device, iters=10, warmup=2)
-    inplace = timeit(lambda: a.mul_(1.0000001), device, iters=10, warmup=2)
+    copy = timeit(lambda: b.copy_(a), device, iters=20, warmup=2)
+    inplace = timeit(lambda: a.mul_(1.0000001), device, iters=20, warmup=2)
     return dict(copy=2 * 4 * numel / copy / 1e9, inplace=2 * 4 * numel / inplace / 1e9)
 
 
@@ -205,11 +238,12 @@ def check_o2(sizes, device, half) -> float:
     return worst
 
 
-def row(name: str, seconds: float, bytes_per_param: int, numel: int, bw: float,
+def row(name: str, seconds: Tuple[float, float], bytes_per_param: int, numel: int, bw: float,
         baseline: float) -> str:
-    gbs = bytes_per_param * numel / seconds / 1e9
-    return (f'| {name} | {seconds * 1e3:.2f} | {baseline / seconds:.2f}x | {bytes_per_param} | '
-            f'{gbs:.1f} | {100 * gbs / bw:.0f}% |')
+    best, median = seconds
+    gbs = bytes_per_param * numel / best / 1e9
+    return (f'| {name} | {best * 1e3:.2f} | {median * 1e3:.2f} | {baseline / best:.2f}x | '
+            f'{bytes_per_param} | {gbs:.1f} | {100 * gbs / bw:.0f}% |')
 
 
 def main() -> None:
@@ -231,7 +265,7 @@ def main() -> None:
     print(f'- torch {torch.__version__}, mp_wrappers {mp_wrappers.__version__}, backend '
           f'{mp_wrappers.ops.backend()}')
     print(f'- {platform.processor() or platform.machine()}, device {device}')
-    print(f'- {numel / 1e6:.2f}M params in {len(sizes)} tensors; median of {iters} steps')
+    print(f'- {numel / 1e6:.2f}M params in {len(sizes)} tensors; {iters} timed rounds, pipelines interleaved')
     check_fp32(sizes, device)
     deviations = {half: check_o2(sizes, device, getattr(torch, half)) for half in args.half}
     print('- correctness: on one step every pipeline agrees with torch fused AdamW given exactly '
@@ -239,8 +273,8 @@ def main() -> None:
           + ', '.join(f'{v:.1e} ({k})' for k, v in deviations.items())
           + ' (it unscales in half precision)\n')
 
-    header = ('| pipeline | ms/step | speed-up vs torch baseline | bytes/param | GB/s | '
-              '% of in-place bandwidth |\n|---|---|---|---|---|---|')
+    header = ('| pipeline | ms/step (min) | ms/step (median) | speed-up vs torch baseline (min) | '
+              'bytes/param | GB/s (min) | % of in-place bandwidth |\n|---|---|---|---|---|---|---|')
     for threads in args.threads:
         if device.type == 'cpu':
             torch.set_num_threads(threads)
@@ -251,9 +285,9 @@ def main() -> None:
               f'{BYTES_FP32_ADAM * numel / bw["inplace"] / 1e6:.2f} ms.\n')
         print('### (a) fp32 AdamW\n')
         print(header)
-        timings = {name: timeit(step, device, iters, warmup)
-                   for name, (_, step) in fp32_pipelines(sizes, device).items()}
-        base = timings['torch AdamW fused=True']
+        timings = time_interleaved({name: (step, _nothing) for name, (_, step)
+                                    in fp32_pipelines(sizes, device).items()}, device, iters, warmup)
+        base = timings['torch AdamW fused=True'][0]
         for name, sec in timings.items():
             print(row(name, sec, BYTES_FP32_ADAM, numel, bw['inplace'], base))
         for half in args.half:
@@ -262,18 +296,14 @@ def main() -> None:
             print(header)
             composed_state, composed = o2_composed(sizes, device, dtype)
             _, fused = o2_fused(sizes, device, dtype)
-
-            def composed_step() -> None:
-                composed()
-                composed_state.restore_grads()
-            # The grad restore is timed separately and subtracted: it is not part of a real step.
-            restore = timeit(composed_state.restore_grads, device, iters, warmup)
-            t_composed = max(timeit(composed_step, device, iters, warmup) - restore, 1e-9)
-            t_fused = timeit(fused, device, iters, warmup)
-            print(row('torch composed (unscale, cast, AdamW fused, copy back)', t_composed,
-                      BYTES_O2_COMPOSED, numel, bw['inplace'], t_composed))
-            print(row('mp_wrappers check pass + FusedAdam.fused_master_step', t_fused,
-                      BYTES_O2_FUSED, numel, bw['inplace'], t_composed))
+            # The composed pipeline unscales the half grads in place; they are restored untimed
+            # after each step (a real loop gets fresh ones from the next backward).
+            t = time_interleaved({'composed': (composed, composed_state.restore_grads),
+                                  'fused': (fused, _nothing)}, device, iters, warmup)
+            print(row('torch composed (unscale, cast, AdamW fused, copy back)', t['composed'],
+                      BYTES_O2_COMPOSED, numel, bw['inplace'], t['composed'][0]))
+            print(row('mp_wrappers check pass + FusedAdam.fused_master_step', t['fused'],
+                      BYTES_O2_FUSED, numel, bw['inplace'], t['composed'][0]))
         print()
 
 

@@ -32,6 +32,7 @@ def extension():
             try:
                 from mp_wrappers import _C  # importing registers torch.ops.mp_wrappers.*
                 from . import _fake  # noqa: F401  fake kernels need the schemas registered above
+                from . import _fake_optim  # noqa: F401  (same, fused-optimizer ops)
                 _ext = _C
             except Exception as exc:  # ImportError, undefined symbols, ABI mismatch...
                 _load_error = exc

@@ -1,0 +1,111 @@
+// CPU kernel of multi_tensor_adagrad_ (apex FusedAdagrad math; semantics and op order:
+// mp_wrappers/ops/reference.py::multi_tensor_adagrad_).
+//
+// One pass per chunk: load grad and param, unscale, decay, accumulate the squared grad into the
+// fp32 sum, store param, sum and the rounded model copy. step only counts applied updates.
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+#include "mp_wrappers/checks.h"
+#include "mp_wrappers/cpu_features.h"
+#include "mp_wrappers/cpu_multi_tensor.h"
+#include "mp_wrappers/cpu_optim.h"
+#include "mp_wrappers/cpu_vec.h"
+
+namespace mp_wrappers {
+namespace cpu {
+namespace {
+
+struct AdagradConsts {
+  float lr, eps, weight_decay;
+  bool adagrad_w_mode, has_weight_decay;
+  optim::Unscale unscale;
+};
+
+template <class V, class P, class G, class M>
+inline void adagrad_span(P* p, const G* g, float* h, M* out, int64_t n, const AdagradConsts& c) {
+  using F = typename V::F;
+  const F lr = V::set1(c.lr), eps = V::set1(c.eps), wd = V::set1(c.weight_decay);
+  const F us = V::set1(c.unscale.factor);
+  const bool l2 = !c.adagrad_w_mode && c.has_weight_decay;
+  const bool decoupled = c.adagrad_w_mode && c.has_weight_decay;
+  for (int64_t i = 0; i < n; i += V::kWidth) {
+    const int64_t k = n - i;
+    optim::prefetch_write(p + i);
+    optim::prefetch_read(g + i);
+    optim::prefetch_write(h + i);
+    optim::prefetch_write(optim::at_offset(out, i));
+    const F p32 = load_n<V>(p + i, k);
+    F g32 = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
+    if (l2) g32 = V::add(g32, V::mul(wd, p32));
+    const F h_new = V::add(load_n<V>(h + i, k), V::mul(g32, g32));
+    F update = V::div(g32, V::add(V::sqrt(h_new), eps));
+    if (decoupled) update = V::add(update, V::mul(wd, p32));
+    const F p_new = V::sub(p32, V::mul(lr, update));
+    store_n<V>(h + i, h_new, k);
+    store_n<V>(p + i, p_new, k);
+    optim::store_out<V>(optim::at_offset(out, i), p_new, k);
+  }
+}
+
+struct AdagradChunk {
+  template <class V>
+  static void run(const RawTensor& p, const RawTensor& g, const RawTensor& h,
+                  const RawTensor* out, const TensorChunk& ch, const AdagradConsts& c) {
+    const int64_t b = ch.begin, n = ch.end - ch.begin;
+    optim::with_typed(p, [&](auto* pp) {
+      optim::with_typed(g, [&](auto* gp) {
+        optim::with_typed_opt(out, [&](auto* op) {
+          adagrad_span<V>(pp + b, gp + b, static_cast<float*>(h.data) + b,
+                          optim::at_offset(op, b), n, c);
+        });
+      });
+    });
+  }
+};
+
+void multi_tensor_adagrad_cpu(at::TensorList params, at::TensorList grads,
+                              at::TensorList state_sums, at::TensorList model_params,
+                              const at::Tensor& step, double lr, double eps, double weight_decay,
+                              bool adagrad_w_mode, const std::optional<at::Tensor>& grad_scale,
+                              const std::optional<at::Tensor>& found_inf) {
+  constexpr const char* op = "multi_tensor_adagrad_";
+  const at::Device device = check_tensor_lists(
+      op, {{"params", params}, {"grads", grads}, {"state_sums", state_sums},
+           {"model_params", model_params}},
+      {"model_params"});
+  optim::check_fp32_list(op, "state_sums", state_sums);
+  optim::check_step(op, step, device);
+  optim::check_optional_scalar(op, "grad_scale", grad_scale, device);
+  optim::check_optional_scalar(op, "found_inf", found_inf, device);
+  if (optim::should_skip(found_inf)) return;
+
+  AdagradConsts c;
+  c.lr = static_cast<float>(lr);
+  c.eps = static_cast<float>(eps);
+  c.weight_decay = static_cast<float>(weight_decay);
+  c.has_weight_decay = weight_decay != 0.0;
+  c.adagrad_w_mode = adagrad_w_mode;
+  c.unscale = optim::Unscale::from(grad_scale);
+
+  const std::vector<RawTensor> ps = raw_tensors(params), gs = raw_tensors(grads),
+                               hs = raw_tensors(state_sums), os = raw_tensors(model_params);
+  const ChunkPlan plan(params);
+  const CpuIsa isa = cpu_isa();
+  plan.parallel_for_each([&](int64_t, const TensorChunk& ch) {
+    const int64_t t = ch.tensor;
+    run_cpu_kernel<AdagradChunk>(isa, ps[t], gs[t], hs[t], optim::raw_at(os, t), ch, c);
+  });
+  optim::commit_count(step, optim::read_count(step));
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace mp_wrappers
+
+TORCH_LIBRARY_IMPL(mp_wrappers, CPU, m) {
+  m.impl("multi_tensor_adagrad_", &mp_wrappers::cpu::multi_tensor_adagrad_cpu);
+}

@@ -1,0 +1,131 @@
+// CPU kernel of multi_tensor_adam_ (Adam / AdamW, apex FusedAdam math; semantics and op order:
+// mp_wrappers/ops/reference.py::multi_tensor_adam_).
+//
+// One pass per 64K-element chunk: load grad (fp32/fp16/bf16) and param, unscale, update the fp32
+// moments in registers, store param, moments and, for the fused mixed-precision step, the rounded
+// model copy. 28 bytes per fp32 parameter, 30 for the O2 step with half grads and a half model.
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+#include "mp_wrappers/checks.h"
+#include "mp_wrappers/cpu_features.h"
+#include "mp_wrappers/cpu_multi_tensor.h"
+#include "mp_wrappers/cpu_optim.h"
+#include "mp_wrappers/cpu_vec.h"
+
+namespace mp_wrappers {
+namespace cpu {
+namespace {
+
+using optim::NoOut;
+
+struct AdamConsts {
+  float lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, bc1, bc2;
+  bool adam_w_mode, has_weight_decay;
+  optim::Unscale unscale;
+};
+
+template <class V, class P, class G, class M>
+inline void adam_span(P* p, const G* g, float* m, float* v, M* out, int64_t n,
+                      const AdamConsts& c) {
+  using F = typename V::F;
+  const F lr = V::set1(c.lr), b1 = V::set1(c.beta1), b2 = V::set1(c.beta2);
+  const F omb1 = V::set1(c.one_minus_beta1), omb2 = V::set1(c.one_minus_beta2);
+  const F eps = V::set1(c.eps), wd = V::set1(c.weight_decay);
+  const F bc1 = V::set1(c.bc1), bc2 = V::set1(c.bc2), us = V::set1(c.unscale.factor);
+  const bool l2 = !c.adam_w_mode && c.has_weight_decay;
+  const bool decoupled = c.adam_w_mode && c.has_weight_decay;
+  for (int64_t i = 0; i < n; i += V::kWidth) {
+    const int64_t k = n - i;  // >= kWidth except in the tail, where load_n/store_n pad
+    optim::prefetch_write(p + i);
+    optim::prefetch_read(g + i);
+    optim::prefetch_write(m + i);
+    optim::prefetch_write(v + i);
+    optim::prefetch_write(optim::at_offset(out, i));
+    const F p32 = load_n<V>(p + i, k);
+    F g32 = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
+    if (l2) g32 = V::add(g32, V::mul(wd, p32));
+    const F m_new = V::add(V::mul(b1, load_n<V>(m + i, k)), V::mul(omb1, g32));
+    const F v_new = V::add(V::mul(b2, load_n<V>(v + i, k)), V::mul(V::mul(omb2, g32), g32));
+    F update = V::div(V::div(m_new, bc1), V::add(V::sqrt(V::div(v_new, bc2)), eps));
+    if (decoupled) update = V::add(update, V::mul(wd, p32));
+    const F p_new = V::sub(p32, V::mul(lr, update));
+    store_n<V>(m + i, m_new, k);
+    store_n<V>(v + i, v_new, k);
+    store_n<V>(p + i, p_new, k);
+    optim::store_out<V>(optim::at_offset(out, i), p_new, k);
+  }
+}
+
+struct AdamChunk {
+  template <class V>
+  static void run(const RawTensor& p, const RawTensor& g, const RawTensor& m, const RawTensor& v,
+                  const RawTensor* out, const TensorChunk& ch, const AdamConsts& c) {
+    const int64_t b = ch.begin, n = ch.end - ch.begin;
+    optim::with_typed(p, [&](auto* pp) {
+      optim::with_typed(g, [&](auto* gp) {
+        optim::with_typed_opt(out, [&](auto* op) {
+          adam_span<V>(pp + b, gp + b, static_cast<float*>(m.data) + b,
+                       static_cast<float*>(v.data) + b, optim::at_offset(op, b), n, c);
+        });
+      });
+    });
+  }
+};
+
+void multi_tensor_adam_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                           at::TensorList exp_avg_sqs, at::TensorList model_params,
+                           const at::Tensor& step, double lr, double beta1, double beta2,
+                           double eps, double weight_decay, bool adam_w_mode,
+                           bool bias_correction, const std::optional<at::Tensor>& grad_scale,
+                           const std::optional<at::Tensor>& found_inf) {
+  constexpr const char* op = "multi_tensor_adam_";
+  const at::Device device = check_tensor_lists(
+      op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},
+           {"exp_avg_sqs", exp_avg_sqs}, {"model_params", model_params}},
+      {"model_params"});
+  optim::check_fp32_list(op, "exp_avgs", exp_avgs);
+  optim::check_fp32_list(op, "exp_avg_sqs", exp_avg_sqs);
+  optim::check_step(op, step, device);
+  optim::check_optional_scalar(op, "grad_scale", grad_scale, device);
+  optim::check_optional_scalar(op, "found_inf", found_inf, device);
+  if (optim::should_skip(found_inf)) return;
+
+  const float count = optim::read_count(step);
+  AdamConsts c;
+  c.lr = static_cast<float>(lr);
+  c.beta1 = static_cast<float>(beta1);
+  c.beta2 = static_cast<float>(beta2);
+  // (1 - beta) is formed in double and rounded once, as Python does before torch sees it.
+  c.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  c.eps = static_cast<float>(eps);
+  c.weight_decay = static_cast<float>(weight_decay);
+  c.has_weight_decay = weight_decay != 0.0;
+  c.adam_w_mode = adam_w_mode;
+  c.bc1 = optim::bias_correction(beta1, count, bias_correction);
+  c.bc2 = optim::bias_correction(beta2, count, bias_correction);
+  c.unscale = optim::Unscale::from(grad_scale);
+
+  const std::vector<RawTensor> ps = raw_tensors(params), gs = raw_tensors(grads),
+                               ms = raw_tensors(exp_avgs), vs = raw_tensors(exp_avg_sqs),
+                               os = raw_tensors(model_params);
+  const ChunkPlan plan(params);
+  const CpuIsa isa = cpu_isa();
+  plan.parallel_for_each([&](int64_t, const TensorChunk& ch) {
+    const int64_t t = ch.tensor;
+    run_cpu_kernel<AdamChunk>(isa, ps[t], gs[t], ms[t], vs[t], optim::raw_at(os, t), ch, c);
+  });
+  optim::commit_count(step, count);
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace mp_wrappers
+
+TORCH_LIBRARY_IMPL(mp_wrappers, CPU, m) {
+  m.impl("multi_tensor_adam_", &mp_wrappers::cpu::multi_tensor_adam_cpu);
+}

@@ -1,0 +1,126 @@
+// CPU kernel of multi_tensor_sgd_ (torch.optim.SGD math plus apex's wd_after_momentum; semantics
+// and op order: mp_wrappers/ops/reference.py::multi_tensor_sgd_).
+//
+// One pass per chunk: load grad and param, unscale, decay, momentum in registers, store param,
+// buffer and the rounded model copy. The first applied update (step == 0, read on the host with
+// found_inf) initialises the buffer to the direction, as torch does.
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+#include "mp_wrappers/checks.h"
+#include "mp_wrappers/cpu_features.h"
+#include "mp_wrappers/cpu_multi_tensor.h"
+#include "mp_wrappers/cpu_optim.h"
+#include "mp_wrappers/cpu_vec.h"
+
+namespace mp_wrappers {
+namespace cpu {
+namespace {
+
+struct SgdConsts {
+  float lr, momentum, one_minus_dampening, weight_decay;
+  bool has_momentum, has_weight_decay, wd_after_momentum, nesterov, first;
+  optim::Unscale unscale;
+};
+
+template <class V, class P, class G, class M>
+inline void sgd_span(P* p, const G* g, float* buf, M* out, int64_t n, const SgdConsts& c) {
+  using F = typename V::F;
+  const F lr = V::set1(c.lr), mom = V::set1(c.momentum), omd = V::set1(c.one_minus_dampening);
+  const F wd = V::set1(c.weight_decay), us = V::set1(c.unscale.factor);
+  const bool wd_before = c.has_weight_decay && !c.wd_after_momentum;
+  const bool wd_after = c.has_weight_decay && c.wd_after_momentum;
+  for (int64_t i = 0; i < n; i += V::kWidth) {
+    const int64_t k = n - i;
+    optim::prefetch_write(p + i);
+    optim::prefetch_read(g + i);
+    if (c.has_momentum) optim::prefetch_write(buf + i);
+    optim::prefetch_write(optim::at_offset(out, i));
+    const F p32 = load_n<V>(p + i, k);
+    F d = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
+    if (wd_before) d = V::add(d, V::mul(wd, p32));
+    if (c.has_momentum) {
+      // buf is only read after the first applied update: before it, it may hold anything.
+      const F buf_new =
+          c.first ? d : V::add(V::mul(mom, load_n<V>(buf + i, k)), V::mul(omd, d));
+      d = c.nesterov ? V::add(d, V::mul(mom, buf_new)) : buf_new;
+      store_n<V>(buf + i, buf_new, k);
+    }
+    if (wd_after) d = V::add(d, V::mul(wd, p32));
+    const F p_new = V::sub(p32, V::mul(lr, d));
+    store_n<V>(p + i, p_new, k);
+    optim::store_out<V>(optim::at_offset(out, i), p_new, k);
+  }
+}
+
+struct SgdChunk {
+  template <class V>
+  static void run(const RawTensor& p, const RawTensor& g, const RawTensor* buf,
+                  const RawTensor* out, const TensorChunk& ch, const SgdConsts& c) {
+    const int64_t b = ch.begin, n = ch.end - ch.begin;
+    float* bp = buf == nullptr ? nullptr : static_cast<float*>(buf->data) + b;
+    optim::with_typed(p, [&](auto* pp) {
+      optim::with_typed(g, [&](auto* gp) {
+        optim::with_typed_opt(out, [&](auto* op) {
+          sgd_span<V>(pp + b, gp + b, bp, optim::at_offset(op, b), n, c);
+        });
+      });
+    });
+  }
+};
+
+void multi_tensor_sgd_cpu(at::TensorList params, at::TensorList grads,
+                          at::TensorList momentum_buffers, at::TensorList model_params,
+                          const at::Tensor& step, double lr, double momentum, double dampening,
+                          double weight_decay, bool nesterov, bool wd_after_momentum,
+                          const std::optional<at::Tensor>& grad_scale,
+                          const std::optional<at::Tensor>& found_inf) {
+  constexpr const char* op = "multi_tensor_sgd_";
+  const bool has_momentum = momentum != 0.0;
+  const at::Device device = check_tensor_lists(
+      op, {{"params", params}, {"grads", grads}, {"momentum_buffers", momentum_buffers},
+           {"model_params", model_params}},
+      has_momentum ? std::initializer_list<const char*>{"model_params"}
+                   : std::initializer_list<const char*>{"model_params", "momentum_buffers"});
+  optim::check_fp32_list(op, "momentum_buffers", momentum_buffers);
+  optim::check_step(op, step, device);
+  optim::check_optional_scalar(op, "grad_scale", grad_scale, device);
+  optim::check_optional_scalar(op, "found_inf", found_inf, device);
+  if (optim::should_skip(found_inf)) return;
+
+  const float step_value = *step.data_ptr<float>();
+  SgdConsts c;
+  c.lr = static_cast<float>(lr);
+  c.momentum = static_cast<float>(momentum);
+  c.one_minus_dampening = static_cast<float>(1.0 - dampening);
+  c.weight_decay = static_cast<float>(weight_decay);
+  c.has_momentum = has_momentum;
+  c.has_weight_decay = weight_decay != 0.0;
+  c.wd_after_momentum = wd_after_momentum;
+  c.nesterov = nesterov;
+  c.first = step_value == 0.f;
+  c.unscale = optim::Unscale::from(grad_scale);
+
+  const std::vector<RawTensor> ps = raw_tensors(params), gs = raw_tensors(grads),
+                               bs = raw_tensors(has_momentum ? momentum_buffers : at::TensorList()),
+                               os = raw_tensors(model_params);
+  const ChunkPlan plan(params);
+  const CpuIsa isa = cpu_isa();
+  plan.parallel_for_each([&](int64_t, const TensorChunk& ch) {
+    const int64_t t = ch.tensor;
+    run_cpu_kernel<SgdChunk>(isa, ps[t], gs[t], optim::raw_at(bs, t), optim::raw_at(os, t), ch,
+                             c);
+  });
+  optim::commit_count(step, step_value + 1.f);
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace mp_wrappers
+
+TORCH_LIBRARY_IMPL(mp_wrappers, CPU, m) {
+  m.impl("multi_tensor_sgd_", &mp_wrappers::cpu::multi_tensor_sgd_cpu);
+}

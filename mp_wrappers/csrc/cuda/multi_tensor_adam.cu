@@ -1,0 +1,111 @@
+// CUDA kernel of multi_tensor_adam_ (Adam / AdamW, apex FusedAdam math; semantics and op order:
+// mp_wrappers/ops/reference.py::multi_tensor_adam_). One element-wise pass over chunked tensor
+// lists (see mp_wrappers/cuda/optim_apply.cuh); found_inf, grad_scale and step are read on the
+// device, and one thread increments step afterwards unless the update was skipped.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+
+#include "mp_wrappers/checks.h"
+#include "mp_wrappers/cuda/optim_apply.cuh"
+
+namespace mp_wrappers {
+namespace cuda_optim {
+namespace {
+
+struct AdamOp {
+  static constexpr bool kWritesState = true;
+  const float* found_inf;
+  const float* grad_scale;
+  const float* step;
+  double beta1_d, beta2_d;
+  float lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay;
+  bool l2, decoupled, use_bias_correction;
+
+  struct Ctx {
+    float bc1, bc2;
+    DeviceUnscale unscale;
+  };
+  __device__ __forceinline__ Ctx begin(int32_t) const {
+    const float count = fadd(*step, 1.f);  // the number of this update, as the reference counts
+    return Ctx{cuda_optim::bias_correction(beta1_d, count, use_bias_correction),
+               cuda_optim::bias_correction(beta2_d, count, use_bias_correction), DeviceUnscale(grad_scale)};
+  }
+  __device__ __forceinline__ float update(const Ctx& c, float p, float g, float (&s)[3]) const {
+    g = c.unscale(g);
+    if (l2) g = fadd(g, fmul(weight_decay, p));
+    const float m = fadd(fmul(beta1, s[0]), fmul(one_minus_beta1, g));
+    const float v = fadd(fmul(beta2, s[1]), fmul(fmul(one_minus_beta2, g), g));
+    float u = fdiv(fdiv(m, c.bc1), fadd(fsqrt(fdiv(v, c.bc2)), eps));
+    if (decoupled) u = fadd(u, fmul(weight_decay, p));
+    s[0] = m;
+    s[1] = v;
+    return fsub(p, fmul(lr, u));
+  }
+};
+
+void multi_tensor_adam_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                            at::TensorList exp_avg_sqs, at::TensorList model_params,
+                            const at::Tensor& step, double lr, double beta1, double beta2,
+                            double eps, double weight_decay, bool adam_w_mode,
+                            bool bias_correction, const std::optional<at::Tensor>& grad_scale,
+                            const std::optional<at::Tensor>& found_inf) {
+  constexpr const char* op = "multi_tensor_adam_";
+  const at::Device device = check_tensor_lists(
+      op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},
+           {"exp_avg_sqs", exp_avg_sqs}, {"model_params", model_params}},
+      {"model_params"});
+  check_fp32_list(op, "exp_avgs", exp_avgs);
+  check_fp32_list(op, "exp_avg_sqs", exp_avg_sqs);
+  check_one_dtype(op, "params", params);
+  check_one_dtype(op, "grads", grads);
+  check_one_dtype(op, "model_params", model_params);
+  check_step(op, step, step.device());
+  TORCH_CHECK(params.empty() || step.device() == device, op, ": step is on ", step.device(),
+              " but the tensors are on ", device);
+  const c10::cuda::CUDAGuard guard(step.device());
+
+  AdamOp a;
+  a.found_inf = optional_ptr(op, "found_inf", found_inf, step.device());
+  a.grad_scale = optional_ptr(op, "grad_scale", grad_scale, step.device());
+  a.step = step.data_ptr<float>();
+  a.beta1_d = beta1;
+  a.beta2_d = beta2;
+  a.lr = static_cast<float>(lr);
+  a.beta1 = static_cast<float>(beta1);
+  a.beta2 = static_cast<float>(beta2);
+  a.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  a.eps = static_cast<float>(eps);
+  a.weight_decay = static_cast<float>(weight_decay);
+  a.l2 = !adam_w_mode && weight_decay != 0.0;
+  a.decoupled = adam_w_mode && weight_decay != 0.0;
+  a.use_bias_correction = bias_correction;
+
+  if (!params.empty()) {
+    dispatch_dtype(params, [&](auto* p_tag) {
+      dispatch_dtype(grads, [&](auto* g_tag) {
+        dispatch_dtype_opt(model_params, [&](auto* m_tag) {
+          using P = std::remove_pointer_t<decltype(p_tag)>;
+          using G = std::remove_pointer_t<decltype(g_tag)>;
+          using M = std::remove_pointer_t<decltype(m_tag)>;
+          launch_elementwise<AdamOp, P, G, M, 2>(
+              {params, grads, exp_avgs, exp_avg_sqs, model_params}, a);
+        });
+      });
+    });
+  }
+  launch_increment_step(step, a.found_inf);
+}
+
+}  // namespace
+}  // namespace cuda_optim
+}  // namespace mp_wrappers
+
+TORCH_LIBRARY_IMPL(mp_wrappers, CUDA, m) {
+  m.impl("multi_tensor_adam_", &mp_wrappers::cuda_optim::multi_tensor_adam_cuda);
+}

@@ -1,0 +1,250 @@
+// CUDA kernel of multi_tensor_lamb_ (apex FusedLAMB math; semantics and op order:
+// mp_wrappers/ops/reference.py::multi_tensor_lamb_).
+//
+// With the trust ratio (weight_decay != 0 or use_nvlamb), three launches on the current stream and
+// no host synchronisation:
+//   1. per chunk: unscale and clip the grad, store the new moments, and reduce the block's sums of
+//      squares of p and of the update into partials[tensor][chunk];
+//   2. one thread per tensor: sum its partials in chunk order (double), ratio = lr * ||p|| / ||u||;
+//   3. element-wise: recompute the update from the stored moments (same fp32 operations, same
+//      bits) and apply p -= ratio[tensor] * update, writing the rounded model copy.
+// Without the trust ratio, a single element-wise pass. found_inf is checked by every kernel, and
+// step is incremented on the device after the last one.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+
+#include "mp_wrappers/checks.h"
+#include "mp_wrappers/cuda/optim_apply.cuh"
+
+namespace mp_wrappers {
+namespace cuda_optim {
+namespace {
+
+// Hyperparameters and device pointers shared by the three kernels.
+struct LambArgs {
+  const float* found_inf;
+  const float* grad_scale;
+  const float* step;
+  const float* global_grad_norm;
+  double beta1_d, beta2_d;
+  float lr, beta1, beta2, beta3, one_minus_beta2, eps, weight_decay, max_grad_norm;
+  bool l2, decoupled, use_bias_correction;
+};
+
+struct LambCtx {
+  float bc1, bc2, clip;
+  DeviceUnscale unscale;
+};
+
+__device__ __forceinline__ LambCtx lamb_ctx(const LambArgs& a) {
+  const float count = fadd(*a.step, 1.f);
+  const float gnorm = *a.global_grad_norm;
+  // fp32 as the reference computes it; a NaN norm compares false and leaves the grads unclipped.
+  const float clip = (a.max_grad_norm > 0.f && gnorm > a.max_grad_norm)
+                         ? fdiv(gnorm, a.max_grad_norm) : 1.f;
+  return LambCtx{bias_correction(a.beta1_d, count, a.use_bias_correction),
+                 bias_correction(a.beta2_d, count, a.use_bias_correction), clip,
+                 DeviceUnscale(a.grad_scale)};
+}
+
+__device__ __forceinline__ void lamb_moments(const LambArgs& a, const LambCtx& c, float p, float g,
+                                             float* m, float* v) {
+  g = c.unscale(g);
+  if (c.clip != 1.f) g = fdiv(g, c.clip);
+  if (a.l2) g = fadd(g, fmul(a.weight_decay, p));
+  *m = fadd(fmul(a.beta1, *m), fmul(a.beta3, g));
+  *v = fadd(fmul(a.beta2, *v), fmul(fmul(a.one_minus_beta2, g), g));
+}
+
+__device__ __forceinline__ float lamb_update(const LambArgs& a, const LambCtx& c, float p, float m,
+                                             float v) {
+  float u = fdiv(fdiv(m, c.bc1), fadd(fsqrt(fdiv(v, c.bc2)), a.eps));
+  if (a.decoupled) u = fadd(u, fmul(a.weight_decay, p));
+  return u;
+}
+
+// Single pass, no trust ratio: p -= lr * update.
+struct LambFusedOp {
+  static constexpr bool kWritesState = true;
+  const float* found_inf;
+  LambArgs a;
+  using Ctx = LambCtx;
+  __device__ __forceinline__ Ctx begin(int32_t) const { return lamb_ctx(a); }
+  __device__ __forceinline__ float update(const Ctx& c, float p, float g, float (&s)[3]) const {
+    lamb_moments(a, c, p, g, &s[0], &s[1]);
+    return fsub(p, fmul(a.lr, lamb_update(a, c, p, s[0], s[1])));
+  }
+};
+
+// Pass 3: lists [p, m, v, model]; moments are read, not written.
+struct LambApplyOp {
+  static constexpr bool kWritesState = false;
+  const float* found_inf;
+  const float* ratio;  // [n_tensors], from pass 2
+  LambArgs a;
+  struct Ctx {
+    LambCtx c;
+    float ratio;
+  };
+  __device__ __forceinline__ Ctx begin(int32_t tensor) const {
+    return Ctx{lamb_ctx(a), ratio[tensor]};
+  }
+  __device__ __forceinline__ float update(const Ctx& c, float p, float, float (&s)[3]) const {
+    return fsub(p, fmul(c.ratio, lamb_update(a, c.c, p, s[0], s[1])));
+  }
+};
+
+// Pass 1: lists [p, g, m, v]. Coalesced strided loop (each thread's elements are blockDim apart);
+// the sums are reduced over the block and written once per chunk.
+template <class P, class G>
+__global__ void __launch_bounds__(kBlockSize)
+    lamb_norms_kernel(TensorListMeta<4> meta, LambArgs a, float* p_part, float* u_part,
+                      int64_t max_chunks) {
+  if (skip_update(a.found_inf)) return;
+  __shared__ float shared[kBlockSize / 32];
+  const BlockChunk<4> ch(meta);
+  const LambCtx c = lamb_ctx(a);
+  const P* p = static_cast<const P*>(meta.addresses[0][ch.tensor_loc]) + ch.offset;
+  const G* g = static_cast<const G*>(meta.addresses[1][ch.tensor_loc]) + ch.offset;
+  float* m = static_cast<float*>(meta.addresses[2][ch.tensor_loc]) + ch.offset;
+  float* v = static_cast<float*>(meta.addresses[3][ch.tensor_loc]) + ch.offset;
+  float p_sq = 0.f, u_sq = 0.f;
+  for (int64_t i = threadIdx.x; i < ch.n; i += blockDim.x) {
+    const float p32 = to_float(p[i]);
+    float mi = m[i], vi = v[i];
+    lamb_moments(a, c, p32, to_float(g[i]), &mi, &vi);
+    m[i] = mi;
+    v[i] = vi;
+    const float u = lamb_update(a, c, p32, mi, vi);
+    p_sq = fmaf(p32, p32, p_sq);
+    u_sq = fmaf(u, u, u_sq);
+  }
+  p_sq = block_reduce<false>(p_sq, shared);
+  u_sq = block_reduce<false>(u_sq, shared);
+  if (threadIdx.x == 0) {
+    const int64_t slot = static_cast<int64_t>(ch.tensor_index) * max_chunks +
+                         meta.block_to_chunk[blockIdx.x];
+    p_part[slot] = p_sq;
+    u_part[slot] = u_sq;
+  }
+}
+
+// Pass 2: one thread per tensor; partials of chunks a tensor does not have are zero.
+__global__ void lamb_ratio_kernel(const float* found_inf, const float* p_part,
+                                  const float* u_part, int64_t n_tensors, int64_t max_chunks,
+                                  float lr, float* ratio) {
+  if (skip_update(found_inf)) return;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= n_tensors) return;
+  double ps = 0.0, us = 0.0;
+  for (int64_t c = 0; c < max_chunks; ++c) {
+    ps += p_part[t * max_chunks + c];
+    us += u_part[t * max_chunks + c];
+  }
+  const float p_norm = static_cast<float>(sqrt(ps)), u_norm = static_cast<float>(sqrt(us));
+  ratio[t] = (p_norm != 0.f && u_norm != 0.f) ? fmul(lr, fdiv(p_norm, u_norm)) : lr;
+}
+
+void multi_tensor_lamb_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                            at::TensorList exp_avg_sqs, at::TensorList model_params,
+                            const at::Tensor& step, double lr, double beta1, double beta2,
+                            double eps, double weight_decay, bool adam_w_mode,
+                            bool bias_correction, bool grad_averaging, double max_grad_norm,
+                            bool use_nvlamb, const at::Tensor& global_grad_norm,
+                            const std::optional<at::Tensor>& grad_scale,
+                            const std::optional<at::Tensor>& found_inf) {
+  constexpr const char* op = "multi_tensor_lamb_";
+  const at::Device device = check_tensor_lists(
+      op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},
+           {"exp_avg_sqs", exp_avg_sqs}, {"model_params", model_params}},
+      {"model_params"});
+  check_fp32_list(op, "exp_avgs", exp_avgs);
+  check_fp32_list(op, "exp_avg_sqs", exp_avg_sqs);
+  check_one_dtype(op, "params", params);
+  check_one_dtype(op, "grads", grads);
+  check_one_dtype(op, "model_params", model_params);
+  check_step(op, step, step.device());
+  TORCH_CHECK(params.empty() || step.device() == device, op, ": step is on ", step.device(),
+              " but the tensors are on ", device);
+  check_scalar_tensor(op, "global_grad_norm", global_grad_norm, step.device());
+  TORCH_CHECK(max_grad_norm >= 0.0, op, ": max_grad_norm=", max_grad_norm,
+              "; expected >= 0 (0 disables clipping)");
+  const c10::cuda::CUDAGuard guard(step.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+
+  LambArgs a;
+  a.found_inf = optional_ptr(op, "found_inf", found_inf, step.device());
+  a.grad_scale = optional_ptr(op, "grad_scale", grad_scale, step.device());
+  a.step = step.data_ptr<float>();
+  a.global_grad_norm = global_grad_norm.data_ptr<float>();
+  a.beta1_d = beta1;
+  a.beta2_d = beta2;
+  a.lr = static_cast<float>(lr);
+  a.beta1 = static_cast<float>(beta1);
+  a.beta2 = static_cast<float>(beta2);
+  a.beta3 = grad_averaging ? static_cast<float>(1.0 - beta1) : 1.f;
+  a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  a.eps = static_cast<float>(eps);
+  a.weight_decay = static_cast<float>(weight_decay);
+  a.max_grad_norm = static_cast<float>(max_grad_norm);
+  a.l2 = !adam_w_mode && weight_decay != 0.0;
+  a.decoupled = adam_w_mode && weight_decay != 0.0;
+  a.use_bias_correction = bias_correction;
+  const bool trust_ratio = use_nvlamb || weight_decay != 0.0;
+
+  if (!params.empty()) {
+    dispatch_dtype(params, [&](auto* p_tag) {
+      dispatch_dtype(grads, [&](auto* g_tag) {
+        dispatch_dtype_opt(model_params, [&](auto* m_tag) {
+          using P = std::remove_pointer_t<decltype(p_tag)>;
+          using G = std::remove_pointer_t<decltype(g_tag)>;
+          using M = std::remove_pointer_t<decltype(m_tag)>;
+          if (!trust_ratio) {
+            launch_elementwise<LambFusedOp, P, G, M, 2>(
+                {params, grads, exp_avgs, exp_avg_sqs, model_params}, LambFusedOp{a.found_inf, a});
+            return;
+          }
+          const int64_t n_tensors = static_cast<int64_t>(params.size());
+          const int64_t chunks = max_chunks(params);
+          const auto f32 = at::TensorOptions().dtype(at::kFloat).device(step.device());
+          // Zeros: a tensor with fewer chunks than the longest leaves its extra slots at 0.
+          const at::Tensor p_part = at::zeros({n_tensors * chunks}, f32);
+          const at::Tensor u_part = at::zeros({n_tensors * chunks}, f32);
+          const at::Tensor ratio = at::empty({n_tensors}, f32);
+          for_each_launch<4>({params, grads, exp_avgs, exp_avg_sqs},
+                             [&](int blocks, const TensorListMeta<4>& meta) {
+                               lamb_norms_kernel<P, G><<<blocks, kBlockSize, 0, stream>>>(
+                                   meta, a, p_part.data_ptr<float>(), u_part.data_ptr<float>(),
+                                   chunks);
+                               C10_CUDA_KERNEL_LAUNCH_CHECK();
+                             });
+          const int threads = 128;
+          const int blocks = static_cast<int>((n_tensors + threads - 1) / threads);
+          lamb_ratio_kernel<<<blocks, threads, 0, stream>>>(
+              a.found_inf, p_part.data_ptr<float>(), u_part.data_ptr<float>(), n_tensors, chunks,
+              a.lr, ratio.data_ptr<float>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          launch_elementwise<LambApplyOp, P, NoOut, M, 2>(
+              {params, exp_avgs, exp_avg_sqs, model_params},
+              LambApplyOp{a.found_inf, ratio.data_ptr<float>(), a});
+        });
+      });
+    });
+  }
+  launch_increment_step(step, a.found_inf);
+}
+
+}  // namespace
+}  // namespace cuda_optim
+}  // namespace mp_wrappers
+
+TORCH_LIBRARY_IMPL(mp_wrappers, CUDA, m) {
+  m.impl("multi_tensor_lamb_", &mp_wrappers::cuda_optim::multi_tensor_lamb_cuda);
+}

@@ -1,0 +1,79 @@
+"""Fake (meta) kernels of the fused-optimizer ops ``torch.ops.mp_wrappers.multi_tensor_*_``.
+
+These ops only mutate their arguments and return ``()``, so a fake kernel has no output metadata to
+compute. ``torch.library.opcheck`` passes on torch 2.13 without one (checked for all five ops: its
+fake-tensor test treats an op that returns nothing as having nothing to fake), but under
+``torch.compile`` or with meta tensors an op without a fake kernel fails with an unhelpful "no
+kernel registered" error. Registering one lets traces run and validates the tensor lists the way the
+public API does, failing with the same message as in eager mode (see also :mod:`._fake`).
+
+Imported by :mod:`mp_wrappers.ops._extension` right after ``mp_wrappers._C`` has registered the op
+schemas; it must not be imported when the extension is missing (the ops would not exist).
+"""
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from ._dispatch import check_tensor_lists
+
+__all__: List[str] = []
+
+
+@torch.library.register_fake('mp_wrappers::multi_tensor_adam_')
+def _multi_tensor_adam_fake(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
+                            exp_avg_sqs: List[Tensor], model_params: List[Tensor], step: Tensor,
+                            lr: float, beta1: float, beta2: float, eps: float,
+                            weight_decay: float, adam_w_mode: bool, bias_correction: bool,
+                            grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+    check_tensor_lists('multi_tensor_adam_',
+                       ('params', 'grads', 'exp_avgs', 'exp_avg_sqs', 'model_params'),
+                       (params, grads, exp_avgs, exp_avg_sqs, model_params),
+                       allow_empty=('model_params',))
+
+
+@torch.library.register_fake('mp_wrappers::multi_tensor_sgd_')
+def _multi_tensor_sgd_fake(params: List[Tensor], grads: List[Tensor],
+                           momentum_buffers: List[Tensor], model_params: List[Tensor],
+                           step: Tensor, lr: float, momentum: float, dampening: float,
+                           weight_decay: float, nesterov: bool, wd_after_momentum: bool,
+                           grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+    allow_empty = ('model_params', 'momentum_buffers') if momentum == 0 else ('model_params',)
+    check_tensor_lists('multi_tensor_sgd_', ('params', 'grads', 'momentum_buffers', 'model_params'),
+                       (params, grads, momentum_buffers, model_params), allow_empty=allow_empty)
+
+
+@torch.library.register_fake('mp_wrappers::multi_tensor_lamb_')
+def _multi_tensor_lamb_fake(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
+                            exp_avg_sqs: List[Tensor], model_params: List[Tensor], step: Tensor,
+                            lr: float, beta1: float, beta2: float, eps: float,
+                            weight_decay: float, adam_w_mode: bool, bias_correction: bool,
+                            grad_averaging: bool, max_grad_norm: float, use_nvlamb: bool,
+                            global_grad_norm: Tensor, grad_scale: Optional[Tensor],
+                            found_inf: Optional[Tensor]) -> None:
+    check_tensor_lists('multi_tensor_lamb_',
+                       ('params', 'grads', 'exp_avgs', 'exp_avg_sqs', 'model_params'),
+                       (params, grads, exp_avgs, exp_avg_sqs, model_params),
+                       allow_empty=('model_params',))
+
+
+@torch.library.register_fake('mp_wrappers::multi_tensor_adagrad_')
+def _multi_tensor_adagrad_fake(params: List[Tensor], grads: List[Tensor],
+                               state_sums: List[Tensor], model_params: List[Tensor],
+                               step: Tensor, lr: float, eps: float, weight_decay: float,
+                               adagrad_w_mode: bool, grad_scale: Optional[Tensor],
+                               found_inf: Optional[Tensor]) -> None:
+    check_tensor_lists('multi_tensor_adagrad_', ('params', 'grads', 'state_sums', 'model_params'),
+                       (params, grads, state_sums, model_params), allow_empty=('model_params',))
+
+
+@torch.library.register_fake('mp_wrappers::multi_tensor_novograd_')
+def _multi_tensor_novograd_fake(params: List[Tensor], grads: List[Tensor],
+                                exp_avgs: List[Tensor], exp_avg_sq_norms: Tensor,
+                                model_params: List[Tensor], step: Tensor, lr: float,
+                                beta1: float, beta2: float, eps: float, weight_decay: float,
+                                bias_correction: bool, grad_averaging: bool,
+                                reg_inside_moment: bool, norm_type: int, init_zero: bool,
+                                grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+    check_tensor_lists('multi_tensor_novograd_', ('params', 'grads', 'exp_avgs', 'model_params'),
+                       (params, grads, exp_avgs, model_params), allow_empty=('model_params',))
