@@ -119,8 +119,8 @@ def _disallowed_globals(f: Any, message: str) -> List[str]:
 
 
 def _reason(message: str) -> str:
-    # torch wraps the unpickler's reason in paragraphs of advice (including "set weights_only=False",
-    # which is exactly what not to do); keep the reason only.
+    # torch wraps the unpickler's reason in paragraphs of advice (including turning weights-only
+    # loading off, which is exactly what not to do); keep the reason only.
     advice = ('Weights only load failed', 'Check the documentation', 'Please file an issue')
     lines = [line.strip() for line in message.splitlines()]
     reason = [line.replace('WeightsUnpickler error:', '').strip() for line in lines
@@ -146,7 +146,8 @@ def secure_torch_load(f: Any, map_location: MapLocation = None) -> Any:
     """
     with torch.serialization.safe_globals(_not_yet_allowed(mmengine_safe_globals())):
         try:
-            # weights_only=True explicitly: it also wins over TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD.
+            # weights_only=True explicitly: it also wins over torch's environment switch that
+            # forces weights-only loading off.
             return torch.load(f, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as exc:
             message = str(exc)
