@@ -1,5 +1,5 @@
 # fp16 model with a fixed loss scale of 128. Short schedule: fp16 convolutions are slow on CPU.
-_base_ = ['./_base_/digits_data.py', './_base_/cnn_model.py', './_base_/schedule_20e.py',
+_base_ = ['./_base_/digits_data.py', './_base_/cnn_model.py', './_base_/schedule_6e.py',
           './_base_/default_runtime.py']
 model = dict(dtype='float16')
 optim_wrapper = dict(
@@ -8,9 +8,3 @@ optim_wrapper = dict(
     optimizer=dict(type='SGD', lr=0.05, momentum=0.9, weight_decay=1e-4, nesterov=True),
     dynamic_loss_scale=False,
     static_loss_scale=128.0)
-train_cfg = dict(max_epochs=6, val_interval=3)
-param_scheduler = [
-    dict(type='LinearLR', start_factor=0.1, by_epoch=False, begin=0, end=50),
-    dict(type='CosineAnnealingLR', by_epoch=True, begin=0, end=6, T_max=6, eta_min=1e-4),
-]
-default_hooks = dict(checkpoint=dict(interval=3))
