@@ -248,6 +248,11 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             return None
         return flags[0] if len(flags) == 1 else torch.stack(flags).amax(0)
 
+    def _overflowed(self) -> bool:
+        """Whether any scaler used since the last step saw inf/nan (a host read of the flags)."""
+        found_inf = self._step_found_inf()
+        return bool(found_inf is not None and found_inf.item() > 0)
+
     # ---- step ------------------------------------------------------------------------------------
     def step(self, **kwargs) -> None:
         """Unscale, check, clip and step; skip the update when any gradient is not finite.
@@ -266,10 +271,9 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             return
         self._unscale_pending()
         self._sync_flags()
-        found_inf = self._step_found_inf()
         # One host read per step, as torch's GradScaler does: the host must know whether to call
         # the optimizer at all.
-        skipped = bool(found_inf is not None and found_inf.item() > 0)
+        skipped = self._overflowed()
         if not skipped:
             self._stash.hand_to_optimizer(masters)
             if self.clip_grad_kwargs:

@@ -113,11 +113,9 @@ class FP16OptimWrapper(MixedPrecisionOptimWrapper):
             self.zero_grad()
             loss = closure()
             self._unscale_pending()
-            found = self._step_found_inf()
-            overflow = found is not None and bool(found.item() > 0)
-            before = scaler.loss_scale
-            if not overflow:
+            if not self._overflowed():
                 break
+            before = scaler.loss_scale
             self._finish_step(skipped=True)
             if not isinstance(scaler, DynamicLossScaler) or scaler.loss_scale == before:
                 # A static (or bottomed-out) scale cannot fix the overflow: skip this step.
@@ -128,8 +126,7 @@ class FP16OptimWrapper(MixedPrecisionOptimWrapper):
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Clip the unscaled fp32 master gradients; return their total norm, or -1 on overflow."""
         self.update_master_grads()
-        found = self._step_found_inf()
-        if found is not None and found.item() > 0:
+        if self._overflowed():
             return -1.0
         grads_owner = [p for p in self.master_params() if p.grad is not None]
         if not grads_owner:
@@ -145,8 +142,7 @@ class FP16OptimWrapper(MixedPrecisionOptimWrapper):
     def inspect_master_grad_data(self) -> Optional[List[List[Optional[Tensor]]]]:
         """The fp32 master gradients per param group, or None (with a warning) after an overflow."""
         self.update_master_grads()
-        found = self._step_found_inf()
-        if found is not None and found.item() > 0:
+        if self._overflowed():
             print_log('inspect_master_grad_data called while in an overflow state: gradients are '
                       'invalid (inf, nan or stale); returning None.', logger='current',
                       level=logging.WARNING)
