@@ -14,6 +14,7 @@ from . import atomic_io, checkpoint, ops
 from .autocast import disable_casts, float_function, half_function, promote_function
 from .casting import cast_model
 from .ddp import MixedPrecisionDistributedDataParallel
+from .ema import MixedPrecisionEMAHook
 from .hooks import MixedPrecisionHook
 from .optim import (FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedOptimizer,
                     FusedSGD)
@@ -28,6 +29,7 @@ __all__ = [
     'resolve_properties', 'half_function', 'float_function', 'promote_function', 'disable_casts',
     'MixedPrecisionDistributedDataParallel', 'FusedOptimizer', 'FusedAdam', 'FusedSGD',
     'FusedLAMB', 'FusedAdagrad', 'FusedNovoGrad', 'MixedPrecisionHook', '__version__',
+    'MixedPrecisionEMAHook',
 ]
 
 checkpoint._install_from_env()

@@ -33,6 +33,7 @@ from mmengine.hooks import Hook, LoggerHook
 from mmengine.logging import print_log
 from mmengine.optim import OptimWrapperDict
 
+from .ema import check_ema_hooks
 from .registry import HOOKS
 from .wrappers.base import MixedPrecisionOptimWrapper
 
@@ -106,6 +107,7 @@ class MixedPrecisionHook(Hook):
     # ---- start of training ---------------------------------------------------------------------
     def before_train(self, runner) -> None:
         """Align the wrappers' log cadence with the LoggerHook, apply options, log the precision."""
+        check_ema_hooks(runner)  # a plain EMAHook over half weights fails or stalls: refuse it
         self._logger_hook = next((h for h in runner.hooks if isinstance(h, LoggerHook)), None)
         self._skipped_iters = int(runner.message_hub.get_info(SKIPPED_ITERS_KEY, 0) or 0)
         summaries = {}

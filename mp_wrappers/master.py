@@ -5,11 +5,25 @@ parameter whose fp32 master takes its place in ``optimizer.param_groups``; an fp
 stepped as it is; and nothing else. The group dicts themselves are never replaced, so LR schedulers that
 write ``group['lr']`` keep working.
 
+Note [masters lifecycle]
+    Masters stand for the model's weights, so they must start from the weights the model has when
+    training starts. mmengine builds the optimizer wrapper before ``init_weights()``, ``load_from``
+    and ``resume`` write the model (and ``ApexOptimWrapper`` casts the model lazily), so masters made
+    at construction can be stale. The wrappers therefore *bind* the masters to the model once, when
+    training starts (``initialize_count_status``, which the Runner calls after loading, or the first
+    ``optim_context``), with :meth:`MasterParams.sync_with_model`: a master whose rounded value is not
+    the model's weight bit for bit is re-derived from the model. A fresh master (made before the model
+    was written) is re-derived quietly; one loaded from a checkpoint that disagrees with the loaded
+    weights is re-derived with a warning naming the parameters. After that, masters and model only
+    change together (the step writes the rounded masters into the model). Where full-precision
+    values exist when masters are made (ApexOptimWrapper O2 casting an fp32 model), the masters
+    take them exactly (``initial_values``) instead of the rounded half weights.
+
 Gradients reach the masters through :class:`GradStash`: model gradients, scaled by a loss scale, are
 unscaled into fp32 buffers (accumulating when several losses with different scales contribute to one
 step), with a non-finite check, and handed to the optimizer as ``master.grad``.
 """
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -18,7 +32,7 @@ from torch.optim import Optimizer
 from .casting import HALF_DTYPES
 from .ops import multi_tensor_axpby, multi_tensor_scale
 
-__all__ = ['MasterParams', 'GradStash', 'grouped_scale']
+__all__ = ['MasterParams', 'GradStash', 'grouped_scale', 'full_precision_state_dict_hook']
 
 
 def _buckets(pairs: Sequence[Tuple[Tensor, Tensor]]) -> Dict[tuple, Tuple[List[Tensor], List[Tensor]]]:
@@ -47,21 +61,28 @@ class MasterParams:
         optimizer (Optimizer): The optimizer whose ``param_groups`` hold the model's parameters.
         create_masters (bool): Whether half params get fp32 masters. When False (apex O3, or a
             level without master weights) every slot is stepped directly in its own dtype.
+        initial_values (dict, optional): ``id(half param) -> full-precision tensor`` to start
+            masters from instead of the half weights (the fp32 weights a cast just rounded).
 
     Attributes:
         model_params: Per group, per slot: the half model parameter the slot's master stands for,
             or None when the slot holds an fp32 parameter that is stepped directly.
     """
 
-    def __init__(self, optimizer: Optimizer, create_masters: bool = True) -> None:
+    def __init__(self, optimizer: Optimizer, create_masters: bool = True,
+                 initial_values: Optional[Dict[int, Tensor]] = None) -> None:
         self.optimizer = optimizer
         self.create_masters = create_masters
         self.model_params: List[List[Optional[Tensor]]] = []
+        # Whether the masters hold values loaded from a checkpoint (not derived from the model):
+        # a disagreement with the model is then worth a warning (Note [masters lifecycle]).
+        self.loaded_from_checkpoint = False
+        initial_values = initial_values or {}
         for group in optimizer.param_groups:
             row: List[Optional[Tensor]] = []
             for i, p in enumerate(group['params']):
                 if create_masters and p.dtype in HALF_DTYPES:
-                    master = p.detach().clone().float().requires_grad_(p.requires_grad)
+                    master = _new_master(p, initial_values.get(id(p)))
                     if p in optimizer.state:
                         optimizer.state[master] = {
                             k: (v.float() if isinstance(v, Tensor) and v.dtype in HALF_DTYPES
@@ -102,7 +123,7 @@ class MasterParams:
         row: List[Optional[Tensor]] = []
         for i, p in enumerate(new['params']):
             if self.create_masters and p.dtype in HALF_DTYPES:
-                new['params'][i] = p.detach().clone().float().requires_grad_(p.requires_grad)
+                new['params'][i] = _new_master(p, None)
                 row.append(p)
             else:
                 row.append(None)
@@ -122,6 +143,23 @@ class MasterParams:
         pairs = self.half_pairs()
         if pairs:
             torch._foreach_copy_([m for m, _ in pairs], [p for _, p in pairs])
+
+    @torch.no_grad()
+    def sync_with_model(self) -> List[Tensor]:
+        """Re-derive every master whose rounded value differs from its model param's weight.
+
+        Returns:
+            The model params whose masters were re-derived (empty when all agreed bit for bit).
+        """
+        stale = [(m, p) for m, p in self.half_pairs() if not torch.equal(m.to(p.dtype), p)]
+        if stale:
+            torch._foreach_copy_([m for m, _ in stale], [p for _, p in stale])
+        self.loaded_from_checkpoint = False
+        return [p for _, p in stale]
+
+    def full_precision_of(self) -> Dict[int, Tensor]:
+        """``id(half model param) -> its fp32 master``, for checkpoints and EMA."""
+        return {id(p): m for m, p in self.half_pairs()}
 
     def state_dict(self) -> List[List[Tensor]]:
         """The fp32 masters, per group, in slot order of the half slots (apex's fp32_from_fp16)."""
@@ -150,6 +188,41 @@ class MasterParams:
                                      f'not match the parameter shape {tuple(dst.shape)}')
             for dst, src in zip(current, masters):
                 dst.copy_(src)
+        self.loaded_from_checkpoint = True
+
+
+def _new_master(param: Tensor, initial: Optional[Tensor]) -> Tensor:
+    """An fp32 master for ``param``: from ``initial`` (exactly) when given, else from the param."""
+    source = param if initial is None else initial
+    if initial is not None and (initial.shape != param.shape or initial.device != param.device):
+        raise ValueError(f'initial master value of shape {tuple(initial.shape)} on {initial.device} '
+                         f'does not match the parameter ({tuple(param.shape)} on {param.device})')
+    return source.detach().to(torch.float32, copy=True).requires_grad_(param.requires_grad)
+
+
+def full_precision_state_dict_hook(masters_of: Callable[[], Optional[MasterParams]]):
+    """A ``Module._register_state_dict_hook`` callback that saves fp32 masters for half params.
+
+    Checkpoints then hold the full-precision weights the optimizer steps, not their bf16/fp16
+    rounding: an fp32 model loading them for inference or export gets the masters, and a resumed
+    half model rounds them back to exactly the weights it had. ``masters_of`` returns the current
+    :class:`MasterParams` (or None); the hook holds the wrapper weakly, and is a plain function so
+    that ``copy.deepcopy(model)`` (EMAHook) copies it without copying the wrapper.
+    """
+    def hook(module, state_dict, prefix, local_metadata):
+        masters = masters_of()
+        if masters is None:
+            return state_dict
+        full = masters.full_precision_of()
+        if not full:
+            return state_dict
+        for name, p in module.named_parameters():
+            master = full.get(id(p))
+            key = prefix + name
+            if master is not None and key in state_dict:
+                state_dict[key] = master.detach()
+        return state_dict
+    return hook
 
 
 class GradStash:

@@ -150,6 +150,10 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
         props = self.properties
         params = [p for g in self.optimizer.param_groups for p in g['params']]
         device = params[0].device
+        # The fp32 weights the cast is about to round (pretrained, init_cfg, resumed): O2's masters
+        # start from them exactly (Note [masters lifecycle]). These are aliases of the fp32
+        # storages, which the cast replaces rather than overwrites: no copy is made here.
+        full_precision = {id(p): p.detach() for p in params if p.dtype == torch.float32}
         if props.opt_level == 'O1':
             half = [i for i, p in enumerate(params) if p.dtype in HALF_DTYPES]
             if half:
@@ -188,8 +192,9 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
         for scaler in self.loss_scalers:
             scaler.to(device)
         self._model = module
-        self._masters = None  # masters made before the cast (e.g. by zero_grad) would miss params
-        self._master_params()
+        # Masters made before the cast (e.g. by zero_grad) would miss params: make them now.
+        self._rebuild_masters(initial_values=full_precision)
+        del full_precision
         if self._deferred_state is not None:
             state, self._deferred_state = self._deferred_state, None
             super().load_state_dict(state)  # warns nothing twice: the same dict was checked
@@ -205,14 +210,20 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
             self._state_dict_hook.remove()
             self._state_dict_hook = None
 
+    def _prepare_model(self, model: nn.Module) -> None:
+        """Prepare the model for the level (once), then bind the masters to it."""
+        if not self.properties.enabled:
+            return
+        self.initialize(model)
+        super()._prepare_model(model)
+
     @contextlib.contextmanager
     def optim_context(self, model: nn.Module):
         """The forward context: DDP ``no_sync`` while accumulating, and O1's autocast."""
-        with super().optim_context(model):
+        with super().optim_context(model):  # prepares the model (initialize) on first use
             if not self.properties.enabled:
                 yield
                 return
-            self.initialize(model)
             if self.properties.patch_torch_functions:
                 device = next(iter(self.optimizer.param_groups[0]['params'])).device
                 with o1_context(device.type, self.properties.dtype):

@@ -16,11 +16,15 @@ state_dict with loss scaling and fp32 master weights:
   ``AmpOptimWrapper`` (``loss_scaler``) and apex (``apex_amp``) scaler state.
 
 Masters are created lazily from ``self.optimizer`` and rebuilt if ``self.optimizer`` is replaced
-(mmengine's FSDP strategy does that), so nothing caches parameter lists beyond their optimizer.
+(mmengine's FSDP strategy does that), so nothing caches parameter lists beyond their optimizer. They
+are bound to the model's weights when training starts (Note [masters lifecycle] in
+:mod:`mp_wrappers.master`), and from then on the model's ``state_dict()`` saves them in place of the
+rounded half weights.
 """
 import contextlib
 import logging
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -31,15 +35,20 @@ from mmengine.optim import OptimWrapper
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ..master import GradStash, MasterParams
+from ..master import GradStash, MasterParams, full_precision_state_dict_hook
 from ..ops import multi_tensor_l2norm, multi_tensor_unscale_l2norm, new_found_inf
 from ..scaler import LossScaler
 
-__all__ = ['MixedPrecisionOptimWrapper', 'STATE_KEY', 'CheckpointMismatchWarning']
+__all__ = ['MixedPrecisionOptimWrapper', 'STATE_KEY', 'CheckpointMismatchWarning',
+           'MasterMismatchWarning']
 
 
 class CheckpointMismatchWarning(UserWarning):
     """A checkpoint written by another wrapper or precision policy was loaded (what carried over)."""
+
+
+class MasterMismatchWarning(UserWarning):
+    """fp32 masters loaded from a checkpoint disagreed with the model's weights at training start."""
 
 # Our top-level key in the wrapper's state_dict (beside the optimizer's 'state' and 'param_groups').
 STATE_KEY = 'mp_wrappers'
@@ -139,15 +148,88 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self._model_is_ddp = False
         self._param_names: Dict[int, str] = {}
         self._names_for: Optional[int] = None
+        # Note [masters lifecycle]: the module and masters last bound together, and the handle of
+        # the state-dict hook that saves the masters in the module's checkpoints.
+        self._bound_module: Optional[nn.Module] = None
+        self._bound_masters: Optional[MasterParams] = None
+        self._checkpoint_hook = None
 
     # ---- masters ---------------------------------------------------------------------------------
     def _master_params(self) -> MasterParams:
         if self._masters is None or self._masters.optimizer is not self.optimizer:
-            self._masters = MasterParams(self.optimizer, create_masters=self.master_weights)
-            self._stash = GradStash()
+            self._rebuild_masters()
         else:
             self._masters.check_groups()
         return self._masters
+
+    def _rebuild_masters(self, initial_values: Optional[Dict[int, Tensor]] = None) -> None:
+        """New masters for ``self.optimizer`` (from ``initial_values`` where given), unbound."""
+        self._masters = MasterParams(self.optimizer, create_masters=self.master_weights,
+                                     initial_values=initial_values)
+        self._stash = GradStash()
+        self._bound_masters = None
+
+    def full_precision_weights(self) -> Dict[int, Tensor]:
+        """``id(model param) -> fp32 master`` for every half param this wrapper keeps a master of.
+
+        What checkpoints save and what ``mp_wrappers.MixedPrecisionEMAHook`` averages: the full-
+        precision weights the optimizer steps. Params without a master (fp32 params, or half
+        params at levels without masters) are not listed.
+        """
+        return self._master_params().full_precision_of()
+
+    def _prepare_model(self, model: nn.Module) -> None:
+        """Bind the masters to ``model`` (once per model and set of masters); see ``_bind_masters``.
+
+        Subclasses that prepare the model further (casting) do it before calling this.
+        """
+        module = model.module if is_model_wrapper(model) else model
+        if self._bound_module is module and self._bound_masters is self._masters:
+            return  # the per-iteration cost: two identity checks
+        self._bind_masters(module)
+
+    def _bind_masters(self, module: nn.Module) -> None:
+        """Note [masters lifecycle]: start the masters from the model's weights, save them in its
+        checkpoints."""
+        masters = self._master_params()
+        loaded = masters.loaded_from_checkpoint
+        stale = masters.sync_with_model()
+        if stale:
+            names = {id(p): n for n, p in module.named_parameters()}
+            listed = ', '.join(names.get(id(p), f'<param {tuple(p.shape)}>') for p in stale[:5])
+            more = f' and {len(stale) - 5} more' if len(stale) > 5 else ''
+            if loaded:
+                msg = (f'mp_wrappers: {len(stale)} fp32 master weights loaded from the checkpoint '
+                       f'do not round to the model\'s weights ({listed}{more}): the model was '
+                       'written after the optimizer state was loaded, or the checkpoint\'s '
+                       'state_dict and optimizer state disagree. Training starts from the model\'s '
+                       'weights; their masters were re-derived from them.')
+                warnings.warn(msg, MasterMismatchWarning, stacklevel=4)
+                print_log(msg, logger='current', level=logging.WARNING)
+            else:
+                print_log(f'mp_wrappers: re-derived {len(stale)} fp32 master weights from the '
+                          f'model, written after the optimizer wrapper was built ({listed}{more};'
+                          ' init_weights or load_from)', logger='current', level=logging.INFO)
+        if self._bound_module is not module:
+            if self._checkpoint_hook is not None:
+                self._checkpoint_hook.remove()
+            ref = weakref.ref(self)
+
+            def masters_of() -> Optional[MasterParams]:
+                wrapper = ref()
+                return None if wrapper is None else wrapper._masters
+
+            self._checkpoint_hook = module._register_state_dict_hook(
+                full_precision_state_dict_hook(masters_of))
+        self._bound_module = module
+        self._bound_masters = masters
+
+    def initialize_count_status(self, model: nn.Module, init_counts: int,
+                                max_counts: int) -> None:
+        """mmengine's hook at training start (after init_weights, load_from and resume): also
+        binds the masters to the model's weights (Note [masters lifecycle])."""
+        super().initialize_count_status(model, init_counts, max_counts)
+        self._prepare_model(model)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a param group; its fp16/bf16 params get fp32 masters (apex's add_param_group)."""
@@ -162,6 +244,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         if self._names_for != id(module):
             self._param_names = {id(p): n for n, p in module.named_parameters()}
             self._names_for = id(module)
+        self._prepare_model(model)
         with super().optim_context(model):
             yield
 
@@ -342,6 +425,14 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             coef = torch.clamp(self.clip_grad_kwargs['max_norm'] / (total + 1e-6), max=1.0)
             grad_scale = grad_scale / coef
         self.optimizer.fused_master_step(grads, models, grad_scale=grad_scale, found_inf=flag)
+        # The step consumed the model gradients, as the unfused path's unscale does: a gradient
+        # left here would be zeroed (not freed) by zero_grad(set_to_none=False) and step a
+        # parameter that gets no gradient later (an unused branch) with zeros: weight decay and
+        # moments would move it, where torch.optim leaves a parameter without a gradient alone.
+        for g_row, row, group in zip(grads, masters.model_params, self.optimizer.param_groups):
+            for g, slot, model_p in zip(g_row, group['params'], row):
+                if g is not None:
+                    (model_p if model_p is not None else slot).grad = None
         self._pending_scaler = None
         self._grad_norm = total
         # The update already happened (or not) on the device; the host reads the flag only for the
@@ -559,6 +650,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             self._load_scalers([amp_scaler], source="mmengine AmpOptimWrapper's loss_scaler")
         if ours is not None:
             self._load_extra_state(ours)
+        self._bound_masters = None  # check the loaded masters against the model at the next bind
 
     def _load_extra_state(self, ours: Dict[str, Any]) -> None:
         """Subclass hook: read the entries added by :meth:`_extra_state`."""

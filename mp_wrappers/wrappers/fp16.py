@@ -1,5 +1,6 @@
 """``FP16OptimWrapper``: apex ``fp16_utils.FP16_Optimizer`` semantics as an mmengine optimizer wrapper."""
 import logging
+import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -11,7 +12,25 @@ from ..registry import OPTIM_WRAPPERS
 from ..scaler import DynamicLossScaler, build_loss_scaler
 from .base import MixedPrecisionOptimWrapper
 
-__all__ = ['FP16OptimWrapper']
+__all__ = ['FP16OptimWrapper', 'FP32ModelWarning']
+
+_FP32_MODEL_MESSAGE = (
+    'FP16OptimWrapper got an optimizer over fp32 parameters only: it trains entirely in fp32 '
+    '(no half-precision compute, no masters, loss scaling only). FP16OptimWrapper expects a model '
+    "built in half precision: cast it before building the optimizer (the model's own dtype "
+    "option such as dict(type='mp_wrappers.DigitsCNN', dtype='bfloat16'), or "
+    'mp_wrappers.cast_model(model, torch.bfloat16), which keeps norm layers fp32), or use '
+    "optim_wrapper=dict(type='mp_wrappers.ApexOptimWrapper', opt_level='O2', dtype='bfloat16', "
+    '...), which casts the model itself and keeps fp32 masters.')
+
+
+class FP32ModelWarning(UserWarning):
+    """FP16OptimWrapper was given an fp32 model (it then trains in fp32)."""
+
+
+def _warn_fp32_model() -> None:
+    warnings.warn(_FP32_MODEL_MESSAGE, FP32ModelWarning, stacklevel=4)
+    print_log(f'mp_wrappers: {_FP32_MODEL_MESSAGE}', logger='current', level=logging.WARNING)
 
 
 @OPTIM_WRAPPERS.register_module()
@@ -64,6 +83,8 @@ class FP16OptimWrapper(MixedPrecisionOptimWrapper):
                          accumulative_counts=accumulative_counts, clip_grad=clip_grad, **kwargs)
         self.dynamic_loss_scale = dynamic_loss_scale
         self._master_params()  # create masters now, as FP16_Optimizer does at construction
+        if not self._masters.has_half:
+            _warn_fp32_model()
 
     # ---- apex FP16_Optimizer API -------------------------------------------------------------------
     def backward(self, loss: Tensor, update_master_grads: bool = True, retain_graph: bool = False,

@@ -1,0 +1,184 @@
+"""``MixedPrecisionEMAHook``: mmengine's ``EMAHook``, averaging the full-precision weights.
+
+mmengine's ``EMAHook`` deep-copies the model in ``before_run`` and averages
+``model.named_parameters()`` into the copy with ``lerp_``. Under mixed precision that goes wrong two
+ways: at ``ApexOptimWrapper`` O2/O3 the copy is taken from the fp32 model before the wrapper casts it
+(the first forward), so ``lerp_`` meets bf16/fp16 parameters and fails; and over a half model
+(``FP16OptimWrapper``) the copy is half too, so with a small momentum each update is below half a
+unit in the last place and rounds away: the EMA silently stops moving.
+
+Note [EMA and masters]
+    This hook keeps mmengine's ``EMAHook`` and its averaged-model machinery (any ``ema_type``:
+    ``ExponentialMovingAverage``, ``StochasticWeightAverage``, a toolbox's own) and changes only
+    the precision:
+
+    * the averaged copy is full precision: its half floating tensors are cast to fp32 once, in
+      ``before_run``;
+    * it is averaged from the full-precision weights the optimizer steps: the fp32 master of every
+      half parameter that has one (``ApexOptimWrapper`` O2, ``FP16OptimWrapper``), the parameter
+      itself otherwise (O0/O1 fp32 weights; O3's half weights, widened);
+    * validation and test swap the EMA into the model by copying (the model's own weights are kept
+      aside and restored), so the fp32 EMA never passes through the half parameters;
+    * checkpoints hold the fp32 EMA under ``ema_state_dict`` and, as with ``EMAHook``, swapped into
+      ``state_dict`` (where the wrappers' checkpoint hook already puts the fp32 masters), so both
+      are full precision and resume is exact.
+"""
+import itertools
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+from mmengine.hooks import EMAHook
+from mmengine.model import is_model_wrapper
+from mmengine.optim import OptimWrapperDict
+from torch import Tensor, nn
+
+from .casting import HALF_DTYPES
+from .registry import HOOKS
+from .wrappers.apex import ApexOptimWrapper
+from .wrappers.base import MixedPrecisionOptimWrapper
+
+__all__ = ['MixedPrecisionEMAHook', 'FullPrecisionSource', 'check_ema_hooks']
+
+
+def _our_wrappers(runner) -> List[MixedPrecisionOptimWrapper]:
+    optim_wrapper = getattr(runner, 'optim_wrapper', None)
+    if isinstance(optim_wrapper, OptimWrapperDict):
+        candidates = list(optim_wrapper.values())
+    else:
+        candidates = [optim_wrapper]
+    return [w for w in candidates if isinstance(w, MixedPrecisionOptimWrapper)]
+
+
+class FullPrecisionSource:
+    """What an mmengine averaged model reads from its source model, in full precision.
+
+    ``BaseAveragedModel.update_parameters(model)`` reads ``model.named_parameters()`` (or
+    ``model.state_dict()`` with ``update_buffers=True``) and ``model.buffers()``. This object answers
+    the same calls for ``module``, with each half parameter replaced by its fp32 master where one
+    exists, and by an fp32 copy otherwise.
+
+    Args:
+        module (nn.Module): The (unwrapped) model being averaged.
+        masters (dict): ``id(param) -> fp32 master`` (see
+            :meth:`MixedPrecisionOptimWrapper.full_precision_weights`).
+    """
+
+    def __init__(self, module: nn.Module, masters: Dict[int, Tensor]) -> None:
+        self.module = module
+        self.masters = masters
+
+    def _full(self, p: Tensor) -> Tensor:
+        master = self.masters.get(id(p))
+        if master is not None:
+            return master.detach()
+        return p.detach().float() if p.dtype in HALF_DTYPES else p.detach()
+
+    def named_parameters(self) -> Iterator[Tuple[str, Tensor]]:
+        for name, p in self.module.named_parameters():
+            yield name, self._full(p)
+
+    def state_dict(self) -> Dict[str, Tensor]:
+        # The wrappers' checkpoint hook already puts the masters there; widen what is left half.
+        return {k: (v.float() if isinstance(v, Tensor) and v.dtype in HALF_DTYPES else v)
+                for k, v in self.module.state_dict().items()}
+
+    def buffers(self) -> Iterator[Tensor]:
+        return self.module.buffers()
+
+
+@HOOKS.register_module()
+class MixedPrecisionEMAHook(EMAHook):
+    """mmengine's ``EMAHook`` with a full-precision average of the full-precision weights.
+
+    Takes exactly ``EMAHook``'s arguments (``ema_type``, ``momentum``, ``update_buffers``,
+    ``begin_iter``, ``begin_epoch``, ``strict_load``, ``priority``...); see Note [EMA and masters].
+    Use it in place of ``EMAHook`` whenever the model holds half weights (``ApexOptimWrapper`` O2/O3,
+    ``FP16OptimWrapper``); at O0/O1 it behaves as ``EMAHook``.
+    ``mp_wrappers.MixedPrecisionHook`` refuses a plain ``EMAHook`` in those cases.
+
+    Examples:
+        >>> custom_hooks = [dict(type='mp_wrappers.MixedPrecisionEMAHook', momentum=2e-4,
+        ...                      priority='ABOVE_NORMAL')]
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._kept_src: Optional[List[Tensor]] = None
+
+    def before_run(self, runner) -> None:
+        """Build the averaged copy (``EMAHook``), then make it full precision."""
+        super().before_run(runner)
+        ema = self.ema_model
+        if any(t.dtype in HALF_DTYPES for t in itertools.chain(ema.module.parameters(),
+                                                                ema.module.buffers())):
+            ema.module.float()
+            # BaseAveragedModel keeps its own dict of the tensors it averages into: re-read it
+            # from the widened copy, as its constructor does.
+            ema.avg_parameters = (ema.module.state_dict() if ema.update_buffers
+                                  else dict(ema.module.named_parameters()))
+
+    def _source(self, runner) -> FullPrecisionSource:
+        masters: Dict[int, Tensor] = {}
+        for wrapper in _our_wrappers(runner):
+            masters.update(wrapper.full_precision_weights())
+        return FullPrecisionSource(self.src_model, masters)
+
+    def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
+        """Average the full-precision weights (or copy them, before ``begin_iter``/``epoch``)."""
+        source = self._source(runner)
+        if self._ema_started(runner):
+            self.ema_model.update_parameters(source)
+        else:
+            src = source.state_dict()
+            for k, p in self.ema_model.module.state_dict().items():
+                p.data.copy_(src[k].data)
+
+    def _swap_ema_parameters(self) -> None:
+        """Put the EMA into the model (first call), or restore the model's weights (second call).
+
+        ``EMAHook`` swaps data both ways, which would round the fp32 EMA through half parameters
+        at every validation; here the EMA is only read.
+        """
+        avg = (itertools.chain(self.ema_model.module.parameters(), self.ema_model.module.buffers())
+               if self.ema_model.update_buffers else self.ema_model.module.parameters())
+        src = (itertools.chain(self.src_model.parameters(), self.src_model.buffers())
+               if self.ema_model.update_buffers else self.src_model.parameters())
+        src = list(src)
+        with torch.no_grad():
+            if self._kept_src is None:
+                self._kept_src = [p.data.clone() for p in src]
+                for p_avg, p_src in zip(avg, src):
+                    p_src.data.copy_(p_avg.data)
+            else:
+                for kept, p_src in zip(self._kept_src, src):
+                    p_src.data.copy_(kept)
+                self._kept_src = None
+
+
+def _keeps_half_weights(wrapper: MixedPrecisionOptimWrapper) -> bool:
+    if isinstance(wrapper, ApexOptimWrapper):
+        props = wrapper.properties
+        return bool(props.enabled) and props.cast_model_type in HALF_DTYPES
+    return bool(wrapper.full_precision_weights())  # FP16OptimWrapper over a half model
+
+
+def check_ema_hooks(runner) -> None:
+    """Refuse mmengine's plain ``EMAHook`` when one of our wrappers trains half weights.
+
+    Raises:
+        RuntimeError: with the fix (``mp_wrappers.MixedPrecisionEMAHook``, same arguments).
+    """
+    plain = [h for h in getattr(runner, 'hooks', [])
+             if isinstance(h, EMAHook) and not isinstance(h, MixedPrecisionEMAHook)]
+    if not plain:
+        return
+    half = [type(w).__name__ + (f'(opt_level={w.opt_level!r})' if isinstance(w, ApexOptimWrapper)
+                                else '')
+            for w in _our_wrappers(runner) if _keeps_half_weights(w)]
+    if half:
+        raise RuntimeError(
+            f'EMAHook cannot average a model trained with {", ".join(half)}: its copy is taken '
+            'before the model is cast (lerp_ then fails on the half weights) or is half itself '
+            '(small EMA updates round away and the average silently stops moving). Use '
+            "custom_hooks=[dict(type='mp_wrappers.MixedPrecisionEMAHook', ...)] with the same "
+            'arguments: it keeps the average in fp32 and averages the fp32 master weights.')
