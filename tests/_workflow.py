@@ -1,0 +1,214 @@
+"""Tiny mmengine Runner workflows for the workflow tests (pretrained weights, EMA, unused params...).
+
+A 8 -> 16 -> 4 MLP with a BatchNorm (kept fp32 when cast) on fixed random samples: fp16 matmuls this
+small cost nothing even on a CPU without fp16 units, so every wrapper, level and dtype runs in well
+under a second per Runner.
+"""
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from mmengine.evaluator import BaseMetric
+from mmengine.hooks import Hook
+from mmengine.model import BaseModel
+from mmengine.runner import Runner
+from torch import nn
+
+from mp_wrappers.casting import cast_model
+from mp_wrappers.checkpoint import secure_torch_load
+from mp_wrappers.registry import HOOKS, METRICS, MODELS
+
+WRAPPERS = {
+    # name: (optim_wrapper config without the optimizer, whether the model is built in half)
+    'FP16': (lambda dtype: dict(type='mp_wrappers.FP16OptimWrapper', static_loss_scale=1.0,
+                                dynamic_loss_scale=dtype == 'float16'), True),
+    'O1': (lambda dtype: dict(type='mp_wrappers.ApexOptimWrapper', opt_level='O1', dtype=dtype,
+                              verbosity=0), False),
+    'O2': (lambda dtype: dict(type='mp_wrappers.ApexOptimWrapper', opt_level='O2', dtype=dtype,
+                              verbosity=0), False),
+    'O3': (lambda dtype: dict(type='mp_wrappers.ApexOptimWrapper', opt_level='O3', dtype=dtype,
+                              verbosity=0), False),
+}
+# Levels that keep fp32 master weights.
+KEEPS_MASTERS = ('FP16', 'O2')
+
+
+@MODELS.register_module(force=True)
+class WorkflowMLP(BaseModel):
+    """fc1 -> BN -> ReLU -> fc2, plus two heads for the unused-parameter tests.
+
+    ``late`` is used only at the iterations in ``late_iters`` (a branch the graph stops using);
+    ``unused`` never. ``zero_kwargs`` are passed to ``update_params`` (``set_to_none`` and apex's
+    ``set_grads_to_None``).
+    """
+
+    def __init__(self, dtype: Optional[str] = None, late_iters=(), zero_kwargs=None,
+                 init_cfg=None) -> None:
+        super().__init__(init_cfg=init_cfg)
+        self.fc1 = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.fc2 = nn.Linear(16, 4)
+        self.late = nn.Linear(16, 4)
+        self.unused = nn.Linear(16, 4)
+        self.late_iters = tuple(late_iters)
+        self.zero_kwargs = dict(zero_kwargs or {})
+        if dtype is not None:
+            cast_model(self, getattr(torch, dtype), keep_norm_fp32=True)
+
+    def forward(self, inputs, labels=None, mode='tensor'):
+        h = torch.relu(self.bn(self.fc1(inputs.to(self.fc1.weight.dtype))))
+        out = self.fc2(h)
+        if self.training and self._iter() in self.late_iters:
+            out = out + self.late(h)
+        if mode == 'loss':
+            return {'loss': F.cross_entropy(out.float(), labels)}
+        return out
+
+    @staticmethod
+    def _iter():
+        from mmengine.logging import MessageHub
+        return MessageHub.get_current_instance().get_info('iter')
+
+    def train_step(self, data, optim_wrapper):
+        with optim_wrapper.optim_context(self):
+            data = self.data_preprocessor(data, True)
+            losses = self._run_forward(data, mode='loss')
+        parsed, log_vars = self.parse_losses(losses)
+        optim_wrapper.update_params(parsed, zero_kwargs=self.zero_kwargs or None)
+        return log_vars
+
+
+@METRICS.register_module(force=True)
+class WorkflowLossMetric(BaseMetric):
+    """Accuracy of the predicted class against the dataset's labels."""
+
+    def process(self, data_batch, data_samples) -> None:
+        preds = torch.stack(list(data_samples)).float().argmax(1)
+        self.results.append((preds == data_batch['labels']).float().mean().item())
+
+    def compute_metrics(self, results) -> Dict[str, float]:
+        return {'acc': sum(results) / len(results)}
+
+
+class WorkflowData(torch.utils.data.Dataset):
+    """Fixed random samples; 512 of them, so that no run reaches the end of an epoch (mmengine's
+    infinite iterator sleeps 2 s at every epoch boundary)."""
+
+    def __init__(self, n: int = 512) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x[:, :4].argmax(1)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        return dict(inputs=self.x[i], labels=self.y[i])
+
+
+@HOOKS.register_module(force=True)
+class RecordHook(Hook):
+    """Records the wrapper's masters when training starts (after loading: ``start_masters``) and
+    the model weights and masters after every training iteration."""
+
+    priority = 'LOWEST'
+
+    def __init__(self) -> None:
+        self.start_masters: Dict[str, torch.Tensor] = {}
+        self.weights: List[Dict[str, torch.Tensor]] = []
+        self.masters: List[Dict[str, torch.Tensor]] = []
+
+    def before_train(self, runner) -> None:
+        self.start_masters = masters_by_name(runner)
+
+    def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None) -> None:
+        model = runner.model
+        self.weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        self.masters.append(masters_by_name(runner))
+
+
+def masters_by_name(runner) -> Dict[str, torch.Tensor]:
+    """name -> the wrapper's fp32 master (only params that have one)."""
+    full = runner.optim_wrapper.full_precision_weights()
+    return {n: full[id(p)].detach().clone() for n, p in runner.model.named_parameters()
+            if id(p) in full}
+
+
+_RUNS = [0]
+
+
+def make_runner(work_dir, wrapper='O2', dtype='bfloat16', optimizer=None, iters=6,
+                model: Optional[dict] = None, ckpt_interval: Optional[int] = None,
+                custom_hooks=(), accumulative_counts: int = 1, val: bool = False,
+                extra_wrapper: Optional[dict] = None, **runner_kwargs: Any) -> Runner:
+    """A Runner over WorkflowMLP with ``wrapper`` in {'FP16', 'O1', 'O2', 'O3', 'fp32'}."""
+    model_cfg = dict(type='mp_wrappers.WorkflowMLP')
+    if wrapper == 'fp32':
+        wrapper_cfg = dict(type='OptimWrapper')
+    else:
+        build, half_model = WRAPPERS[wrapper]
+        wrapper_cfg = build(dtype)
+        if half_model:
+            model_cfg['dtype'] = dtype
+    model_cfg.update(model or {})
+    wrapper_cfg['optimizer'] = optimizer or dict(type='SGD', lr=0.2, momentum=0.9)
+    wrapper_cfg['accumulative_counts'] = accumulative_counts
+    wrapper_cfg.update(extra_wrapper or {})
+    hooks = dict(logger=dict(type='LoggerHook', interval=1),
+                 checkpoint=dict(type='CheckpointHook', interval=ckpt_interval or 10 ** 6,
+                                 by_epoch=False, save_last=ckpt_interval is not None,
+                                 save_param_scheduler=False))
+    _RUNS[0] += 1
+    val_kwargs = {}
+    if val:
+        val_kwargs = dict(
+            val_dataloader=dict(dataset=WorkflowData(16), batch_size=16, num_workers=0,
+                                sampler=dict(type='DefaultSampler', shuffle=False),
+                                collate_fn=dict(type='default_collate')),
+            val_cfg=dict(), val_evaluator=dict(type='mp_wrappers.WorkflowLossMetric'))
+    return Runner(
+        model=model_cfg, work_dir=str(work_dir), experiment_name=f'workflow_{_RUNS[0]}',
+        train_dataloader=dict(dataset=WorkflowData(), batch_size=16, num_workers=0,
+                              sampler=dict(type='DefaultSampler', shuffle=True),
+                              collate_fn=dict(type='default_collate')),
+        train_cfg=dict(by_epoch=False, max_iters=iters, val_interval=runner_kwargs.pop(
+            'val_interval', 10 ** 6)),
+        optim_wrapper=wrapper_cfg, default_hooks=hooks,
+        custom_hooks=[dict(type='mp_wrappers.MixedPrecisionHook', log_precision=False)]
+        + list(custom_hooks),
+        randomness=dict(seed=0), log_level='WARNING', **val_kwargs, **runner_kwargs)
+
+
+def train(runner: Runner) -> Runner:
+    threads = torch.get_num_threads()
+    try:
+        runner.train()
+    finally:
+        torch.set_num_threads(threads)
+    return runner
+
+
+def losses(runner: Runner) -> List[float]:
+    return [float(v) for v in runner.message_hub.get_scalar('train/loss').data[0]]
+
+
+def load(path) -> dict:
+    return secure_torch_load(path, map_location='cpu')  # weights_only, mmengine's types allowed
+
+
+def save_pretrained(path, seed: int = 7) -> Dict[str, torch.Tensor]:
+    """An fp32 'pretrained' checkpoint (mmengine layout) whose weights are not bf16/fp16-exact."""
+    torch.manual_seed(seed)
+    model = WorkflowMLP()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for k, v in state.items():
+        if v.is_floating_point():
+            state[k] = v * 1.37 + 0.0123  # values with full fp32 mantissas
+    torch.save({'state_dict': state, 'meta': {}}, path)
+    return state
+
+
+def latest_checkpoint(work_dir) -> str:
+    with open(os.path.join(str(work_dir), 'last_checkpoint')) as f:
+        return f.read().strip()
