@@ -1,0 +1,134 @@
+"""EMA with mixed precision through mmengine's Runner (issue 10, item 2).
+
+mmengine's ``EMAHook`` copies the model before ``ApexOptimWrapper`` casts it (O2/O3: ``lerp_`` then fails
+on the half weights) and, over a half model, keeps a half average whose small updates round away.
+``mp_wrappers.MixedPrecisionEMAHook`` keeps mmengine's hook and averaged-model classes and averages the
+full-precision weights (the fp32 masters where they exist) into an fp32 copy (Note [EMA and masters]).
+"""
+import pytest
+import torch
+from mmengine.hooks import Hook
+
+from mp_wrappers import MixedPrecisionEMAHook
+
+from _workflow import RecordHook, load, make_runner, masters_by_name, train
+
+MOMENTUM = 0.25
+
+
+def _ema_hook(runner):
+    (hook,) = [h for h in runner.hooks if type(h).__name__ in ('EMAHook', 'MixedPrecisionEMAHook')]
+    return hook
+
+
+def _oracle(sequence, momentum=MOMENTUM):
+    """ExponentialMovingAverage's arithmetic in fp32: copy at the first update, then lerp_."""
+    ema = {k: v.float().clone() for k, v in sequence[0].items()}
+    for weights in sequence[1:]:
+        for k, v in ema.items():
+            v.lerp_(weights[k].float(), momentum)
+    return ema
+
+
+def _full_precision_sequence(record, wrapper):
+    """Per iteration, the weights the EMA must average: masters where the level keeps them."""
+    out = []
+    for weights, masters in zip(record.weights, record.masters):
+        out.append({k: masters.get(k, w) for k, w in weights.items()})
+    return out
+
+
+@pytest.mark.parametrize('wrapper', ['FP16', 'O1', 'O2', 'O3'])
+def test_ema_averages_the_full_precision_weights_at_every_level(tmp_path, wrapper):
+    record = RecordHook()
+    runner = make_runner(tmp_path, wrapper, 'bfloat16', iters=5, ckpt_interval=5,
+                         custom_hooks=[dict(type='mp_wrappers.MixedPrecisionEMAHook',
+                                            momentum=MOMENTUM)])
+    runner.register_hook(record)
+    train(runner)
+    ema = dict(_ema_hook(runner).ema_model.module.named_parameters())
+    expected = _oracle(_full_precision_sequence(record, wrapper))
+    if wrapper in ('FP16', 'O2'):
+        assert set(record.masters[0]) >= {'fc1.weight', 'fc2.weight'}
+    for name, value in expected.items():
+        assert ema[name].dtype == torch.float32, name
+        assert torch.equal(ema[name], value), name
+    # The checkpoint's EMA is full precision too (EMAHook swaps it into state_dict).
+    ckpt = load(tmp_path / 'iter_5.pth')
+    for name, value in expected.items():
+        assert ckpt['ema_state_dict'][f'module.{name}'].dtype == torch.float32
+        assert torch.equal(ckpt['state_dict'][name], value), name
+
+
+def test_o1_ema_matches_mmengine_ema_hook(tmp_path):
+    """At O1 the weights are fp32: the result is mmengine's EMAHook's, bit for bit."""
+    ours = train(make_runner(tmp_path / 'ours', 'O1', 'bfloat16', iters=4, custom_hooks=[
+        dict(type='mp_wrappers.MixedPrecisionEMAHook', momentum=MOMENTUM)]))
+    stock = train(make_runner(tmp_path / 'stock', 'O1', 'bfloat16', iters=4, custom_hooks=[
+        dict(type='EMAHook', momentum=MOMENTUM)]))
+    a = dict(_ema_hook(ours).ema_model.module.named_parameters())
+    b = dict(_ema_hook(stock).ema_model.module.named_parameters())
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_bf16_ema_keeps_moving(tmp_path):
+    """A small momentum over a bf16 model: a bf16 average would round every update away."""
+    record = RecordHook()
+    runner = make_runner(tmp_path, 'FP16', 'bfloat16', iters=6,
+                         optimizer=dict(type='SGD', lr=0.02),
+                         custom_hooks=[dict(type='mp_wrappers.MixedPrecisionEMAHook',
+                                            momentum=1e-3)])
+    runner.register_hook(record)
+    train(runner)
+    ema = _ema_hook(runner).ema_model.module.fc1.weight
+    sequence = _full_precision_sequence(record, 'FP16')
+    expected = _oracle(sequence, momentum=1e-3)['fc1.weight']
+    start = sequence[0]['fc1.weight']
+    assert torch.equal(ema, expected)
+    assert not torch.equal(ema, start)  # it moved
+    # what a bf16 average of the same weights does: nothing
+    stalled = start.bfloat16()
+    for weights in sequence[1:]:
+        stalled.lerp_(weights['fc1.weight'].bfloat16(), 1e-3)
+    assert torch.equal(stalled.float(), start.bfloat16().float())
+
+
+@pytest.mark.parametrize('wrapper', ['FP16', 'O2', 'O3'])
+def test_plain_ema_hook_over_half_weights_is_refused_with_the_fix(tmp_path, wrapper):
+    runner = make_runner(tmp_path, wrapper, 'bfloat16', iters=3,
+                         custom_hooks=[dict(type='EMAHook', momentum=MOMENTUM)])
+    with pytest.raises(RuntimeError, match="type='mp_wrappers.MixedPrecisionEMAHook'"):
+        train(runner)
+
+
+def test_validation_uses_the_ema_and_leaves_training_untouched(tmp_path):
+    """The EMA is swapped in for validation by copying: neither it nor the model is rounded."""
+    hooks = [dict(type='mp_wrappers.MixedPrecisionEMAHook', momentum=MOMENTUM)]
+
+    class SeenInValidation(Hook):
+        priority = 'LOWEST'  # after the EMA hook swapped the EMA in
+        seen = []
+
+        def before_val_epoch(self, runner):
+            ema = _ema_hook(runner).ema_model.module.fc1.weight
+            self.seen.append(torch.equal(runner.model.fc1.weight, ema.bfloat16()))
+
+    runner = make_runner(tmp_path / 'val', 'O2', 'bfloat16', iters=6, val=True, val_interval=2,
+                         custom_hooks=hooks)
+    runner.register_hook(SeenInValidation())
+    with_val = train(runner)
+    assert SeenInValidation.seen == [True, True, True]
+    without = train(make_runner(tmp_path / 'noval', 'O2', 'bfloat16', iters=6,
+                                custom_hooks=hooks))
+    for (name, a), b in zip(with_val.model.named_parameters(), without.model.parameters()):
+        assert torch.equal(a, b), name
+    for name, m in masters_by_name(with_val).items():
+        assert torch.equal(m, masters_by_name(without)[name]), name
+    a = dict(_ema_hook(with_val).ema_model.module.named_parameters())
+    b = dict(_ema_hook(without).ema_model.module.named_parameters())
+    for name in a:
+        assert a[name].dtype == torch.float32
+        assert torch.equal(a[name], b[name]), name
+    assert isinstance(_ema_hook(with_val), MixedPrecisionEMAHook)
+    assert 'acc' in str(with_val.message_hub.log_scalars.keys())
