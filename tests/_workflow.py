@@ -129,8 +129,11 @@ class RecordHook(Hook):
 
 
 def masters_by_name(runner) -> Dict[str, torch.Tensor]:
-    """name -> the wrapper's fp32 master (only params that have one)."""
-    full = runner.optim_wrapper.full_precision_weights()
+    """name -> the wrapper's fp32 master (only params that have one; none for mmengine's)."""
+    wrapper = runner.optim_wrapper
+    if not hasattr(wrapper, 'full_precision_weights'):
+        return {}
+    full = wrapper.full_precision_weights()
     return {n: full[id(p)].detach().clone() for n, p in runner.model.named_parameters()
             if id(p) in full}
 
