@@ -186,6 +186,9 @@ def make_runner(work_dir, wrapper='O2', dtype='bfloat16', optimizer=None, iters=
 def train(runner: Runner) -> Runner:
     threads = torch.get_num_threads()
     try:
+        # Tensors this small are fastest on one thread; on a loaded machine, OpenMP threads
+        # waiting for each other made each op 10-50x slower.
+        torch.set_num_threads(1)
         runner.train()
     finally:
         torch.set_num_threads(threads)
