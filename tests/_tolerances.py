@@ -16,6 +16,9 @@ TOL = {
 
 TRAIN_TOL = {
     torch.float32: dict(rtol=1e-5, atol=1e-6),
-    torch.bfloat16: dict(rtol=5e-2, atol=5e-2),
+    # bf16: 20 SGD steps (momentum 0.9) of a small CNN drift by up to 0.035-0.060 in some element
+    # against fp32, over 6 seeds, whether the masters start from the rounded or the exact fp32
+    # weights (measured 2026-11-23): 5e-2 sat inside that spread.
+    torch.bfloat16: dict(rtol=5e-2, atol=7e-2),
     torch.float16: dict(rtol=1e-2, atol=1e-2),
 }
