@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 __all__ = ['HALF_DTYPES', 'parse_dtype', 'cast_model', 'cast_floating', 'is_norm_layer',
-           'ForwardCaster', 'fp32_state_dict_hook', 'model_cast_dtype']
+           'ForwardCaster', 'fp32_state_dict_hook', 'model_cast_dtype', 'loaded_full_precision',
+           'forget_loaded_full_precision']
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 _DTYPE_NAMES = {
@@ -77,6 +78,9 @@ def cast_model(model: nn.Module, dtype: torch.dtype, keep_norm_fp32: bool = True
             _set_buffer(model, name, b.to(dtype))
     # Remember what was done, so a later consumer (ApexOptimWrapper behind DDP) can check it.
     model._mp_wrappers_cast = (dtype, keep_norm_fp32)
+    if dtype != torch.float32 and getattr(model, '_mp_wrappers_capture_hook', None) is None:
+        model._mp_wrappers_capture_hook = model.register_load_state_dict_pre_hook(
+            _capture_full_precision)
     if keep_norm_fp32 and dtype != torch.float32:
         for module in model.modules():
             if is_norm_layer(module) and not getattr(module, '_mp_wrappers_fp32_hooks', None):
@@ -86,6 +90,38 @@ def cast_model(model: nn.Module, dtype: torch.dtype, keep_norm_fp32: bool = True
                 )
                 module._mp_wrappers_fp32_hooks = handles
     return model
+
+
+# Note [full-precision values loaded into a half model]: a model cast before its weights are loaded
+# (FP16OptimWrapper's models, distributed O2 cast before DDP wraps it) rounds an fp32 checkpoint as
+# it loads it. This load_state_dict pre-hook keeps references to the loaded full-precision tensors of
+# its half parameters, so that the wrapper's masters can start from them bit for bit when training
+# starts (mp_wrappers/master.py, Note [masters lifecycle]); the wrapper then drops them.
+_CAPTURED = '_mp_wrappers_loaded_full_precision'
+
+
+def _capture_full_precision(module, state_dict, prefix, local_metadata, strict, missing_keys,
+                            unexpected_keys, error_msgs) -> None:
+    captured = module.__dict__.setdefault(_CAPTURED, {})
+    for name, p in module.named_parameters():
+        value = state_dict.get(prefix + name)
+        if (isinstance(value, torch.Tensor) and p.dtype in HALF_DTYPES
+                and value.dtype in (torch.float32, torch.float64) and value.shape == p.shape):
+            captured[id(p)] = value.detach()
+
+
+def loaded_full_precision(model: nn.Module):
+    """``id(half param) -> full-precision tensor`` loaded into ``model`` since it was cast."""
+    found = {}
+    for module in model.modules():
+        found.update(module.__dict__.get(_CAPTURED, {}))
+    return found
+
+
+def forget_loaded_full_precision(model: nn.Module) -> None:
+    """Drop the references kept by the load pre-hook (the masters have taken the values)."""
+    for module in model.modules():
+        module.__dict__.pop(_CAPTURED, None)
 
 
 def model_cast_dtype(model: nn.Module):

@@ -145,17 +145,39 @@ class MasterParams:
             torch._foreach_copy_([m for m, _ in pairs], [p for _, p in pairs])
 
     @torch.no_grad()
-    def sync_with_model(self) -> List[Tensor]:
-        """Re-derive every master whose rounded value differs from its model param's weight.
+    def sync_with_model(self, loaded: Optional[Dict[int, Tensor]] = None) -> List[Tensor]:
+        """Start every master from its model param's weight (Note [masters lifecycle]).
+
+        A master that rounds to the model's weight is kept when it came from a checkpoint (the
+        optimizer state is authoritative on resume). Otherwise it takes the full-precision value
+        loaded into the half param (``loaded``, see Note [full-precision values loaded into a half
+        model] in casting.py) when that value rounds to the weight, else the weight itself.
+
+        Args:
+            loaded (dict, optional): ``id(half param) -> full-precision tensor`` loaded into it.
 
         Returns:
-            The model params whose masters were re-derived (empty when all agreed bit for bit).
+            The model params whose masters did not round to their weights (empty when all agreed
+            bit for bit).
         """
-        stale = [(m, p) for m, p in self.half_pairs() if not torch.equal(m.to(p.dtype), p)]
-        if stale:
-            torch._foreach_copy_([m for m, _ in stale], [p for _, p in stale])
+        loaded = loaded or {}
+        stale, dst, src = [], [], []
+        for m, p in self.half_pairs():
+            agrees = torch.equal(m.to(p.dtype), p)
+            if not agrees:
+                stale.append(p)
+            value = loaded.get(id(p))
+            if value is not None and not (agrees and self.loaded_from_checkpoint) and \
+                    torch.equal(value.to(device=p.device, dtype=p.dtype), p):
+                dst.append(m)
+                src.append(value.to(device=m.device, dtype=torch.float32))
+            elif not agrees:
+                dst.append(m)
+                src.append(p)
+        if dst:
+            torch._foreach_copy_(dst, src)
         self.loaded_from_checkpoint = False
-        return [p for _, p in stale]
+        return stale
 
     def full_precision_of(self) -> Dict[int, Tensor]:
         """``id(half model param) -> its fp32 master``, for checkpoints and EMA."""

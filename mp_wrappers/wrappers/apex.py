@@ -194,7 +194,8 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
         self._model = module
         # Masters made before the cast (e.g. by zero_grad) would miss params: make them now.
         self._rebuild_masters(initial_values=full_precision)
-        del full_precision
+        # Also for the bind: deferred optimizer state loaded below may disagree with them.
+        self._precast_weights = full_precision
         if self._deferred_state is not None:
             state, self._deferred_state = self._deferred_state, None
             super().load_state_dict(state)  # warns nothing twice: the same dict was checked

@@ -35,6 +35,7 @@ from mmengine.optim import OptimWrapper
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from ..casting import forget_loaded_full_precision, loaded_full_precision
 from ..master import GradStash, MasterParams, full_precision_state_dict_hook
 from ..ops import multi_tensor_l2norm, multi_tensor_unscale_l2norm, new_found_inf
 from ..scaler import LossScaler
@@ -153,6 +154,9 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self._bound_module: Optional[nn.Module] = None
         self._bound_masters: Optional[MasterParams] = None
         self._checkpoint_hook = None
+        # id(half param) -> the fp32 weight a cast by this wrapper rounded (ApexOptimWrapper O2),
+        # until the next bind.
+        self._precast_weights: Dict[int, Tensor] = {}
 
     # ---- masters ---------------------------------------------------------------------------------
     def _master_params(self) -> MasterParams:
@@ -193,7 +197,11 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         checkpoints."""
         masters = self._master_params()
         loaded = masters.loaded_from_checkpoint
-        stale = masters.sync_with_model()
+        full_precision = loaded_full_precision(module)
+        full_precision.update(self._precast_weights)
+        stale = masters.sync_with_model(full_precision)
+        forget_loaded_full_precision(module)
+        self._precast_weights = {}
         if stale:
             names = {id(p): n for n, p in module.named_parameters()}
             listed = ', '.join(names.get(id(p), f'<param {tuple(p.shape)}>') for p in stale[:5])
