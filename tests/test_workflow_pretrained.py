@@ -151,3 +151,22 @@ def test_fp16_wrapper_over_an_fp32_model_says_so_with_the_fix(tmp_path):
     assert len(messages) == 1
     assert 'trains entirely in fp32' in messages[0] and "opt_level='O2'" in messages[0]
     assert 'cast_model' in messages[0]
+
+
+@pytest.mark.parametrize('wrapper', ['FP16', 'O2'])
+def test_weights_written_by_a_before_train_hook_are_the_start(tmp_path, wrapper):
+    """Item 1, hook order: before_train runs after the Runner's load; its writes count too."""
+    from mmengine.hooks import Hook
+
+    class WritesWeights(Hook):
+        def before_train(self, runner):
+            with torch.no_grad():
+                runner.model.fc1.weight.fill_(0.3125)
+
+    runner = make_runner(tmp_path, wrapper, 'bfloat16', optimizer=LR0, iters=2)
+    runner.register_hook(WritesWeights())
+    record = RecordHook()
+    runner.register_hook(record)
+    train(runner)
+    assert torch.all(record.masters[-1]['fc1.weight'] == 0.3125)
+    assert torch.all(runner.model.fc1.weight == 0.3125)

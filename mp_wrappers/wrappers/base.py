@@ -157,6 +157,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         # id(half param) -> the fp32 weight a cast by this wrapper rounded (ApexOptimWrapper O2),
         # until the next bind.
         self._precast_weights: Dict[int, Tensor] = {}
+        self._check_at_first_forward = False
 
     # ---- masters ---------------------------------------------------------------------------------
     def _master_params(self) -> MasterParams:
@@ -188,8 +189,9 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         Subclasses that prepare the model further (casting) do it before calling this.
         """
         module = model.module if is_model_wrapper(model) else model
-        if self._bound_module is module and self._bound_masters is self._masters:
-            return  # the per-iteration cost: two identity checks
+        if (self._bound_module is module and self._bound_masters is self._masters
+                and not self._check_at_first_forward):
+            return  # the per-iteration cost: a few attribute checks
         self._bind_masters(module)
 
     def _bind_masters(self, module: nn.Module) -> None:
@@ -231,6 +233,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
                 full_precision_state_dict_hook(masters_of))
         self._bound_module = module
         self._bound_masters = masters
+        self._check_at_first_forward = False
 
     def initialize_count_status(self, model: nn.Module, init_counts: int,
                                 max_counts: int) -> None:
@@ -238,6 +241,9 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         binds the masters to the model's weights (Note [masters lifecycle])."""
         super().initialize_count_status(model, init_counts, max_counts)
         self._prepare_model(model)
+        # Hooks' before_train / before_train_iter run between here and the first forward and may
+        # write the weights too: check once more then (one comparison pass).
+        self._check_at_first_forward = True
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a param group; its fp16/bf16 params get fp32 masters (apex's add_param_group)."""
