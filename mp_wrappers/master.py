@@ -23,7 +23,8 @@ Gradients reach the masters through :class:`GradStash`: model gradients, scaled 
 unscaled into fp32 buffers (accumulating when several losses with different scales contribute to one
 step), with a non-finite check, and handed to the optimizer as ``master.grad``.
 """
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+import weakref
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -32,7 +33,7 @@ from torch.optim import Optimizer
 from .casting import HALF_DTYPES
 from .ops import multi_tensor_axpby, multi_tensor_scale
 
-__all__ = ['MasterParams', 'GradStash', 'grouped_scale', 'full_precision_state_dict_hook']
+__all__ = ['MasterParams', 'GradStash', 'grouped_scale', 'MastersInStateDict']
 
 
 def _buckets(pairs: Sequence[Tuple[Tensor, Tensor]]) -> Dict[tuple, Tuple[List[Tensor], List[Tensor]]]:
@@ -222,20 +223,27 @@ def _new_master(param: Tensor, initial: Optional[Tensor]) -> Tensor:
     return source.detach().to(torch.float32, copy=True).requires_grad_(param.requires_grad)
 
 
-def full_precision_state_dict_hook(masters_of: Callable[[], Optional[MasterParams]]):
+class MastersInStateDict:
     """A ``Module._register_state_dict_hook`` callback that saves fp32 masters for half params.
 
     Checkpoints then hold the full-precision weights the optimizer steps, not their bf16/fp16
     rounding: an fp32 model loading them for inference or export gets the masters, and a resumed
-    half model rounds them back to exactly the weights it had. ``masters_of`` returns the current
-    :class:`MasterParams` (or None); the hook holds the wrapper weakly, and is a plain function so
-    that ``copy.deepcopy(model)`` (EMAHook) copies it without copying the wrapper.
+    half model rounds them back to exactly the weights it had.
+
+    Args:
+        owner: The optimizer wrapper, held weakly; its ``_masters`` (:class:`MasterParams` or None)
+            are read at every ``state_dict()`` call, so rebuilt masters are followed. Copies of the
+            hook (``copy.deepcopy(model)`` by EMAHook, ``torch.save(model)``) do not follow the
+            wrapper: they save the model's own weights.
     """
-    def hook(module, state_dict, prefix, local_metadata):
-        masters = masters_of()
-        if masters is None:
-            return state_dict
-        full = masters.full_precision_of()
+
+    def __init__(self, owner: object) -> None:
+        self._owner = weakref.ref(owner)
+
+    def __call__(self, module, state_dict, prefix, local_metadata):
+        owner = self._owner() if self._owner is not None else None
+        masters: Optional[MasterParams] = getattr(owner, '_masters', None)
+        full = masters.full_precision_of() if masters is not None else {}
         if not full:
             return state_dict
         for name, p in module.named_parameters():
@@ -244,7 +252,12 @@ def full_precision_state_dict_hook(masters_of: Callable[[], Optional[MasterParam
             if master is not None and key in state_dict:
                 state_dict[key] = master.detach()
         return state_dict
-    return hook
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self._owner = None
 
 
 class GradStash:

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..casting import forget_loaded_full_precision, loaded_full_precision
-from ..master import GradStash, MasterParams, full_precision_state_dict_hook
+from ..master import GradStash, MasterParams, MastersInStateDict
 from ..ops import multi_tensor_l2norm, multi_tensor_unscale_l2norm, new_found_inf
 from ..scaler import LossScaler
 
@@ -149,11 +149,12 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self._model_is_ddp = False
         self._param_names: Dict[int, str] = {}
         self._names_for: Optional[int] = None
-        # Note [masters lifecycle]: the module and masters last bound together, and the handle of
-        # the state-dict hook that saves the masters in the module's checkpoints.
-        self._bound_module: Optional[nn.Module] = None
+        # Note [masters lifecycle]: the masters last bound to the model's weights, and the modules
+        # (the model, or parts of it passed to optim_context, as GANs do) carrying the state-dict
+        # hook that saves the masters in their checkpoints.
         self._bound_masters: Optional[MasterParams] = None
-        self._checkpoint_hook = None
+        self._checkpoint_hooks: 'weakref.WeakKeyDictionary[nn.Module, Any]' = \
+            weakref.WeakKeyDictionary()
         # id(half param) -> the fp32 weight a cast by this wrapper rounded (ApexOptimWrapper O2),
         # until the next bind.
         self._precast_weights: Dict[int, Tensor] = {}
@@ -184,19 +185,20 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         return self._master_params().full_precision_of()
 
     def _prepare_model(self, model: nn.Module) -> None:
-        """Bind the masters to ``model`` (once per model and set of masters); see ``_bind_masters``.
+        """Bind the masters to ``model``'s weights (once per set of masters, see ``_bind_masters``)
+        and hook its ``state_dict`` to save them (once per module).
 
         Subclasses that prepare the model further (casting) do it before calling this.
         """
         module = model.module if is_model_wrapper(model) else model
-        if (self._bound_module is module and self._bound_masters is self._masters
-                and not self._check_at_first_forward):
-            return  # the per-iteration cost: a few attribute checks
-        self._bind_masters(module)
+        if self._bound_masters is not self._masters or self._check_at_first_forward:
+            self._bind_masters(module)
+        if module not in self._checkpoint_hooks:  # the per-iteration cost: a dict lookup
+            self._checkpoint_hooks[module] = module._register_state_dict_hook(
+                MastersInStateDict(self))
 
     def _bind_masters(self, module: nn.Module) -> None:
-        """Note [masters lifecycle]: start the masters from the model's weights, save them in its
-        checkpoints."""
+        """Note [masters lifecycle]: start the masters from the model's weights."""
         masters = self._master_params()
         loaded = masters.loaded_from_checkpoint
         full_precision = loaded_full_precision(module)
@@ -220,18 +222,6 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
                 print_log(f'mp_wrappers: re-derived {len(stale)} fp32 master weights from the '
                           f'model, written after the optimizer wrapper was built ({listed}{more};'
                           ' init_weights or load_from)', logger='current', level=logging.INFO)
-        if self._bound_module is not module:
-            if self._checkpoint_hook is not None:
-                self._checkpoint_hook.remove()
-            ref = weakref.ref(self)
-
-            def masters_of() -> Optional[MasterParams]:
-                wrapper = ref()
-                return None if wrapper is None else wrapper._masters
-
-            self._checkpoint_hook = module._register_state_dict_hook(
-                full_precision_state_dict_hook(masters_of))
-        self._bound_module = module
         self._bound_masters = masters
         self._check_at_first_forward = False
 
