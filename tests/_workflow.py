@@ -109,18 +109,13 @@ class WorkflowData(torch.utils.data.Dataset):
 
 @HOOKS.register_module(force=True)
 class RecordHook(Hook):
-    """Records the wrapper's masters when training starts (after loading: ``start_masters``) and
-    the model weights and masters after every training iteration."""
+    """Records the model weights and the wrapper's masters after every training iteration."""
 
     priority = 'LOWEST'
 
     def __init__(self) -> None:
-        self.start_masters: Dict[str, torch.Tensor] = {}
         self.weights: List[Dict[str, torch.Tensor]] = []
         self.masters: List[Dict[str, torch.Tensor]] = []
-
-    def before_train(self, runner) -> None:
-        self.start_masters = masters_by_name(runner)
 
     def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None) -> None:
         model = runner.model

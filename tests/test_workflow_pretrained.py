@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from mmengine.hooks import Hook
 
 from mp_wrappers.wrappers.base import MasterMismatchWarning
 from mp_wrappers.wrappers.fp16 import FP32ModelWarning
@@ -122,16 +123,18 @@ def test_loaded_masters_that_disagree_with_the_weights_are_reported(tmp_path, wr
     train(make_runner(tmp_path / 'full', wrapper, 'bfloat16', iters=2, ckpt_interval=2))
     ckpt = load(tmp_path / 'full' / 'iter_2.pth')
     ckpt['state_dict']['fc1.weight'] = ckpt['state_dict']['fc1.weight'] + 0.5
+    for group in ckpt['optimizer']['param_groups']:
+        group['lr'] = 0.0  # so that the recorded masters after one step are the starting ones
     torch.save(ckpt, tmp_path / 'tampered.pth')
     record = RecordHook()
-    runner = make_runner(tmp_path / 'resumed', wrapper, 'bfloat16', iters=3, optimizer=LR0,
-                         resume=True, load_from=str(tmp_path / 'tampered.pth'))
+    runner = make_runner(tmp_path / 'resumed', wrapper, 'bfloat16', iters=3, resume=True,
+                         load_from=str(tmp_path / 'tampered.pth'))
     runner.register_hook(record)
     with pytest.warns(MasterMismatchWarning, match='fc1.weight'):
         train(runner)
     # the loaded fp32 weight itself (not its bf16 rounding), for both wrappers
-    assert torch.equal(record.start_masters['fc1.weight'], ckpt['state_dict']['fc1.weight'])
-    assert torch.equal(record.start_masters['fc2.weight'], ckpt['state_dict']['fc2.weight'])
+    assert torch.equal(record.masters[0]['fc1.weight'], ckpt['state_dict']['fc1.weight'])
+    assert torch.equal(record.masters[0]['fc2.weight'], ckpt['state_dict']['fc2.weight'])
 
 
 def test_a_consistent_resume_warns_nothing(tmp_path):
@@ -156,8 +159,6 @@ def test_fp16_wrapper_over_an_fp32_model_says_so_with_the_fix(tmp_path):
 @pytest.mark.parametrize('wrapper', ['FP16', 'O2'])
 def test_weights_written_by_a_before_train_hook_are_the_start(tmp_path, wrapper):
     """Item 1, hook order: before_train runs after the Runner's load; its writes count too."""
-    from mmengine.hooks import Hook
-
     class WritesWeights(Hook):
         def before_train(self, runner):
             with torch.no_grad():

@@ -211,6 +211,16 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
             self._state_dict_hook.remove()
             self._state_dict_hook = None
 
+    def initialize_count_status(self, model: nn.Module, init_counts: int,
+                                max_counts: int) -> None:
+        """mmengine's hook at training start. The model is prepared (cast) and the masters bound
+        at the first :meth:`optim_context`, with the module the training loop passes there (a GAN
+        passes each wrapper its own part), not with the whole model the Runner passes here."""
+        if self.properties.enabled and not self.initialized:
+            OptimWrapper.initialize_count_status(self, model, init_counts, max_counts)
+            return
+        super().initialize_count_status(model, init_counts, max_counts)
+
     def _prepare_model(self, model: nn.Module) -> None:
         """Prepare the model for the level (once), then bind the masters to it."""
         if not self.properties.enabled:
