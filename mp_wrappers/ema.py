@@ -28,7 +28,6 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 from mmengine.hooks import EMAHook
-from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapperDict
 from torch import Tensor, nn
 
