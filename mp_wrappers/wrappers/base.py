@@ -112,6 +112,8 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         if sync_found_inf is not None and not isinstance(sync_found_inf, bool):
             raise ValueError(f'sync_found_inf must be True, False or None, got {sync_found_inf!r}')
         _check_params(optimizer)
+        if master_weights:
+            _refuse_sharded_inner_optimizer(optimizer, type(self).__name__)
         # mmengine pops 'type' from clip_grad; give it a copy so the user's config stays intact.
         super().__init__(optimizer, accumulative_counts=accumulative_counts,
                          clip_grad=dict(clip_grad) if clip_grad else None)
@@ -688,6 +690,29 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
                     raise ValueError(f"optimizer state '{name}' of parameter {idx} has shape "
                                      f'{tuple(value.shape)} but the parameter has shape '
                                      f'{tuple(p.shape)}')
+
+
+def _refuse_sharded_inner_optimizer(optimizer: Optimizer, wrapper: str) -> None:
+    """Refuse fp32 masters over an optimizer that steps its own inner optimizer (ZeRO).
+
+    ``ZeroRedundancyOptimizer`` builds a local optimizer over its shard of the parameters it was
+    given and steps that one; masters swapped into its outer ``param_groups`` would receive the
+    gradients and never be updated, while the inner optimizer steps half parameters whose
+    gradients the wrapper consumed: the model would not train, silently.
+    """
+    try:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+    except ImportError:  # torch built without distributed support
+        return
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        level = "opt_level='O2'" if wrapper == 'ApexOptimWrapper' else 'its fp32 master weights'
+        raise ValueError(
+            f'{wrapper} with {level} cannot step a {type(optimizer).__name__}: ZeRO steps its '
+            'own inner optimizer over the model\'s parameters, so fp32 master weights would never '
+            'be updated and the model would not train. Use ApexOptimWrapper with '
+            "opt_level='O1' (fp32 weights, autocast) or opt_level='O3' (half weights, no masters) "
+            "with ZeroRedundancyOptimizer, or keep opt_level='O2' with a plain optimizer, e.g. "
+            "optimizer=dict(type='AdamW', lr=...).")
 
 
 def _check_params(optimizer: Optimizer) -> None:
