@@ -15,6 +15,7 @@ from .autocast import disable_casts, float_function, half_function, promote_func
 from .casting import cast_model
 from .ddp import MixedPrecisionDistributedDataParallel
 from .hooks import MixedPrecisionHook
+from .loops import MixedPrecisionTestLoop, MixedPrecisionValLoop
 from .optim import (FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedOptimizer,
                     FusedSGD)
 from .policy import Properties, resolve_properties
@@ -28,6 +29,7 @@ __all__ = [
     'resolve_properties', 'half_function', 'float_function', 'promote_function', 'disable_casts',
     'MixedPrecisionDistributedDataParallel', 'FusedOptimizer', 'FusedAdam', 'FusedSGD',
     'FusedLAMB', 'FusedAdagrad', 'FusedNovoGrad', 'MixedPrecisionHook', '__version__',
+    'MixedPrecisionValLoop', 'MixedPrecisionTestLoop',
 ]
 
 checkpoint._install_from_env()
