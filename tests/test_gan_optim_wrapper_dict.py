@@ -197,3 +197,14 @@ def test_gan_resume_is_bitwise_with_fp16_loss_scaling(tmp_path):
     assert _differences(full, resumed) == []
     scalers = full['optimizer']['generator']['mp_wrappers']['loss_scalers']
     assert scalers[0]['dynamic'] and scalers[0]['steps'] == 4
+
+
+def test_a_wrapper_owning_no_whole_module_warns_that_nothing_is_cast():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    wrapper = mp_wrappers.ApexOptimWrapper(
+        optimizer=torch.optim.SGD([model[0].weight], lr=0.1), opt_level='O2', dtype='bfloat16',
+        verbosity=0)
+    with pytest.warns(UserWarning, match=r"found no submodule of Sequential whose parameters all "
+                                         r'belong to its optimizer'):
+        wrapper.initialize(model)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
