@@ -75,7 +75,7 @@ setup(
     # torch is not listed on purpose: pip would resolve it to the newest CUDA build. The README
     # installs the pinned torch first; a machine with a CUDA torch keeps its own.
     install_requires=['mmengine>=0.10.4', 'numpy'],
-    extras_require={'test': ['pytest', 'scikit-learn', 'expecttest', 'hypothesis'],
+    extras_require={'test': ['pytest', 'scikit-learn', 'expecttest', 'hypothesis', 'tensorboard'],
                     'examples': ['scikit-learn', 'matplotlib']},
     ext_modules=[_extension()],
     cmdclass={'build_ext': cpp_extension.BuildExtension.with_options(use_ninja=True)},

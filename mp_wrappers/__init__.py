@@ -16,6 +16,7 @@ from .casting import cast_model
 from .ddp import MixedPrecisionDistributedDataParallel
 from .ema import MixedPrecisionEMAHook
 from .hooks import MixedPrecisionHook
+from .loops import MixedPrecisionTestLoop, MixedPrecisionValLoop
 from .optim import (FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedOptimizer,
                     FusedSGD)
 from .policy import Properties, resolve_properties
@@ -30,6 +31,7 @@ __all__ = [
     'MixedPrecisionDistributedDataParallel', 'FusedOptimizer', 'FusedAdam', 'FusedSGD',
     'FusedLAMB', 'FusedAdagrad', 'FusedNovoGrad', 'MixedPrecisionHook', '__version__',
     'MixedPrecisionEMAHook',
+    'MixedPrecisionValLoop', 'MixedPrecisionTestLoop',
 ]
 
 checkpoint._install_from_env()

@@ -2,14 +2,14 @@
 
 Everything here works through ``nn.Module`` methods and removable hooks; nothing global is patched.
 """
-from typing import Any, Optional, Union
+from typing import Any, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 __all__ = ['HALF_DTYPES', 'parse_dtype', 'cast_model', 'cast_floating', 'is_norm_layer',
            'ForwardCaster', 'fp32_state_dict_hook', 'model_cast_dtype', 'loaded_full_precision',
-           'forget_loaded_full_precision']
+           'forget_loaded_full_precision', 'owned_roots']
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 _DTYPE_NAMES = {
@@ -68,6 +68,7 @@ def cast_model(model: nn.Module, dtype: torch.dtype, keep_norm_fp32: bool = True
     # must be floating point"), naming neither the option nor the fix.
     dtype = parse_dtype(dtype, 'cast_model(dtype)', allowed=('float16', 'bfloat16', 'float32'))
     keep = _norm_param_names(model) if keep_norm_fp32 else set()
+    keep |= _preprocessor_state_names(model)
     for name, p in model.named_parameters():
         if p.is_floating_point() and name not in keep and p.dtype != dtype:
             p.data = p.data.to(dtype)
@@ -122,6 +123,47 @@ def forget_loaded_full_precision(model: nn.Module) -> None:
     """Drop the references kept by the load pre-hook (the masters have taken the values)."""
     for module in model.modules():
         module.__dict__.pop(_CAPTURED, None)
+def _preprocessor_state_names(model: nn.Module):
+    """Parameters and buffers of mmengine data preprocessors (mean/std...): never cast.
+
+    The preprocessor normalises the batch before the network sees it; rounding its mean and std to
+    half (123.675 becomes 123.5 in bf16) would shift every input. Its output is cast at the network.
+    """
+    try:
+        from mmengine.model import BaseDataPreprocessor
+    except ImportError:  # pragma: no cover - mmengine is a dependency
+        return set()
+    names = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, BaseDataPreprocessor):
+            for n, _ in list(module.named_parameters()) + list(module.named_buffers()):
+                names.add(f'{prefix}.{n}' if prefix else n)
+    return names
+
+
+def owned_roots(model: nn.Module, params) -> List[nn.Module]:
+    """The largest submodules of ``model`` whose parameters all belong to ``params``.
+
+    This is what one optimizer (one wrapper of an ``OptimWrapperDict``) may cast: ``[model]``
+    when it owns every parameter, else e.g. ``[model.generator]`` for a GAN's generator wrapper.
+    Parameters of ``params`` that sit directly in a module that also holds other parameters are in
+    no root: they are left in their dtype (and stepped as they are).
+    """
+    own = {id(p) for p in params}
+    roots: List[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        ps = list(module.parameters())
+        if ps and all(id(p) in own for p in ps):
+            roots.append(module)
+            return
+        if not any(id(p) in own for p in ps):
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return roots
 
 
 def model_cast_dtype(model: nn.Module):
@@ -145,29 +187,38 @@ def _make_output_cast(dtype):
     return _hook
 
 
-def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+def cast_floating(obj: Any, dtype: torch.dtype, data_samples: bool = True) -> Any:
     """Cast floating-point tensors inside ``obj`` to ``dtype``, recursing like apex's ``applier``.
 
     Handles tensors, dicts (the same mapping type is rebuilt), lists, tuples, namedtuples, and any
     other object with a ``.to`` method (custom batch classes, mmengine data samples), which is called
     as ``obj.to(dtype)``. Integer tensors and everything else are returned unchanged.
+
+    Args:
+        obj: What to cast.
+        dtype (torch.dtype): The floating dtype to cast to.
+        data_samples (bool): Also cast the floating data fields of mmengine data samples
+            (``BaseDataElement``). False leaves them as they are: they hold targets (boxes, masks)
+            and metas, not network inputs (see :class:`ForwardCaster`). Defaults to True.
     """
     if isinstance(obj, torch.Tensor):
         return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
     if isinstance(obj, dict):
-        return type(obj)((k, cast_floating(v, dtype)) for k, v in obj.items())
+        return type(obj)((k, cast_floating(v, dtype, data_samples)) for k, v in obj.items())
     if isinstance(obj, tuple) and hasattr(obj, '_fields'):  # namedtuple
-        return type(obj)(*(cast_floating(v, dtype) for v in obj))
+        return type(obj)(*(cast_floating(v, dtype, data_samples) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(cast_floating(v, dtype) for v in obj)
+        return type(obj)(cast_floating(v, dtype, data_samples) for v in obj)
     if isinstance(obj, (str, bytes, int, float, bool)) or obj is None:
         return obj
     if _is_data_element(obj):
+        if not data_samples:
+            return obj
         # mmengine data samples: their .to(dtype) would also cast integer labels, so cast only the
         # floating tensors among their data fields.
         new = obj.clone()
         for key, value in obj.items():  # data fields only (metainfo_items() holds the rest)
-            setattr(new, key, cast_floating(value, dtype))
+            setattr(new, key, cast_floating(value, dtype, data_samples))
         return new
     to = getattr(obj, 'to', None)
     if callable(to):
@@ -190,21 +241,31 @@ def _is_data_element(obj: Any) -> bool:
 class ForwardCaster:
     """Removable hooks that cast a module's floating inputs and outputs (apex O2/O3's forward patch).
 
+    Inputs are the tensors that feed the network (positional and keyword, recursively through
+    containers); mmengine data samples passed beside them (``data_samples=[DetDataSample...]``)
+    hold targets and metas and are left in their own dtype, as apex cast only the model's inputs.
+    Outputs, data samples included, are cast to ``output_dtype``.
+
     Args:
-        module (nn.Module): The module whose forward is wrapped.
-        input_dtype (torch.dtype): dtype for floating inputs (positional and keyword, recursively).
+        module (nn.Module | Sequence[nn.Module]): The module(s) whose forward is wrapped: the
+            model, or the submodules one optimizer owns (see :func:`owned_roots`).
+        input_dtype (torch.dtype): dtype for floating inputs.
         output_dtype (torch.dtype, optional): dtype for floating outputs; None leaves them.
     """
 
-    def __init__(self, module: nn.Module, input_dtype: torch.dtype,
+    def __init__(self, module: Union[nn.Module, Sequence[nn.Module]], input_dtype: torch.dtype,
                  output_dtype: Optional[torch.dtype]) -> None:
         self.input_dtype, self.output_dtype = input_dtype, output_dtype
-        self._handles = [module.register_forward_pre_hook(self._pre, with_kwargs=True)]
-        if output_dtype is not None:
-            self._handles.append(module.register_forward_hook(self._post))
+        modules = [module] if isinstance(module, nn.Module) else list(module)
+        self._handles = []
+        for m in modules:
+            self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            if output_dtype is not None:
+                self._handles.append(m.register_forward_hook(self._post))
 
     def _pre(self, module, args, kwargs):
-        return cast_floating(args, self.input_dtype), cast_floating(kwargs, self.input_dtype)
+        return (cast_floating(args, self.input_dtype, data_samples=False),
+                cast_floating(kwargs, self.input_dtype, data_samples=False))
 
     def _post(self, module, args, output):
         return cast_floating(output, self.output_dtype)

@@ -112,6 +112,13 @@ class MixedPrecisionHook(Hook):
         self._skipped_iters = int(runner.message_hub.get_info(SKIPPED_ITERS_KEY, 0) or 0)
         summaries = {}
         for name, wrapper in self.wrappers(runner):
+            initialize = getattr(wrapper, 'initialize', None)
+            if callable(initialize) and getattr(wrapper, 'properties', None) is not None \
+                    and wrapper.properties.enabled:
+                # Prepare (cast) now, after load_from and resume, so that no forward of the run
+                # sees the model in another dtype: an OptimWrapperDict does not forward mmengine's
+                # initialize_count_status, and a GAN's discriminator step runs the generator.
+                initialize(runner.model)
             if self._logger_hook is not None:
                 wrapper.log_interval = int(self._logger_hook.interval)
             if self.overflow_report is not None:

@@ -284,6 +284,8 @@ class GradStash:
         Needed before a backward: an fp32 parameter is both a model and an optimizer slot, and
         autograd would otherwise add fresh scaled gradients into the unscaled stash.
         """
+        if not self._buffers:  # nothing was ever handed out (e.g. steps that unscale in place)
+            return
         for slot, _ in masters.slots():
             if slot.grad is not None and slot.grad is self._buffers.get(id(slot)):
                 slot.grad = None

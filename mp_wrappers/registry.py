@@ -7,6 +7,7 @@ node also keeps our names from shadowing mmengine's own (mmengine has an ``ApexO
 """
 from mmengine.registry import DATASETS as MMENGINE_DATASETS
 from mmengine.registry import HOOKS as MMENGINE_HOOKS
+from mmengine.registry import LOOPS as MMENGINE_LOOPS
 from mmengine.registry import METRICS as MMENGINE_METRICS
 from mmengine.registry import MODEL_WRAPPERS as MMENGINE_MODEL_WRAPPERS
 from mmengine.registry import MODELS as MMENGINE_MODELS
@@ -15,7 +16,7 @@ from mmengine.registry import OPTIMIZERS as MMENGINE_OPTIMIZERS
 from mmengine.registry import Registry
 
 __all__ = ['OPTIM_WRAPPERS', 'OPTIMIZERS', 'DATASETS', 'MODELS', 'METRICS', 'HOOKS',
-           'MODEL_WRAPPERS']
+           'MODEL_WRAPPERS', 'LOOPS']
 
 _SCOPE = 'mp_wrappers'
 # `locations` makes a registry lookup import the modules that register into it, so a config that only
@@ -33,3 +34,4 @@ METRICS = Registry('metric', parent=MMENGINE_METRICS, scope=_SCOPE,
 HOOKS = Registry('hook', parent=MMENGINE_HOOKS, scope=_SCOPE, locations=['mp_wrappers.hooks'])
 MODEL_WRAPPERS = Registry('model_wrapper', parent=MMENGINE_MODEL_WRAPPERS, scope=_SCOPE,
                           locations=['mp_wrappers.ddp'])
+LOOPS = Registry('loop', parent=MMENGINE_LOOPS, scope=_SCOPE, locations=['mp_wrappers.loops'])

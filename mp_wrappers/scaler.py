@@ -59,6 +59,7 @@ class LossScaler:
 
     def __init__(self, init_scale: float) -> None:
         self._init_scale = init_scale
+        self._host_scale = float(init_scale)  # mirror of the scale, kept only for is_unit
         self._device = torch.device('cpu')
         self._scale = torch.full((1,), init_scale, dtype=torch.float32)
         # Consecutive clean steps since the scale last changed (apex's ``unskipped``).
@@ -130,6 +131,12 @@ class LossScaler:
     def loss_scale(self, value: float) -> None:
         value = _positive_finite('loss_scale', value)
         self._scale.fill_(value)
+        self._host_scale = value
+
+    @property
+    def is_unit(self) -> bool:
+        """Whether this is a static scale of exactly 1.0: gradients need no unscaling (no host sync)."""
+        return not self.dynamic and self._host_scale == 1.0
 
     @property
     def skipped_steps(self) -> int:

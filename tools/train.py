@@ -4,6 +4,7 @@ Examples:
     python tools/train.py configs/digits/cnn_bf16.py
     python tools/train.py configs/digits/cnn_bf16.py --resume            # last complete checkpoint
     python tools/train.py configs/digits/cnn_fp32.py --cfg-options train_cfg.max_epochs=2
+    python tools/train.py configs/digits/cnn_bf16.py --auto-scale-lr     # lr x batch / base batch
     torchrun --nproc_per_node=2 tools/train.py configs/digits/cnn_fp32.py --launcher pytorch
 
 The two mmengine 0.10.7 traps on torch 2.13 are handled by the package, not here: importing
@@ -28,6 +29,7 @@ from mmengine.runner import Runner  # noqa: E402
 
 import mp_wrappers  # noqa: E402,F401  (installs the secure loader and atomic checkpoint writes)
 from mp_wrappers.atomic_io import resolve_resume_checkpoint  # noqa: E402
+from mp_wrappers.loops import use_mixed_precision_loops  # noqa: E402
 from mp_wrappers.runtime import (LAUNCHERS, add_mixed_precision_hook,  # noqa: E402
                                  backend_summary, configure_torch_threads, prepare_distributed)
 
@@ -44,6 +46,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help='override config settings, e.g. train_cfg.max_epochs=2 '
                         'optim_wrapper.optimizer.lr=0.1 (lists as key="[a,b]")')
     parser.add_argument('--launcher', choices=LAUNCHERS, default='none', help='job launcher')
+    parser.add_argument('--auto-scale-lr', action='store_true',
+                        help="scale the learning rate by (world size x batch size) / "
+                        "auto_scale_lr.base_batch_size, as OpenMMLab's train scripts do (the config "
+                        'must set auto_scale_lr=dict(base_batch_size=N))')
     # torch.distributed.launch passes --local-rank (torch>=2.0) or --local_rank.
     parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
     args = parser.parse_args(argv)
@@ -69,10 +75,24 @@ def build_config(args: argparse.Namespace) -> Config:
     elif args.resume is not None:
         cfg.resume = True
         cfg.load_from = args.resume
+    if args.auto_scale_lr:
+        enable_auto_scale_lr(cfg)
     # amp_* log fields, precision summary and skip-aware schedules for our wrappers (opt out with
     # `mixed_precision_hook = False` in the config).
     add_mixed_precision_hook(cfg)
+    # val_cfg/test_cfg=dict(fp16=True) evaluate in the training wrapper's dtype (mp_wrappers.loops).
+    use_mixed_precision_loops(cfg)
     return prepare_distributed(cfg, args.launcher)
+
+
+def enable_auto_scale_lr(cfg: Config) -> None:
+    """``--auto-scale-lr``: turn on mmengine's ``auto_scale_lr`` (the config gives the base batch)."""
+    auto = cfg.get('auto_scale_lr', None)
+    if not isinstance(auto, dict) or 'base_batch_size' not in auto:
+        raise ValueError(f'--auto-scale-lr needs auto_scale_lr=dict(base_batch_size=N) in the config '
+                         f'(the batch size the learning rate was tuned for); got auto_scale_lr='
+                         f'{auto!r}')
+    cfg.auto_scale_lr = dict(auto, enable=True)
 
 
 def main(argv=None) -> None:

@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 
 from ..autocast import cpu_has_native_fp16, o1_context
 from ..casting import (HALF_DTYPES, ForwardCaster, cast_model, fp32_state_dict_hook,
-                       model_cast_dtype)
+                       model_cast_dtype, owned_roots)
 from ..policy import DEFAULT, Properties, resolve_properties
 from ..registry import OPTIM_WRAPPERS
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
@@ -105,6 +105,7 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
         self.num_losses = num_losses
         self.verbosity = verbosity
         self._model: Optional[nn.Module] = None
+        self._seen_modules: set = set()  # ids of parts or wholes of _model seen by initialize
         self._forward_caster: Optional[ForwardCaster] = None
         self._state_dict_hook = None
         self._deferred_state: Optional[dict] = None
@@ -143,9 +144,14 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
         wrapped = is_model_wrapper(model)
         module = model.module if wrapped else model
         if self._model is not None:
-            if module is not self._model:
-                raise RuntimeError('this ApexOptimWrapper was initialized with another model; use '
-                                   'one wrapper per model (e.g. an OptimWrapperDict for GANs)')
+            if module is not self._model and id(module) not in self._seen_modules:
+                # The same network passed whole or in part (a GAN's generator wrapper prepared
+                # with the whole model by MixedPrecisionHook, then given model.generator) is fine.
+                if not (_contains(self._model, module) or _contains(module, self._model)):
+                    raise RuntimeError('this ApexOptimWrapper was initialized with another model; '
+                                       'use one wrapper per model (e.g. an OptimWrapperDict for '
+                                       'GANs)')
+                self._seen_modules.add(id(module))
             return
         props = self.properties
         params = [p for g in self.optimizer.param_groups for p in g['params']]
@@ -177,10 +183,23 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
                         "type='mp_wrappers.MixedPrecisionDistributedDataParallel', "
                         f"dtype='{str(cast).replace('torch.', '')}', keep_batchnorm_fp32={keep_bn})"
                         '  (tools/train.py adds it by itself).')
-            elif done != (cast, keep_bn):
-                cast_model(module, cast, keep_norm_fp32=keep_bn)
+                roots = [module]
+            else:
+                # Only the modules this optimizer owns (a GAN's generator wrapper must leave the
+                # discriminator alone, however the model is passed), each with its own input cast:
+                # mmagic's train_step calls self.generator(...) directly, never the top forward.
+                roots = owned_roots(module, self._model_params())
+                if not roots:
+                    warnings.warn(
+                        f'ApexOptimWrapper(opt_level={props.opt_level!r}) found no submodule of '
+                        f'{type(module).__name__} whose parameters all belong to its optimizer, so '
+                        f'nothing is cast to {cast}: its parameters train in their own dtype. Give '
+                        'each wrapper the parameters of whole modules.', UserWarning, stacklevel=3)
+                for root in roots:
+                    if model_cast_dtype(root) != (cast, keep_bn):
+                        cast_model(root, cast, keep_norm_fp32=keep_bn)
             self._forward_caster = ForwardCaster(
-                module, cast, props.cast_model_outputs or torch.float32)
+                roots, cast, props.cast_model_outputs or torch.float32)
             if cast in HALF_DTYPES:
                 # Checkpoints stay fp32, whatever the training dtype.
                 self._state_dict_hook = module._register_state_dict_hook(fp32_state_dict_hook)
@@ -202,6 +221,13 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
         if self.verbosity >= 1:
             print_log(props.describe(), logger='current', level=logging.INFO)
 
+    def _model_params(self):
+        """The model parameters this wrapper's optimizer trains (behind masters, if any exist)."""
+        if self._masters is not None and self._masters.optimizer is self.optimizer:
+            return [model_p if model_p is not None else slot
+                    for slot, model_p in self._masters.slots()]
+        return [p for g in self.optimizer.param_groups for p in g['params']]
+
     def release(self) -> None:
         """Remove the hooks this wrapper put on the model (the cast itself stays)."""
         if self._forward_caster is not None:
@@ -213,12 +239,16 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
 
     def initialize_count_status(self, model: nn.Module, init_counts: int,
                                 max_counts: int) -> None:
-        """mmengine's hook at training start. The model is prepared (cast) and the masters bound
-        at the first :meth:`optim_context`, with the module the training loop passes there (a GAN
-        passes each wrapper its own part), not with the whole model the Runner passes here."""
-        if self.properties.enabled and not self.initialized:
-            OptimWrapper.initialize_count_status(self, model, init_counts, max_counts)
-            return
+        """mmengine's hook at training start (after init_weights, load_from and resume).
+
+        The model is prepared (cast) and the masters bound here rather than at the first forward, so
+        every forward of the run, including those another wrapper's step makes through this
+        wrapper's modules, sees one dtype, and a resumed run matches an uninterrupted one. The
+        whole model is fine for a GAN: only the modules this optimizer owns are cast
+        (``owned_roots``). An ``OptimWrapperDict`` does not forward this call;
+        ``mp_wrappers.MixedPrecisionHook`` prepares its wrappers in ``before_train``, and the first
+        :meth:`optim_context` prepares any wrapper still unprepared.
+        """
         super().initialize_count_status(model, init_counts, max_counts)
 
     def _prepare_model(self, model: nn.Module) -> None:
@@ -312,3 +342,7 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
 
     def _policy(self) -> Dict[str, Any]:
         return dict(opt_level=self.opt_level, dtype=str(self.properties.dtype))
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())

@@ -37,7 +37,8 @@ from torch.optim import Optimizer
 
 from ..casting import forget_loaded_full_precision, loaded_full_precision
 from ..master import GradStash, MasterParams, MastersInStateDict
-from ..ops import multi_tensor_l2norm, multi_tensor_unscale_l2norm, new_found_inf
+from ..ops import (multi_tensor_l2norm, multi_tensor_scale, multi_tensor_unscale_l2norm,
+                   new_found_inf)
 from ..scaler import LossScaler
 
 __all__ = ['MixedPrecisionOptimWrapper', 'STATE_KEY', 'CheckpointMismatchWarning',
@@ -121,6 +122,8 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         if sync_found_inf is not None and not isinstance(sync_found_inf, bool):
             raise ValueError(f'sync_found_inf must be True, False or None, got {sync_found_inf!r}')
         _check_params(optimizer)
+        if master_weights:
+            _refuse_sharded_inner_optimizer(optimizer, type(self).__name__)
         # mmengine pops 'type' from clip_grad; give it a copy so the user's config stays intact.
         super().__init__(optimizer, accumulative_counts=accumulative_counts,
                          clip_grad=dict(clip_grad) if clip_grad else None)
@@ -356,6 +359,9 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         if not kwargs and self._fusable():
             self._fused_step(masters)
             return
+        if self._unscales_in_place(masters):
+            self._in_place_step(masters, **kwargs)
+            return
         self._unscale_pending()
         self._sync_flags()
         # One host read per step, as torch's GradScaler does: the host must know whether to call
@@ -445,6 +451,55 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self._finish_step(skipped)
         if self.clip_grad_kwargs and total is not None and not skipped:
             self.message_hub.update_scalar(f'train/{self.grad_name}', float(total))
+
+    # Note [in-place unscale]: when every optimizer slot is the model parameter itself (O0, O1, O3,
+    # FP16OptimWrapper over fp32 weights) and one scaler produced the step's gradients, there is no
+    # fp32 stash to fill: the gradients are checked (and unscaled, unless the scale is a static
+    # 1.0) where they are, as torch's GradScaler does. With a unit scale the check is one read-only
+    # pass that also yields the norm logged as amp_gnorm, so O1 bf16 costs what mmengine's
+    # AmpOptimWrapper costs plus that pass (benchmarks/bench_o1_overhead.py).
+    def _unscales_in_place(self, masters: MasterParams) -> bool:
+        return (self._pending_scaler is not None and len(self._used_scalers) == 1
+                and not self._stash.holds_grads and not masters.has_half)
+
+    @torch.no_grad()
+    def _in_place_step(self, masters: MasterParams, **kwargs) -> None:
+        k = self._pending_scaler
+        scaler, flag = self.loss_scalers[k], self._flag(k)
+        slots = [slot for slot, _ in masters.slots()]
+        by_dtype: Dict[torch.dtype, List[Tensor]] = {}
+        for slot in slots:
+            g = slot.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise RuntimeError('mixed-precision wrappers do not support sparse gradients '
+                                   f'(parameter of shape {tuple(slot.shape)})')
+            by_dtype.setdefault(g.dtype, []).append(g)
+        norm = None
+        if scaler.is_unit:
+            norms = [multi_tensor_unscale_l2norm(gs, 1.0, found_inf=flag)[0]
+                     for gs in by_dtype.values()]
+            norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else None
+        else:
+            inv_scale = scaler.inv_scale()
+            for gs in by_dtype.values():
+                multi_tensor_scale(gs, gs, inv_scale, flag)
+        self._pending_scaler = None
+        self._sync_flags()
+        skipped = self._overflowed()
+        if not skipped:
+            if self.clip_grad_kwargs:
+                self._clip_grad()
+            else:
+                if norm is None and self._publish_due():
+                    grads = [g for gs in by_dtype.values() for g in gs]
+                    norm = multi_tensor_l2norm(grads)[0] if grads else None
+                self._grad_norm = norm
+            self.optimizer.step(**kwargs)
+        self._finish_step(skipped)
+        for slot in slots:  # consumed, as on the stash path: the next backward starts afresh
+            slot.grad = None
 
     def _finish_step(self, skipped: bool) -> None:
         before = {k: self.loss_scalers[k].loss_scale for k in self._used_scalers} if skipped \
@@ -731,6 +786,29 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
                     raise ValueError(f"optimizer state '{name}' of parameter {idx} has shape "
                                      f'{tuple(value.shape)} but the parameter has shape '
                                      f'{tuple(p.shape)}')
+
+
+def _refuse_sharded_inner_optimizer(optimizer: Optimizer, wrapper: str) -> None:
+    """Refuse fp32 masters over an optimizer that steps its own inner optimizer (ZeRO).
+
+    ``ZeroRedundancyOptimizer`` builds a local optimizer over its shard of the parameters it was
+    given and steps that one; masters swapped into its outer ``param_groups`` would receive the
+    gradients and never be updated, while the inner optimizer steps half parameters whose
+    gradients the wrapper consumed: the model would not train, silently.
+    """
+    try:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+    except ImportError:  # torch built without distributed support
+        return
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        level = "opt_level='O2'" if wrapper == 'ApexOptimWrapper' else 'its fp32 master weights'
+        raise ValueError(
+            f'{wrapper} with {level} cannot step a {type(optimizer).__name__}: ZeRO steps its '
+            'own inner optimizer over the model\'s parameters, so fp32 master weights would never '
+            'be updated and the model would not train. Use ApexOptimWrapper with '
+            "opt_level='O1' (fp32 weights, autocast) or opt_level='O3' (half weights, no masters) "
+            "with ZeroRedundancyOptimizer, or keep opt_level='O2' with a plain optimizer, e.g. "
+            "optimizer=dict(type='AdamW', lr=...).")
 
 
 def _check_params(optimizer: Optimizer) -> None:

@@ -1,0 +1,210 @@
+"""GANs in an ``OptimWrapperDict`` through mmengine's Runner: each wrapper touches only its own parameters.
+
+A tiny GAN (generator with BatchNorm, discriminator) trains like mmagic's ``BaseGAN.train_step``: a
+discriminator step (the generator makes the fakes under ``no_grad``), then a generator step with the
+discriminator frozen. Each wrapper's ``optim_context`` gets either the submodule it trains (mmagic)
+or the whole model; both must train the same, bit for bit:
+
+* a wrapper casts only the modules whose parameters all belong to its own optimizer, and casts
+  their inputs where they are called (``self.generator(noise)`` never runs the top ``forward``);
+* every pair of opt levels resumes bitwise: the wrappers prepare the model before the first
+  iteration (``MixedPrecisionHook.before_train``), so the generator's forward inside the first
+  discriminator step of a resumed run sees the same dtype as in an uninterrupted run.
+"""
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from mmengine.model import BaseModel
+from mmengine.optim import OptimWrapperDict
+from mmengine.runner import Runner
+from torch import nn
+from torch.utils.data import Dataset
+
+import mp_wrappers
+from mp_wrappers.checkpoint import secure_torch_load
+
+LEVELS = ('O0', 'O1', 'O2', 'O3')
+HALF = (torch.float16, torch.bfloat16)
+
+
+class _GANData(Dataset):
+    """Real samples and the noise used with them (fixed per index, so a resumed run replays it)."""
+
+    def __init__(self, n: int = 32) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.real = torch.randn(n, 4, generator=g) * 0.5 + 1.0
+        self.noise = torch.randn(n, 4, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.real)
+
+    def __getitem__(self, i):
+        return dict(inputs=self.real[i], noise=self.noise[i])
+
+
+def _set_requires_grad(module: nn.Module, flag: bool) -> None:
+    for p in module.parameters():
+        p.requires_grad_(flag)
+
+
+class _TinyGAN(BaseModel):
+    def __init__(self, whole_model: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.generator = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(),
+                                       nn.Linear(16, 4))
+        self.discriminator = nn.Sequential(nn.Linear(4, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+        self.whole_model = whole_model
+        self.seen = []  # dtypes of (generator input, generator output, discriminator weight)
+
+    def forward(self, inputs, noise=None, mode='tensor'):
+        return self.generator(noise)
+
+    def train_step(self, data, optim_wrapper):
+        data = self.data_preprocessor(data, True)
+        real, noise = data['inputs'], data['noise']
+        d_w, g_w = optim_wrapper['discriminator'], optim_wrapper['generator']
+        with d_w.optim_context(self if self.whole_model else self.discriminator):
+            with torch.no_grad():
+                fake = self.generator(noise)
+            loss_d = (F.softplus(-self.discriminator(real)).mean()
+                      + F.softplus(self.discriminator(fake)).mean())
+        d_w.update_params(loss_d.float())
+        _set_requires_grad(self.discriminator, False)
+        with g_w.optim_context(self if self.whole_model else self.generator):
+            fake = self.generator(noise)
+            loss_g = F.softplus(-self.discriminator(fake)).mean()
+        g_w.update_params(loss_g.float())
+        _set_requires_grad(self.discriminator, True)
+        self.seen.append((fake.dtype, self.discriminator[0].weight.dtype))
+        return dict(loss_d=loss_d.detach().float(), loss_g=loss_g.detach().float())
+
+
+def _wrapper(module: nn.Module, level: str, dtype: str):
+    optimizer = torch.optim.Adam(module.parameters(), lr=1e-2, betas=(0.5, 0.9))
+    return mp_wrappers.ApexOptimWrapper(optimizer=optimizer, opt_level=level, dtype=dtype,
+                                        verbosity=0)
+
+
+_RUNS = [0]
+
+
+def _runner(work_dir, g_level, d_level, dtype='bfloat16', whole_model=False, max_iters=4,
+            resume_from=None):
+    model = _TinyGAN(whole_model)
+    optim_wrapper = OptimWrapperDict(generator=_wrapper(model.generator, g_level, dtype),
+                                     discriminator=_wrapper(model.discriminator, d_level, dtype))
+    _RUNS[0] += 1
+    return Runner(
+        model=model, work_dir=str(work_dir), experiment_name=f'test_gan_{_RUNS[0]}',
+        train_dataloader=dict(dataset=_GANData(), batch_size=4, num_workers=0,
+                              sampler=dict(type='DefaultSampler', shuffle=False),
+                              collate_fn=dict(type='default_collate')),
+        train_cfg=dict(by_epoch=False, max_iters=max_iters, val_interval=1000),
+        optim_wrapper=optim_wrapper,
+        default_hooks=dict(checkpoint=dict(type='CheckpointHook', interval=2, by_epoch=False),
+                           logger=dict(type='LoggerHook', interval=1)),
+        custom_hooks=[dict(type='mp_wrappers.MixedPrecisionHook')],
+        randomness=dict(seed=0, deterministic=True),
+        load_from=resume_from, resume=resume_from is not None,
+        default_scope='mmengine', log_level='WARNING')
+
+
+def _train(runner):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: threads only add synchronisation
+    try:
+        runner.train()
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(False)
+    return runner
+
+
+def _leaves(obj, prefix=''):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaves(v, f'{prefix}/{k}')
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, f'{prefix}/{i}')
+    else:
+        yield prefix, obj
+
+
+def _differences(a: dict, b: dict):
+    """Keys whose values differ (tensors bit for bit), over state_dict and optimizer state."""
+    bad = []
+    for part in ('state_dict', 'optimizer'):
+        left, right = dict(_leaves(a[part])), dict(_leaves(b[part]))
+        if left.keys() != right.keys():
+            bad.append(f'{part}: keys {sorted(left.keys() ^ right.keys())}')
+        for k in left.keys() & right.keys():
+            x, y = left[k], right[k]
+            same = (isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)) \
+                if isinstance(x, torch.Tensor) else x == y
+            if not same:
+                bad.append(f'{part}{k}')
+    return sorted(bad)
+
+
+@pytest.mark.parametrize('g_level,d_level', [('O2', 'O1'), ('O1', 'O2'), ('O3', 'O0')])
+def test_each_wrapper_casts_only_its_own_modules_however_the_model_is_passed(
+        tmp_path, g_level, d_level):
+    runs = {}
+    for whole in (True, False):
+        runner = _train(_runner(tmp_path / str(whole), g_level, d_level, whole_model=whole))
+        model = runner.model
+        for name, level in (('generator', g_level), ('discriminator', d_level)):
+            module = getattr(model, name)
+            for pname, p in module.named_parameters():
+                in_bn = isinstance(module[int(pname.split('.')[0])], nn.BatchNorm1d)
+                want = torch.bfloat16 if level in ('O2', 'O3') and not (
+                    in_bn and level == 'O2') else torch.float32
+                assert p.dtype == want, (whole, name, pname, p.dtype)
+            wrapper = runner.optim_wrapper[name]
+            has_masters = any(m is not None for row in wrapper._master_params().model_params
+                              for m in row)
+            assert has_masters == (level == 'O2')
+        # O2/O3 cast the generator's output back to fp32 wherever it is called from; O1's
+        # autocast leaves a matmul's output in bf16.
+        want_fake = torch.bfloat16 if g_level == 'O1' else torch.float32
+        assert {fake for fake, _ in model.seen} == {want_fake}
+        runs[whole] = {k: v.clone() for k, v in model.state_dict().items()}
+    for k in runs[True]:
+        assert torch.equal(runs[True][k], runs[False][k]), k
+
+
+@pytest.mark.parametrize('g_level,d_level', list(itertools.product(LEVELS, LEVELS)))
+def test_gan_resume_is_bitwise_for_every_pair_of_levels(tmp_path, g_level, d_level):
+    _train(_runner(tmp_path / 'full', g_level, d_level))
+    _train(_runner(tmp_path / 'resumed', g_level, d_level,
+                   resume_from=str(tmp_path / 'full' / 'iter_2.pth')))
+    full = secure_torch_load(str(tmp_path / 'full' / 'iter_4.pth'))
+    resumed = secure_torch_load(str(tmp_path / 'resumed' / 'iter_4.pth'))
+    assert _differences(full, resumed) == []
+
+
+def test_gan_resume_is_bitwise_with_fp16_loss_scaling(tmp_path):
+    """fp16 loss scaling state (one dynamic scaler per wrapper) resumes bitwise too."""
+    _train(_runner(tmp_path / 'full', 'O2', 'O1', dtype='float16'))
+    _train(_runner(tmp_path / 'resumed', 'O2', 'O1', dtype='float16',
+                   resume_from=str(tmp_path / 'full' / 'iter_2.pth')))
+    full = secure_torch_load(str(tmp_path / 'full' / 'iter_4.pth'))
+    resumed = secure_torch_load(str(tmp_path / 'resumed' / 'iter_4.pth'))
+    assert _differences(full, resumed) == []
+    scalers = full['optimizer']['generator']['mp_wrappers']['loss_scalers']
+    assert scalers[0]['dynamic'] and scalers[0]['steps'] == 4
+
+
+def test_a_wrapper_owning_no_whole_module_warns_that_nothing_is_cast():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    wrapper = mp_wrappers.ApexOptimWrapper(
+        optimizer=torch.optim.SGD([model[0].weight], lr=0.1), opt_level='O2', dtype='bfloat16',
+        verbosity=0)
+    with pytest.warns(UserWarning, match=r"found no submodule of Sequential whose parameters all "
+                                         r'belong to its optimizer'):
+        wrapper.initialize(model)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
