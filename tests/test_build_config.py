@@ -219,3 +219,48 @@ def test_setup_py_on_cpu_torch_prints_the_reason_and_forced_cuda_fails():
                             capture_output=True, text=True, timeout=120)
     assert forced.returncode != 0
     assert 'MP_WRAPPERS_CUDA=1 but torch' in forced.stderr and 'is a CPU build' in forced.stderr
+
+
+# ---- tools/check_cuda_compile.sh --------------------------------------------------------------------
+
+_cspec = importlib.util.spec_from_file_location('check_cuda_compile',
+                                                os.path.join(REPO, 'tools', 'check_cuda_compile.py'))
+ccc = importlib.util.module_from_spec(_cspec)
+_cspec.loader.exec_module(ccc)
+
+PTXAS = """ptxas info    : 28 bytes gmem, 224 bytes cmem[4]
+ptxas info    : Compiling entry function '_ZN2k1E' for 'sm_80'
+ptxas info    : Function properties for _ZN2k1E
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 28 registers, used 0 barriers, 3848 bytes cmem[0], 8 bytes cmem[2]
+ptxas info    : Compiling entry function '_ZN2k2E' for 'sm_80'
+ptxas info    : Function properties for _ZN2k2E
+    16 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 3896 bytes cmem[0]
+ptxas info    : Compiling entry function '_ZN2k1E' for 'sm_90'
+ptxas info    : Function properties for _ZN2k1E
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 32 registers, used 0 barriers
+"""
+
+
+def test_compile_check_reads_registers_and_spills():
+    r = ccc.parse_ptxas(PTXAS)
+    assert (r['sm_80'].kernels, r['sm_80'].max_registers, r['sm_80'].spill_stores,
+            r['sm_80'].spill_loads, r['sm_80'].max_stack) == (2, 255, 8, 12, 16)
+    assert (r['sm_90'].kernels, r['sm_90'].max_registers, r['sm_90'].spill_stores) == (1, 32, 0)
+
+
+def test_compile_check_arch_choice_says_what_it_skips():
+    archs, skipped = ccc.choose_archs(bc.supported_archs(LIST_13_0))
+    assert archs == ['sm_80', 'sm_90', 'sm_121']
+    assert len(skipped) == 1 and skipped[0].startswith('sm_70: not supported by this nvcc')
+    archs, skipped = ccc.choose_archs(bc.supported_archs(LIST_12_4))
+    assert archs == ['sm_70', 'sm_80', 'sm_90'] and skipped == []
+
+
+def test_compile_check_without_nvcc_says_skipped():
+    env = dict(os.environ, NVCC='/nonexistent/nvcc')
+    proc = subprocess.run(['bash', os.path.join(REPO, 'tools', 'check_cuda_compile.sh')], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == 'check_cuda_compile: skipped: no nvcc'
