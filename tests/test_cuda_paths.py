@@ -251,4 +251,5 @@ def test_wrapper_fused_master_step_on_cuda(device, dtype):
     assert not any(t.numel() > 64 for t in w1._stash._buffers.values())  # the fused path ran
     assert w1.loss_scale == w2.loss_scale == 2.0 ** 15
     for a, b in zip(w1.master_params(), w2.master_params()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        # One rounding apart at most: the clip coefficient is folded into grad_scale when fused.
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
