@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -61,7 +61,7 @@ def parse_ptxas(output: str) -> Dict[str, ArchReport]:
     return reports
 
 
-def choose_archs(supported: Sequence[str]) -> (List[str], List[str]):
+def choose_archs(supported: Sequence[str]) -> Tuple[List[str], List[str]]:
     """(archs to build, 'sm_70: why' lines) for REQUESTED, given the toolkit's real archs ('9.0')."""
     have = {f"sm_{a.replace('.', '')}": a for a in supported}
     newest = f"sm_{supported[-1].replace('.', '')}" if supported else None
