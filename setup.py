@@ -2,8 +2,10 @@
 
 Install with ``pip install --no-build-isolation -e .`` so the extension is built against the torch that
 is already installed (see README). CPU kernels are always compiled. CUDA kernels are compiled when torch
-has CUDA support and a toolkit is found; ``MP_WRAPPERS_CUDA=0`` forces them off, ``MP_WRAPPERS_CUDA=1``
-makes a missing toolkit an error instead of a silent CPU-only build.
+has CUDA support and a toolkit of the same major version is found (build_config.decide_cuda; one printed
+line says which and why); ``MP_WRAPPERS_CUDA=0`` forces them off, ``MP_WRAPPERS_CUDA=1`` makes any reason
+not to build them an error. Flags, defines and the default arch list live in build_config.py
+(docs/cuda.md).
 """
 import glob
 import os
@@ -11,47 +13,49 @@ import sys
 
 from setuptools import find_packages, setup
 
+# build_config.py (next to this file) holds every flag and the CUDA decision, shared with
+# tools/check_cuda_compile.sh; an isolated or PEP 517 build does not put this folder on sys.path.
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import build_config  # noqa: E402
+
 try:
     import torch  # noqa: F401
-    from torch.utils import cpp_extension
 except ImportError:  # pragma: no cover - the message is the point
     sys.exit('mp_wrappers builds against an installed torch. Install it first '
              '(on a CPU machine: pip install torch==2.13.0), then run '
              'pip install --no-build-isolation -e .')
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join('mp_wrappers', 'csrc')
 
 
-def _want_cuda() -> bool:
-    switch = os.environ.get('MP_WRAPPERS_CUDA', 'auto').lower()
-    if switch not in ('auto', '0', '1'):
-        sys.exit(f'MP_WRAPPERS_CUDA={switch!r}: expected 0, 1 or auto')
-    # cpp_extension.CUDA_HOME is None when torch itself has no CUDA (it refuses to build a
-    # CUDAExtension against a CPU torch), so this one test covers both toolkit and torch.
-    available = cpp_extension.CUDA_HOME is not None
-    if switch == '1' and not available:
-        sys.exit('MP_WRAPPERS_CUDA=1 but no CUDA build is possible: torch.version.cuda='
-                 f'{torch.version.cuda}, CUDA_HOME={cpp_extension.CUDA_HOME}')
-    return available and switch != '0'
+def _cuda_decision() -> 'build_config.CudaDecision':
+    """Decide before torch.utils.cpp_extension is imported: it reads CUDA_HOME once, at import."""
+    decision = build_config.decide_cuda(build_config.probe())
+    print(decision.line, flush=True)  # the one line that says whether and why (docs/cuda.md)
+    if decision.error:
+        sys.exit(decision.line)
+    if decision.build:
+        # The real toolkit root, not the folder of an nvcc wrapper script that torch would guess.
+        os.environ['CUDA_HOME'] = decision.cuda_home
+        if decision.arch_list:  # no GPU visible: torch's own detection would die (IndexError)
+            os.environ['TORCH_CUDA_ARCH_LIST'] = decision.arch_list
+    return decision
+
+
+CUDA = _cuda_decision()
+from torch.utils import cpp_extension  # noqa: E402  (after CUDA_HOME is settled)
 
 
 def _extension():
-    with_cuda = _want_cuda()
+    with_cuda = CUDA.build
+    std = build_config.torch_std()  # torch's own standard: its 2.14 headers need C++20
     sources = [os.path.join(CSRC, 'bindings.cpp')]
     sources += sorted(glob.glob(os.path.join(CSRC, 'cpu', '*.cpp')))
-    # -fopenmp must reach the link too, or at::parallel_for silently runs on one thread;
-    # -fno-math-errno lets gcc vectorise sqrt (Adam is 4x slower without it);
-    # -ffp-contract=off keeps gcc from fusing a*b+c into an FMA on its own: kernels must round like
-    # the torch references and give the same bits on every ISA (they call V::fmadd where they want one).
-    cxx = ['-O3', '-std=c++17', '-fopenmp', '-fno-math-errno', '-ffp-contract=off',
-           '-fvisibility=hidden']
-    extra = {'cxx': cxx}
-    macros = []
+    extra = {'cxx': build_config.cxx_flags(std)}
     if with_cuda:
         sources += sorted(glob.glob(os.path.join(CSRC, 'cuda', '*.cu')))
-        extra['nvcc'] = ['-O3', '--use_fast_math', '--expt-relaxed-constexpr', '-lineinfo']
-        macros.append(('MP_WRAPPERS_WITH_CUDA', '1'))
+        extra['nvcc'] = build_config.nvcc_flags(std)
         ext_cls = cpp_extension.CUDAExtension
     else:
         ext_cls = cpp_extension.CppExtension
@@ -59,9 +63,9 @@ def _extension():
         name='mp_wrappers._C',
         sources=sources,
         include_dirs=[os.path.join(HERE, CSRC, 'include')],
-        define_macros=macros,
+        define_macros=build_config.define_macros(with_cuda),
         extra_compile_args=extra,
-        extra_link_args=['-fopenmp'],
+        extra_link_args=build_config.LINK_FLAGS,
     )
 
 

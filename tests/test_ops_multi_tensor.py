@@ -24,11 +24,11 @@ def tolerance(*dtypes):
     return dict(rtol=max(TOL[d]['rtol'] for d in dtypes), atol=max(TOL[d]['atol'] for d in dtypes))
 
 
-# The references compute norms with torch's float32 reductions, which drift from the exact value by
-# up to ~2e-5 relative on these sizes (measured), while the kernels accumulate in double and are
-# checked against the float64 oracle with the float32 tolerance. Kernel-vs-reference agreement of
-# norms is therefore checked one rounding of fp16 apart: any real kernel bug (a missed chunk, tensor
-# or scale) is caught by the oracle comparison, which is the tight one.
+# The kernels and (since issue 12) the references accumulate norms in double, but in different
+# orders (the references used torch's float32 reductions before, which drifted by up to ~2e-5
+# relative on these sizes). Kernel-vs-reference agreement of norms is checked one rounding of fp16
+# apart: any real kernel bug (a missed chunk, tensor or scale) is caught by the float64 oracle
+# comparison, which is the tight one.
 REFERENCE_NORM_TOL = TOL[torch.float16]
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)

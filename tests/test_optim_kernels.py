@@ -85,10 +85,18 @@ VARIANTS = {
 
 
 def _kernel_available(op: str, device: str) -> bool:
-    """Whether ``op`` has a compiled kernel for ``device`` (not the reference fallback)."""
+    """Whether ``op`` has a compiled kernel for ``device`` (not the reference fallback).
+
+    A CUDA case only gets here with our CUDA kernels built (tests/conftest.py skips it otherwise),
+    and then every op must have one: a missing CUDA kernel fails instead of skipping.
+    """
     b = backend()
-    if not b['extension'] or (device == 'cuda' and b['cuda'] != 'cuda'):
+    if not b['extension']:
         return False
+    if device == 'cuda':
+        assert b['cuda'] == 'cuda' and _op_has_kernel(op, 'cuda'), \
+            f'{op}: the build has CUDA kernels but none registered for this op ({b})'
+        return True
     return _op_has_kernel(op, device)
 
 

@@ -21,4 +21,6 @@ fi
 extras=examples
 [ "${1:-}" = test ] && extras=examples,test
 "$PY" -m pip install -q --no-build-isolation -e ".[$extras]"
+# pip -q hides the build's output: repeat its one line on whether CUDA kernels were built, and why.
+"$PY" build_config.py decide
 "$PY" -c 'import mp_wrappers; print("mp_wrappers", mp_wrappers.__version__, mp_wrappers.ops.backend())'

@@ -42,13 +42,17 @@ def multi_tensor_scale_(inputs: List[Tensor], outputs: List[Tensor], scale: Tens
 def multi_tensor_l2norm(tensors: List[Tensor], per_tensor: bool) -> Tuple[Tensor, Tensor]:
     """Global L2 norm (a 0-dim fp32 tensor) and, if asked, the per-tensor norms (fp32 ``[n]``).
 
-    The per-tensor result is an empty tensor when ``per_tensor`` is False.
+    The per-tensor result is an empty tensor when ``per_tensor`` is False. Accumulated in float64,
+    as the kernels do: fp32 squares overflow for finite elements above ~1.8e19 (an inf norm that
+    clipping would turn into zeroed gradients) and underflow below ~1e-19 (a zero norm of unscaled
+    gradients when the inverse loss scale is tiny, such as 2**-127).
     """
     device = tensors[0].device if tensors else torch.device('cpu')
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device), torch.empty(0, device=device)
-    norms = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors])
-    total = torch.linalg.vector_norm(norms)
+    norms = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors])
+    total = torch.linalg.vector_norm(norms).to(torch.float32)
+    norms = norms.to(torch.float32)
     return total, (norms if per_tensor else torch.empty(0, device=device))
 
 

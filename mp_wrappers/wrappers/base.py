@@ -370,23 +370,43 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         if not skipped:
             self._stash.hand_to_optimizer(masters)
             if self.clip_grad_kwargs:
-                self._clip_grad()
+                skipped = not self._clip_grad()
             elif self._publish_due():
                 grads = self._stash.grads(masters)
                 self._grad_norm = multi_tensor_l2norm(grads)[0] if grads else None
-            self.optimizer.step(**kwargs)
-            masters.copy_masters_to_model()
+            if not skipped:
+                self.optimizer.step(**kwargs)
+                masters.copy_masters_to_model()
         self._finish_step(skipped)
 
-    def _clip_grad(self) -> None:
-        # mmengine's, on the optimizer's (unscaled fp32) grads, keeping the norm for amp_gnorm.
+    def _clip_grad(self) -> bool:
+        """mmengine's clipping on the optimizer's (unscaled fp32) grads, keeping the norm for
+        amp_gnorm. False when the norm is not finite: the step must be skipped (Note [non-finite
+        norm])."""
         params = [p for g in self.optimizer.param_groups for p in g['params'] if p.grad is not None]
         if params:
             norm = self.clip_func(params, **self.clip_grad_kwargs)
             if norm is not None:
+                if not bool(torch.isfinite(norm)):
+                    self._flag_nonfinite_norm(norm)
+                    return False
                 self.message_hub.update_scalar(f'train/{self.grad_name}', float(norm))
                 if self.grad_name == 'grad_norm':
                     self._grad_norm = norm
+        return True
+
+    # Note [non-finite norm]: finite gradients can have an infinite total norm: squares summed in
+    # fp32 overflow once elements pass ~1.8e19 (torch's fp32 norm does this on CPU), and a true norm
+    # above fp32's max is inf in any accumulation. Clipping then computes coef = max_norm / inf = 0
+    # and silently zeroes every gradient (an Adam step still moves the weights through its moments).
+    # The wrappers treat such a norm as an overflow instead, on every device and both step paths:
+    # the flags are set, the update is skipped and the scalers back off.
+    def _flag_nonfinite_norm(self, norm: Tensor) -> None:
+        """Set this step's overflow flags if ``norm`` is inf/nan, on the device (no host sync)."""
+        bad = (~torch.isfinite(norm)).reshape(1).to(torch.float32)
+        for k in self._used_scalers:
+            flag = self._flag(k)
+            torch.maximum(flag, bad.to(flag.device), out=flag)
 
     # Note [fused step and clipping]: clip_grad_norm_ multiplies the unscaled grads by
     # coef = min(1, max_norm / (norm + 1e-6)). Dividing by grad_scale / coef does the same inside the
@@ -428,9 +448,14 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         inv_scale = scaler.inv_scale()
         norms = [multi_tensor_unscale_l2norm(gs, inv_scale, found_inf=flag)[0]
                  for gs in by_dtype.values()]
+        # Combined in double: the per-dtype norms are exact up to fp32's max, their fp32 squares
+        # are not (a norm of 1e30 would square to inf).
+        total = (torch.linalg.vector_norm(torch.stack(norms).double()).float() if norms
+                 else None)
+        if self.clip_grad_kwargs and total is not None:
+            self._flag_nonfinite_norm(total)  # before the sync, so every rank skips together
         self._sync_flags()
         grad_scale = scaler.scale
-        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else None
         if self.clip_grad_kwargs and total is not None:
             coef = torch.clamp(self.clip_grad_kwargs['max_norm'] / (total + 1e-6), max=1.0)
             grad_scale = grad_scale / coef

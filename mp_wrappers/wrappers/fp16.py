@@ -152,7 +152,11 @@ class FP16OptimWrapper(MixedPrecisionOptimWrapper):
         grads_owner = [p for p in self.master_params() if p.grad is not None]
         if not grads_owner:
             return 0.0
-        return float(torch.nn.utils.clip_grad_norm_(grads_owner, max_norm, norm_type=norm_type))
+        norm = torch.nn.utils.clip_grad_norm_(grads_owner, max_norm, norm_type=norm_type)
+        if not bool(torch.isfinite(norm)):  # Note [non-finite norm] (base.py): an overflow
+            self._flag_nonfinite_norm(norm)
+            return -1.0
+        return float(norm)
 
     def zero_grad(self, set_grads_to_None: bool = False, set_to_none: Optional[bool] = None,
                   **kwargs) -> None:
