@@ -32,4 +32,4 @@ METRICS = Registry('metric', parent=MMENGINE_METRICS, scope=_SCOPE,
                    locations=['mp_wrappers.workloads'])
 HOOKS = Registry('hook', parent=MMENGINE_HOOKS, scope=_SCOPE, locations=['mp_wrappers.hooks'])
 MODEL_WRAPPERS = Registry('model_wrapper', parent=MMENGINE_MODEL_WRAPPERS, scope=_SCOPE,
-                          locations=['mp_wrappers.ddp'])
+                          locations=['mp_wrappers.distributed'])

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ..distributed.sharding import is_dtensor, local_slot
 from ..ops._dispatch import implementation
 
 __all__ = ['FusedOptimizer']
@@ -370,6 +371,8 @@ class FusedOptimizer(Optimizer):
                             1, dtype=torch.float32, device=param.device)
                     state = self._init_state(param, group, step)
                 target, model = self._update_target(param, state, model)
+                if is_dtensor(target):  # FSDP2: update the local shards (mp_wrappers.distributed)
+                    target, grad, model, state = local_slot(self, target, grad, model, state, keys)
                 for what, t in (('gradient', grad), ('model param', model)):
                     if t is None:
                         continue

@@ -31,6 +31,7 @@ from mmengine.optim import OptimWrapper
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from ..distributed import sharding as _sharding
 from ..master import GradStash, MasterParams
 from ..ops import multi_tensor_l2norm, multi_tensor_unscale_l2norm, new_found_inf
 from ..scaler import LossScaler
@@ -137,6 +138,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self._grad_norm: Optional[Tensor] = None  # of the last applied step, read when publishing
         self._skipped_published = 0
         self._model_is_ddp = False
+        self._sharding: Optional[_sharding.Sharding] = None  # FSDP1/FSDP2, seen in optim_context
         self._param_names: Dict[int, str] = {}
         self._names_for: Optional[int] = None
 
@@ -158,6 +160,9 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
     def optim_context(self, model: nn.Module):
         """mmengine's forward context (DDP ``no_sync`` while accumulating); records param names."""
         self._model_is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        self._sharding = _sharding.sharding_of(model)
+        if self._sharding is not None:
+            _sharding.check_elementwise_optimizer(self.optimizer, self._sharding)
         module = model.module if is_model_wrapper(model) else model
         if self._names_for != id(module):
             self._param_names = {id(p): n for n, p in module.named_parameters()}
@@ -190,7 +195,9 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             bad = ~torch.isfinite(loss.detach()).all()
             self._loss_nonfinite = bad if self._loss_nonfinite is None else \
                 self._loss_nonfinite | bad
-        self.loss_scalers[loss_id].scale_loss(loss).backward(**kwargs)
+        # FSDP reads its gradient-sync flag during backward, not in the forward like DDP.
+        with _sharding.no_sync_for_backward(self._sharding, self.should_sync()):
+            self.loss_scalers[loss_id].scale_loss(loss).backward(**kwargs)
         self._pending_scaler = loss_id
         if loss_id not in self._used_scalers:
             self._used_scalers.append(loss_id)
@@ -280,7 +287,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
                 self._clip_grad()
             elif self._publish_due():
                 grads = self._stash.grads(masters)
-                self._grad_norm = multi_tensor_l2norm(grads)[0] if grads else None
+                self._grad_norm = self._norm_of(grads) if grads else None
             self.optimizer.step(**kwargs)
             masters.copy_masters_to_model()
         self._finish_step(skipped)
@@ -289,7 +296,11 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         # mmengine's, on the optimizer's (unscaled fp32) grads, keeping the norm for amp_gnorm.
         params = [p for g in self.optimizer.param_groups for p in g['params'] if p.grad is not None]
         if params:
-            norm = self.clip_func(params, **self.clip_grad_kwargs)
+            if self._sharding is not None and self.grad_name == 'grad_norm':
+                norm = _sharding.clip_grad_norm_sharded(params, self._sharding,
+                                                        **self.clip_grad_kwargs)
+            else:
+                norm = self.clip_func(params, **self.clip_grad_kwargs)
             if norm is not None:
                 self.message_hub.update_scalar(f'train/{self.grad_name}', float(norm))
                 if self.grad_name == 'grad_norm':
@@ -329,7 +340,10 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
                                        f'(parameter of shape {tuple(slot.shape)})')
                 g_row.append(g)
                 if g is not None:
-                    by_dtype.setdefault(g.dtype, []).append(g)
+                    # Under FSDP: local shards, and the norm is combined across ranks below.
+                    sharded = self._sharding is not None and self._sharding.slot_is_sharded(g)
+                    by_dtype.setdefault((g.dtype, sharded), []).append(
+                        _sharding.local_tensor(g, 'a gradient'))
             grads.append(g_row)
             models.append(list(row))
         inv_scale = scaler.inv_scale()
@@ -337,7 +351,12 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
                  for gs in by_dtype.values()]
         self._sync_flags()
         grad_scale = scaler.scale
-        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else None
+        if self._sharding is not None:
+            total = _sharding.global_norm({True: [n for (_, sh), n in zip(by_dtype, norms) if sh],
+                                           False: [n for (_, sh), n in zip(by_dtype, norms)
+                                                   if not sh]})
+        else:
+            total = torch.linalg.vector_norm(torch.stack(norms)) if norms else None
         if self.clip_grad_kwargs and total is not None:
             coef = torch.clamp(self.clip_grad_kwargs['max_norm'] / (total + 1e-6), max=1.0)
             grad_scale = grad_scale / coef
@@ -350,6 +369,15 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self._finish_step(skipped)
         if self.clip_grad_kwargs and total is not None and not skipped:
             self.message_hub.update_scalar(f'train/{self.grad_name}', float(total))
+
+    def _norm_of(self, grads: List[Tensor]) -> Tensor:
+        """L2 norm of unscaled gradients; under FSDP the norm of the whole model's."""
+        if self._sharding is None:
+            return multi_tensor_l2norm(grads)[0]
+        sharded, replicated = _sharding.split_by_sharding(grads, self._sharding)
+        return _sharding.global_norm({True: [multi_tensor_l2norm(sharded)[0]] if sharded else [],
+                                      False: [multi_tensor_l2norm(replicated)[0]]
+                                      if replicated else []})
 
     def _finish_step(self, skipped: bool) -> None:
         before = {k: self.loss_scalers[k].loss_scale for k in self._used_scalers} if skipped \
