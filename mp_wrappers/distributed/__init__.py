@@ -14,6 +14,8 @@ Everything distributed lives here; the wrappers and fused optimizers call in thr
 See docs/distributed.md.
 """
 from .ddp import MixedPrecisionDistributedDataParallel
+from .fsdp import MixedPrecisionFSDPStrategy
 from .sharding import Sharding, sharding_of
 
-__all__ = ['MixedPrecisionDistributedDataParallel', 'Sharding', 'sharding_of']
+__all__ = ['MixedPrecisionDistributedDataParallel', 'MixedPrecisionFSDPStrategy', 'Sharding',
+           'sharding_of']

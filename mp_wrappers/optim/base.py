@@ -248,6 +248,11 @@ class FusedOptimizer(Optimizer):
     def state_dict(self) -> Dict[str, Any]:
         """torch's optimizer state dict plus a layout version key."""
         state = super().state_dict()
+        # 'step' as torch.optim writes it, a 0-dim tensor: FSDP's optimizer state dicts treat 1-D
+        # state as sharded per-element state (mp_wrappers.distributed). Loading reshapes it back.
+        state['state'] = {k: dict(v, step=v['step'].reshape(()))
+                          if isinstance(v.get('step'), Tensor) and v['step'].numel() == 1 else v
+                          for k, v in state['state'].items()}
         state[_VERSION_KEY] = _VERSION
         return state
 
