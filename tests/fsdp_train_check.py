@@ -37,8 +37,8 @@ def main() -> None:
     model = runner.model
     wrapper = runner.optim_wrapper
     opt = wrapper.optimizer
-    opt_numel = sum(v.numel() for st in opt.state.values() for v in st.values()
-                    if torch.is_tensor(v) and v.dim() > 0)
+    opt_numel = sum(v.numel() for st in opt.state.values() for k, v in st.items()
+                    if torch.is_tensor(v) and k != 'step')
     masters = sum(m.numel() for m, _ in wrapper._master_params().half_pairs())
     numel = torch.tensor([opt_numel + masters])
     gathered = [torch.zeros_like(numel) for _ in range(dist.get_world_size())]

@@ -15,7 +15,8 @@ See docs/distributed.md.
 """
 from .ddp import MixedPrecisionDistributedDataParallel
 from .fsdp import MixedPrecisionFSDPStrategy
+from .fully_shard import FullyShardedModel
 from .sharding import Sharding, sharding_of
 
-__all__ = ['MixedPrecisionDistributedDataParallel', 'MixedPrecisionFSDPStrategy', 'Sharding',
-           'sharding_of']
+__all__ = ['MixedPrecisionDistributedDataParallel', 'MixedPrecisionFSDPStrategy',
+           'FullyShardedModel', 'Sharding', 'sharding_of']

@@ -1,4 +1,4 @@
-"""FSDP2 (``fully_shard``) on CPU with gloo: our wrappers and fused optimizers step DTensor shards.
+"""FSDP2 (``fully_shard``) and FSDP1 on CPU with gloo: our wrappers and fused optimizers step shards.
 
 One ``torch.multiprocessing.spawn`` per world size (2 and 3 ranks; process start-up dominates), every
 case inside it. Checked against a single-process run over the same global batch (the reference is
@@ -8,7 +8,12 @@ equals the single-process norm; FP16OptimWrapper over a model cast to bf16 befor
 masters of the local half shards) with torch's SGD (the unfused path through the gradient stash)
 and with FusedSGD; a planted inf on one rank skips the step on every rank with the same scale
 after; per-rank optimizer state + masters ~ total / N; a sharded checkpoint (DCP) resumes bitwise;
-refusals (no FSDP mixed precision under O2, LAMB on shards).
+refusals (no FSDP mixed precision under O2, LAMB on shards). FSDP1 (``FullyShardedDataParallel``
+with ``use_orig_params=True`` on the CPU device), in the same processes: FP16OptimWrapper over an fp32
+model with FSDP ``MixedPrecision(param_dtype=bf16)`` (the fp32 shards are the masters) and
+ApexOptimWrapper O1 (autocast), both with accumulation (``no_sync`` around backward) and clipping,
+against one process, and a planted inf on one rank. (FSDP1 through mmengine's FlexibleRunner and
+tools/train.py: tests/test_fsdp_runner.py.)
 """
 import os
 import socket
@@ -81,7 +86,12 @@ def _run(model, wrapper, batches, rank, world, accumulate=1, fault=None, dtype=N
 
 
 def _full(model):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
     from mp_wrappers.distributed.sharding import is_dtensor
+    if isinstance(model, FSDP):
+        with FSDP.summon_full_params(model):
+            return [p.detach().float().clone() for p in model.parameters()]
     return [(p.full_tensor() if is_dtensor(p) else p).detach().float().clone()
             for p in model.parameters()]
 
@@ -204,6 +214,50 @@ def _errors(rank, world):
     return errors
 
 
+def _fsdp1(module, param_dtype=None):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision
+    mixed = None if param_dtype is None else MixedPrecision(param_dtype=param_dtype,
+                                                             reduce_dtype=torch.float32)
+    return FSDP(module, device_id=torch.device('cpu'), use_orig_params=True,
+                mixed_precision=mixed)
+
+
+def _fsdp1_cases(rank, world):
+    """FP16OptimWrapper over FSDP's fp32 shards (bf16 compute) and O1, each vs one process."""
+    from mp_wrappers import ApexOptimWrapper, FP16OptimWrapper, FusedAdam, FusedSGD, cast_model
+    out = {}
+    for sharded in (True, False):
+        if sharded:
+            model = _fsdp1(_model(), torch.bfloat16)
+            dtype = None  # FSDP casts the root's inputs
+        else:  # the same numerics on one process: bf16 model, fp32 masters
+            model, dtype = cast_model(_model(), torch.bfloat16), torch.bfloat16
+        wrapper = FP16OptimWrapper(FusedSGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   verbose=False, accumulative_counts=2, clip_grad=dict(max_norm=0.2))
+        stats = _run(model, wrapper, _batches(world), rank, world if sharded else 1, accumulate=2,
+                     dtype=dtype)
+        fp32 = _full(model) if sharded else [m.detach().clone() for m in wrapper.master_params()]
+        out['fp16' if sharded else 'fp16_ref'] = dict(
+            stats, params=fp32, opt_numel=_optimizer_numel(wrapper),
+            masters=wrapper._master_params().has_half)
+    for sharded in (True, False):
+        model = _fsdp1(_model()) if sharded else _model()
+        wrapper = ApexOptimWrapper(FusedAdam(model.parameters(), lr=0.02, eps=1e-3),
+                                   opt_level='O1', dtype='bfloat16', verbosity=0,
+                                   accumulative_counts=2, clip_grad=dict(max_norm=0.1))
+        stats = _run(model, wrapper, _batches(world), rank, world if sharded else 1, accumulate=2)
+        out['o1' if sharded else 'o1_ref'] = dict(stats, params=_full(model))
+    model = _fsdp1(_model(), torch.bfloat16)
+    wrapper = FP16OptimWrapper(FusedSGD(model.parameters(), lr=0.1), verbose=False,
+                               dynamic_loss_scale=True)
+    first = _run(model, wrapper, _batches(world)[:1], rank, world)
+    before = _full(model)
+    faulty = _run(model, wrapper, _batches(world)[1:2], rank, world, fault=(0, world - 1))
+    out['fault'] = dict(first=first, faulty=faulty, before=before, after=_full(model))
+    return out
+
+
 def _worker(rank, world, port, out_dir):
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -218,7 +272,8 @@ def _worker(rank, world, port, out_dir):
             fp16_fused_ref=_fp16_wrapper(rank, world, False, 'fused'),
             fault=_fault(rank, world),
             resume=_resume(rank, world, out_dir),
-            errors=_errors(rank, world))
+            errors=_errors(rank, world),
+            fsdp1=_fsdp1_cases(rank, world))
         torch.save(result, os.path.join(out_dir, f'rank{rank}.pt'))
     finally:
         dist.destroy_process_group()
@@ -308,3 +363,32 @@ def test_refusals_name_the_fix(ranks):
     assert 'MixedPrecisionPolicy(param_dtype=torch.bfloat16' in errors['o2_without_fsdp_mp']
     assert 'FusedLAMB computes per-tensor norms' in errors['lamb']
     assert 'FusedLAMB computes per-tensor norms' in errors['lamb_direct']
+
+
+def test_fsdp1_fp32_shards_are_the_masters_and_match_single_process(ranks):
+    world = len(ranks)
+    for r in ranks:
+        got, ref = r['fsdp1']['fp16'], r['fsdp1']['fp16_ref']
+        assert not got['masters'] and ref['masters']  # FSDP's fp32 shards, no copies of ours
+        _close(got['params'], ref['params'], rtol=2e-2, atol=2e-3)
+        assert all(n > 0.2 for n in ref['norms'])  # clipping active
+        assert got['norms'] == pytest.approx(ref['norms'], rel=2e-2)
+    total = sum(p.numel() for p in ranks[0]['fsdp1']['fp16']['params'])
+    counts = [r['fsdp1']['fp16']['opt_numel'] for r in ranks]  # SGD momentum only
+    assert sum(counts) == total and all(abs(c - total / world) <= 16 for c in counts)
+
+
+def test_fsdp1_o1_matches_single_process(ranks):
+    for r in ranks:
+        got, ref = r['fsdp1']['o1'], r['fsdp1']['o1_ref']
+        _close(got['params'], ref['params'], rtol=1e-2, atol=2e-3)
+        assert got['norms'] == pytest.approx(ref['norms'], rel=2e-2)
+
+
+def test_fsdp1_planted_inf_on_one_rank_skips_everywhere(ranks):
+    for r in ranks:
+        f = r['fsdp1']['fault']
+        assert f['first']['skipped'] == [False] and f['faulty']['skipped'] == [True]
+        assert f['faulty']['scales'] == [2.**15]
+        for a, b in zip(f['before'], f['after']):
+            assert torch.equal(a, b)
