@@ -67,7 +67,11 @@ def _run(model, wrapper, batches, rank, world, accumulate=1, fault=None, dtype=N
         with wrapper.optim_context(model):
             out = model(x if dtype is None else x.to(dtype))
         loss = F.cross_entropy(out.float(), y) / accumulate
-        wrapper.backward(loss)
+        if fault is not None and hasattr(wrapper, 'update_master_grads'):
+            # FP16OptimWrapper unscales in backward by default: plant before that
+            wrapper.backward(loss, update_master_grads=False)
+        else:
+            wrapper.backward(loss)
         if (i + 1) % accumulate:
             continue
         if fault is not None and i == fault[0] and rank == fault[1]:
@@ -234,7 +238,7 @@ def _fsdp1_cases(rank, world):
         else:  # the same numerics on one process: bf16 model, fp32 masters
             model, dtype = cast_model(_model(), torch.bfloat16), torch.bfloat16
         wrapper = FP16OptimWrapper(FusedSGD(model.parameters(), lr=0.1, momentum=0.9),
-                                   verbose=False, accumulative_counts=2, clip_grad=dict(max_norm=0.2))
+                                   verbose=False, accumulative_counts=2, clip_grad=dict(max_norm=0.05))
         stats = _run(model, wrapper, _batches(world), rank, world if sharded else 1, accumulate=2,
                      dtype=dtype)
         fp32 = _full(model) if sharded else [m.detach().clone() for m in wrapper.master_params()]
@@ -371,7 +375,7 @@ def test_fsdp1_fp32_shards_are_the_masters_and_match_single_process(ranks):
         got, ref = r['fsdp1']['fp16'], r['fsdp1']['fp16_ref']
         assert not got['masters'] and ref['masters']  # FSDP's fp32 shards, no copies of ours
         _close(got['params'], ref['params'], rtol=2e-2, atol=2e-3)
-        assert all(n > 0.2 for n in ref['norms'])  # clipping active
+        assert all(n > 0.05 for n in ref['norms'])  # clipping active
         assert got['norms'] == pytest.approx(ref['norms'], rel=2e-2)
     total = sum(p.numel() for p in ranks[0]['fsdp1']['fp16']['params'])
     counts = [r['fsdp1']['fp16']['opt_numel'] for r in ranks]  # SGD momentum only

@@ -139,6 +139,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self._skipped_published = 0
         self._model_is_ddp = False
         self._sharding: Optional[_sharding.Sharding] = None  # FSDP1/FSDP2, seen in optim_context
+        self._grads_unsynced = False
         self._param_names: Dict[int, str] = {}
         self._names_for: Optional[int] = None
 
@@ -196,8 +197,11 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             self._loss_nonfinite = bad if self._loss_nonfinite is None else \
                 self._loss_nonfinite | bad
         # FSDP reads its gradient-sync flag during backward, not in the forward like DDP.
-        with _sharding.no_sync_for_backward(self._sharding, self.should_sync()):
+        sync = self.should_sync()
+        with _sharding.no_sync_for_backward(self._sharding, sync):
             self.loss_scalers[loss_id].scale_loss(loss).backward(**kwargs)
+        # Under FSDP no_sync the grads are unsharded partial sums until the synced backward.
+        self._grads_unsynced = self._sharding is not None and not sync
         self._pending_scaler = loss_id
         if loss_id not in self._used_scalers:
             self._used_scalers.append(loss_id)
@@ -516,7 +520,13 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
                 if set_to_none:
                     p.grad = None
                 else:
-                    p.grad.detach_().requires_grad_(False).zero_()
+                    # As torch's Optimizer.zero_grad: grads that are views (FSDP's use_orig_params,
+                    # DDP's gradient_as_bucket_view) cannot be detached in place.
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
 
     # ---- helpers ---------------------------------------------------------------------------------
     def master_params(self) -> List[Tensor]:
