@@ -12,11 +12,12 @@ from mmengine.registry import MODEL_WRAPPERS as MMENGINE_MODEL_WRAPPERS
 from mmengine.registry import MODELS as MMENGINE_MODELS
 from mmengine.registry import OPTIM_WRAPPERS as MMENGINE_OPTIM_WRAPPERS
 from mmengine.registry import OPTIMIZERS as MMENGINE_OPTIMIZERS
+from mmengine.registry import RUNNERS as MMENGINE_RUNNERS
 from mmengine.registry import STRATEGIES as MMENGINE_STRATEGIES
 from mmengine.registry import Registry
 
 __all__ = ['OPTIM_WRAPPERS', 'OPTIMIZERS', 'DATASETS', 'MODELS', 'METRICS', 'HOOKS',
-           'MODEL_WRAPPERS', 'STRATEGIES']
+           'MODEL_WRAPPERS', 'STRATEGIES', 'RUNNERS']
 
 _SCOPE = 'mp_wrappers'
 # `locations` makes a registry lookup import the modules that register into it, so a config that only
@@ -36,3 +37,5 @@ MODEL_WRAPPERS = Registry('model_wrapper', parent=MMENGINE_MODEL_WRAPPERS, scope
                           locations=['mp_wrappers.distributed'])
 STRATEGIES = Registry('strategy', parent=MMENGINE_STRATEGIES, scope=_SCOPE,
                       locations=['mp_wrappers.distributed'])
+RUNNERS = Registry('runner', parent=MMENGINE_RUNNERS, scope=_SCOPE,
+                   locations=['mp_wrappers.distributed'])

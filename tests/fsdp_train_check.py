@@ -2,7 +2,7 @@
 
 Usage: torchrun --nproc_per_node=N tests/fsdp_train_check.py CONFIG RESULT_PT [train.py args...]
 Builds the runner as tools/train.py does (FlexibleRunner for ``runner_type``), trains, then gathers
-the full fp32 weights (FSDP ``summon_full_params``) and rank 0 saves ``{'params': [...],
+the full fp32 weights (FSDP1 ``summon_full_params``, FSDP2 ``full_tensor``) and rank 0 saves ``{'params': [...],
 'iters': i, 'world_size': N, 'scale': s, 'skipped': k, 'opt_numel': [...per rank...]}``.
 """
 import importlib.util
@@ -37,14 +37,18 @@ def main() -> None:
     model = runner.model
     wrapper = runner.optim_wrapper
     opt = wrapper.optimizer
-    opt_numel = sum(v.numel() for st in opt.state.values() for k, v in st.items()
+    from mp_wrappers.distributed.sharding import local_tensor
+    opt_numel = sum(local_tensor(v).numel() for st in opt.state.values() for k, v in st.items()
                     if torch.is_tensor(v) and k != 'step')
     masters = sum(m.numel() for m, _ in wrapper._master_params().half_pairs())
     numel = torch.tensor([opt_numel + masters])
     gathered = [torch.zeros_like(numel) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, numel)
-    with FSDP.summon_full_params(model):
-        params = [p.detach().float().clone() for p in model.parameters()]
+    if isinstance(model, FSDP):
+        with FSDP.summon_full_params(model):
+            params = [p.detach().float().clone() for p in model.parameters()]
+    else:  # FSDP2 (mp_wrappers.FullyShardedModel): DTensor parameters
+        params = [p.full_tensor().detach().float().clone() for p in model.parameters()]
     if dist.get_rank() == 0:
         torch.save(dict(params=params, iters=runner.iter, world_size=dist.get_world_size(),
                         scale=wrapper.loss_scale,

@@ -6,6 +6,9 @@
 # See docs/distributed.md.
 _base_ = ['./_base_/digits_data.py', './_base_/cnn_model.py', './_base_/schedule_20e.py',
           './_base_/default_runtime.py']
+# FullyShardedRunner: mmengine's Runner minus its init-and-broadcast of the weights, which
+# FullyShardedModel does before sharding (a broadcast cannot take DTensors).
+runner_type = 'mp_wrappers.FullyShardedRunner'
 model_wrapper_cfg = dict(type='mp_wrappers.FullyShardedModel', dtype='bfloat16')
 optim_wrapper = dict(
     _delete_=True,

@@ -15,8 +15,8 @@ See docs/distributed.md.
 """
 from .ddp import MixedPrecisionDistributedDataParallel
 from .fsdp import MixedPrecisionFSDPStrategy
-from .fully_shard import FullyShardedModel
+from .fully_shard import FullyShardedModel, FullyShardedRunner
 from .sharding import Sharding, sharding_of
 
 __all__ = ['MixedPrecisionDistributedDataParallel', 'MixedPrecisionFSDPStrategy',
-           'FullyShardedModel', 'Sharding', 'sharding_of']
+           'FullyShardedModel', 'FullyShardedRunner', 'Sharding', 'sharding_of']

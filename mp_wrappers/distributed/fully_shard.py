@@ -1,5 +1,10 @@
 """FSDP2 for mmengine's ``Runner``: a model wrapper that applies ``torch.distributed.fsdp.fully_shard``.
 
+mmengine's ``Runner.train`` calls ``init_weights()`` and then broadcasts every state-dict entry from
+rank 0, which fails on DTensors (and would copy rank 0's shards everywhere). :class:`FullyShardedModel`
+therefore initialises the weights and broadcasts them *before* sharding, and
+:class:`FullyShardedRunner` (``runner_type='mp_wrappers.FullyShardedRunner'``) skips that step for it.
+
 mmengine 0.10.7 has no FSDP2 strategy; its ``Runner`` wraps the model with ``model_wrapper_cfg``
 (``MODEL_WRAPPERS``), which is where :class:`FullyShardedModel` plugs in. It shards every module that
 owns parameters on its own (one all-gather per layer) and then the root, with a
@@ -13,15 +18,12 @@ from typing import Any, Dict, Optional, Union
 import torch
 from mmengine.model.base_model.data_preprocessor import BaseDataPreprocessor
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
+from ..casting import is_norm_layer, parse_dtype
+from mmengine.runner import Runner
 
-from ..casting import parse_dtype
-from ..registry import MODEL_WRAPPERS
+from ..registry import MODEL_WRAPPERS, RUNNERS
 
-__all__ = ['FullyShardedModel']
-
-_NORMS = (_BatchNorm, nn.GroupNorm, nn.LayerNorm)
-
+__all__ = ['FullyShardedModel', 'FullyShardedRunner']
 
 @MODEL_WRAPPERS.register_module()
 class FullyShardedModel(nn.Module):
@@ -49,14 +51,16 @@ class FullyShardedModel(nn.Module):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         super().__init__()
         param_dtype = parse_dtype(dtype, option='FullyShardedModel(dtype)')
-        reduce = parse_dtype(reduce_dtype, option='FullyShardedModel(reduce_dtype)')
+        reduce = parse_dtype(reduce_dtype, option='FullyShardedModel(reduce_dtype)',
+                             allowed=('float32', 'float16', 'bfloat16'))
+        _init_and_broadcast(module)
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce)
         fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce)
         for m in list(module.modules())[1:]:
             if isinstance(m, BaseDataPreprocessor) or not any(
                     True for _ in m.parameters(recurse=False)):
                 continue
-            keep = keep_norm_fp32 and isinstance(m, _NORMS)
+            keep = keep_norm_fp32 and is_norm_layer(m)
             fully_shard(m, mp_policy=fp32 if keep else policy,
                         reshard_after_forward=reshard_after_forward)
         fully_shard(module, mp_policy=policy, reshard_after_forward=reshard_after_forward)
@@ -95,3 +99,33 @@ class FullyShardedModel(nn.Module):
     @property
     def sharded_root(self) -> Optional[nn.Module]:
         return self.module
+
+
+def _init_and_broadcast(module: nn.Module) -> None:
+    """What ``Runner._init_model_weights`` does, on full tensors: init, then rank 0's values."""
+    import torch.distributed as dist
+    if hasattr(module, 'init_weights'):
+        module.init_weights()
+    if dist.is_available() and dist.is_initialized():
+        with torch.no_grad():
+            for t in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(t.data, src=0)
+
+
+@RUNNERS.register_module()
+class FullyShardedRunner(Runner):
+    """mmengine's ``Runner`` for :class:`FullyShardedModel` (FSDP2).
+
+    The only difference: weights are initialised and broadcast by :class:`FullyShardedModel`
+    before sharding, so the Runner's own init-and-broadcast (which cannot broadcast DTensors) is
+    skipped for it. Other models go through ``Runner`` unchanged.
+
+    Examples:
+        >>> runner_type = 'mp_wrappers.FullyShardedRunner'
+        >>> model_wrapper_cfg = dict(type='mp_wrappers.FullyShardedModel', dtype='bfloat16')
+    """
+
+    def _init_model_weights(self) -> None:
+        if isinstance(self.model, FullyShardedModel):
+            return
+        super()._init_model_weights()
