@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .casting import HALF_DTYPES
+from .distributed.sharding import local_tensors
 from .ops import multi_tensor_axpby, multi_tensor_scale
 
 __all__ = ['MasterParams', 'GradStash', 'grouped_scale', 'MastersInStateDict']
@@ -50,7 +51,8 @@ def grouped_scale(inputs: Sequence[Tensor], outputs: Sequence[Tensor], scale: Te
                   found_inf: Tensor) -> None:
     """``multi_tensor_scale`` over lists that may mix dtypes: one call per (device, dtypes) bucket."""
     for xs, ys in _buckets(list(zip(inputs, outputs))).values():
-        multi_tensor_scale(xs, ys, scale, found_inf)
+        # FSDP2 DTensors: the op runs on the local shards (mp_wrappers.distributed.sharding).
+        multi_tensor_scale(local_tensors(xs), local_tensors(ys), scale, found_inf)
 
 
 class MasterParams:
@@ -136,14 +138,14 @@ class MasterParams:
         """Round the fp32 masters into the half model params (after an optimizer step)."""
         pairs = self.half_pairs()
         if pairs:
-            torch._foreach_copy_([p for _, p in pairs], [m for m, _ in pairs])
+            torch._foreach_copy_(local_tensors([p for _, p in pairs]), local_tensors([m for m, _ in pairs]))
 
     @torch.no_grad()
     def copy_model_to_masters(self) -> None:
         """Re-derive the masters from the model (after loading model weights without masters)."""
         pairs = self.half_pairs()
         if pairs:
-            torch._foreach_copy_([m for m, _ in pairs], [p for _, p in pairs])
+            torch._foreach_copy_(local_tensors([m for m, _ in pairs]), local_tensors([p for _, p in pairs]))
 
     @torch.no_grad()
     def sync_with_model(self, loaded: Optional[Dict[int, Tensor]] = None) -> List[Tensor]:
@@ -335,6 +337,7 @@ class GradStash:
             tmp = [torch.empty_like(b) for b in add_out]
             grouped_scale(add_in, tmp, inv_scale, found_inf)
             for xs, ys in _buckets(list(zip(tmp, add_out))).values():
+                xs, ys = local_tensors(xs), local_tensors(ys)
                 multi_tensor_axpby(xs, ys, ys, 1.0, 1.0, arg_to_check=0, found_inf=found_inf)
 
     def hand_to_optimizer(self, masters: MasterParams) -> None:

@@ -13,10 +13,12 @@ from mmengine.registry import MODEL_WRAPPERS as MMENGINE_MODEL_WRAPPERS
 from mmengine.registry import MODELS as MMENGINE_MODELS
 from mmengine.registry import OPTIM_WRAPPERS as MMENGINE_OPTIM_WRAPPERS
 from mmengine.registry import OPTIMIZERS as MMENGINE_OPTIMIZERS
+from mmengine.registry import RUNNERS as MMENGINE_RUNNERS
+from mmengine.registry import STRATEGIES as MMENGINE_STRATEGIES
 from mmengine.registry import Registry
 
 __all__ = ['OPTIM_WRAPPERS', 'OPTIMIZERS', 'DATASETS', 'MODELS', 'METRICS', 'HOOKS',
-           'MODEL_WRAPPERS', 'LOOPS']
+           'MODEL_WRAPPERS', 'LOOPS', 'STRATEGIES', 'RUNNERS']
 
 _SCOPE = 'mp_wrappers'
 # `locations` makes a registry lookup import the modules that register into it, so a config that only
@@ -33,5 +35,9 @@ METRICS = Registry('metric', parent=MMENGINE_METRICS, scope=_SCOPE,
                    locations=['mp_wrappers.workloads'])
 HOOKS = Registry('hook', parent=MMENGINE_HOOKS, scope=_SCOPE, locations=['mp_wrappers.hooks'])
 MODEL_WRAPPERS = Registry('model_wrapper', parent=MMENGINE_MODEL_WRAPPERS, scope=_SCOPE,
-                          locations=['mp_wrappers.ddp'])
+                          locations=['mp_wrappers.distributed'])
 LOOPS = Registry('loop', parent=MMENGINE_LOOPS, scope=_SCOPE, locations=['mp_wrappers.loops'])
+STRATEGIES = Registry('strategy', parent=MMENGINE_STRATEGIES, scope=_SCOPE,
+                      locations=['mp_wrappers.distributed'])
+RUNNERS = Registry('runner', parent=MMENGINE_RUNNERS, scope=_SCOPE,
+                   locations=['mp_wrappers.distributed'])

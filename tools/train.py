@@ -25,6 +25,7 @@ if _ROOT not in sys.path:
 
 from mmengine.config import Config, DictAction  # noqa: E402
 from mmengine.logging import print_log  # noqa: E402
+from mmengine.registry import RUNNERS  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
 
 import mp_wrappers  # noqa: E402,F401  (installs the secure loader and atomic checkpoint writes)
@@ -99,7 +100,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     cfg = build_config(args)
     configure_torch_threads(cfg)
-    runner = Runner.from_cfg(cfg)
+    # runner_type='FlexibleRunner' (e.g. FSDP through a strategy, docs/distributed.md) as in
+    # OpenMMLab's train scripts.
+    runner = Runner.from_cfg(cfg) if 'runner_type' not in cfg else RUNNERS.build(cfg)
     print_log(backend_summary(), logger='current')
     runner.train()
 

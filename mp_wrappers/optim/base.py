@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ..distributed.sharding import is_dtensor, local_slot
 from ..ops._dispatch import implementation
 
 __all__ = ['FusedOptimizer']
@@ -247,6 +248,11 @@ class FusedOptimizer(Optimizer):
     def state_dict(self) -> Dict[str, Any]:
         """torch's optimizer state dict plus a layout version key."""
         state = super().state_dict()
+        # 'step' as torch.optim writes it, a 0-dim tensor: FSDP's optimizer state dicts treat 1-D
+        # state as sharded per-element state (mp_wrappers.distributed). Loading reshapes it back.
+        state['state'] = {k: dict(v, step=v['step'].reshape(()))
+                          if isinstance(v.get('step'), Tensor) and v['step'].numel() == 1 else v
+                          for k, v in state['state'].items()}
         state[_VERSION_KEY] = _VERSION
         return state
 
@@ -370,6 +376,8 @@ class FusedOptimizer(Optimizer):
                             1, dtype=torch.float32, device=param.device)
                     state = self._init_state(param, group, step)
                 target, model = self._update_target(param, state, model)
+                if is_dtensor(target):  # FSDP2: update the local shards (mp_wrappers.distributed)
+                    target, grad, model, state = local_slot(self, target, grad, model, state, keys)
                 for what, t in (('gradient', grad), ('model param', model)):
                     if t is None:
                         continue

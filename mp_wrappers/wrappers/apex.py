@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 from ..autocast import cpu_has_native_fp16, o1_context
 from ..casting import (HALF_DTYPES, ForwardCaster, cast_model, fp32_state_dict_hook,
                        model_cast_dtype, owned_roots)
+from ..distributed.sharding import check_fsdp_precision, sharding_of
 from ..policy import DEFAULT, Properties, resolve_properties
 from ..registry import OPTIM_WRAPPERS
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
@@ -168,10 +169,17 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
                                  "with autocast; build the model in fp32, or use opt_level 'O2'/'O3'"
                                  ' for a half-precision model')
         cast = props.cast_model_type
+        sharding = sharding_of(model)
         if cast is not None:
             keep_bn = bool(props.keep_batchnorm_fp32)
             done = model_cast_dtype(module)
-            if wrapped and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            if sharding is not None:
+                # FSDP makes the half copies, or the model was cast before sharding.
+                if cast != torch.float32:
+                    check_fsdp_precision(props.opt_level, cast, bool(props.master_weights),
+                                         sharding, params)
+                roots = [module]
+            elif wrapped and isinstance(model, torch.nn.parallel.DistributedDataParallel):
                 # O0 "casts" to fp32: an fp32 model under DDP needs nothing, so nothing to refuse.
                 already_fp32 = cast == torch.float32 and all(
                     p.dtype == torch.float32 for p in module.parameters() if p.is_floating_point())
@@ -200,7 +208,7 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
                         cast_model(root, cast, keep_norm_fp32=keep_bn)
             self._forward_caster = ForwardCaster(
                 roots, cast, props.cast_model_outputs or torch.float32)
-            if cast in HALF_DTYPES:
+            if cast in HALF_DTYPES and sharding is None:
                 # Checkpoints stay fp32, whatever the training dtype.
                 self._state_dict_hook = module._register_state_dict_hook(fp32_state_dict_hook)
         uses_fp16 = (cast == torch.float16 or

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..casting import forget_loaded_full_precision, loaded_full_precision
+from ..distributed import sharding as _sharding
 from ..master import GradStash, MasterParams, MastersInStateDict
 from ..ops import (multi_tensor_l2norm, multi_tensor_scale, multi_tensor_unscale_l2norm,
                    new_found_inf)
@@ -150,6 +151,8 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self._grad_norm: Optional[Tensor] = None  # of the last applied step, read when publishing
         self._skipped_published = 0
         self._model_is_ddp = False
+        self._sharding: Optional[_sharding.Sharding] = None  # FSDP1/FSDP2, seen in optim_context
+        self._grads_unsynced = False
         self._param_names: Dict[int, str] = {}
         self._names_for: Optional[int] = None
         # Note [masters lifecycle]: the masters last bound to the model's weights, and the modules
@@ -247,6 +250,9 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
     def optim_context(self, model: nn.Module):
         """mmengine's forward context (DDP ``no_sync`` while accumulating); records param names."""
         self._model_is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        self._sharding = _sharding.sharding_of(model)
+        if self._sharding is not None:
+            _sharding.check_elementwise_optimizer(self.optimizer, self._sharding)
         module = model.module if is_model_wrapper(model) else model
         if self._names_for != id(module):
             self._param_names = {id(p): n for n, p in module.named_parameters()}
@@ -280,7 +286,12 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             bad = ~torch.isfinite(loss.detach()).all()
             self._loss_nonfinite = bad if self._loss_nonfinite is None else \
                 self._loss_nonfinite | bad
-        self.loss_scalers[loss_id].scale_loss(loss).backward(**kwargs)
+        # FSDP reads its gradient-sync flag during backward, not in the forward like DDP.
+        sync = self.should_sync()
+        with _sharding.no_sync_for_backward(self._sharding, sync):
+            self.loss_scalers[loss_id].scale_loss(loss).backward(**kwargs)
+        # Under FSDP no_sync the grads are unsharded partial sums until the synced backward.
+        self._grads_unsynced = self._sharding is not None and not sync
         self._pending_scaler = loss_id
         if loss_id not in self._used_scalers:
             self._used_scalers.append(loss_id)
@@ -373,7 +384,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
                 skipped = not self._clip_grad()
             elif self._publish_due():
                 grads = self._stash.grads(masters)
-                self._grad_norm = multi_tensor_l2norm(grads)[0] if grads else None
+                self._grad_norm = self._norm_of(grads) if grads else None
             if not skipped:
                 self.optimizer.step(**kwargs)
                 masters.copy_masters_to_model()
@@ -385,7 +396,11 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         norm])."""
         params = [p for g in self.optimizer.param_groups for p in g['params'] if p.grad is not None]
         if params:
-            norm = self.clip_func(params, **self.clip_grad_kwargs)
+            if self._sharding is not None and self.grad_name == 'grad_norm':
+                norm = _sharding.clip_grad_norm_sharded(params, self._sharding,
+                                                        **self.clip_grad_kwargs)
+            else:
+                norm = self.clip_func(params, **self.clip_grad_kwargs)
             if norm is not None:
                 if not bool(torch.isfinite(norm)):
                     self._flag_nonfinite_norm(norm)
@@ -442,16 +457,25 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
                                        f'(parameter of shape {tuple(slot.shape)})')
                 g_row.append(g)
                 if g is not None:
-                    by_dtype.setdefault(g.dtype, []).append(g)
+                    # Under FSDP: local shards, and the norm is combined across ranks below.
+                    sharded = self._sharding is not None and self._sharding.slot_is_sharded(g)
+                    by_dtype.setdefault((g.dtype, sharded), []).append(
+                        _sharding.local_tensor(g, 'a gradient'))
             grads.append(g_row)
             models.append(list(row))
         inv_scale = scaler.inv_scale()
         norms = [multi_tensor_unscale_l2norm(gs, inv_scale, found_inf=flag)[0]
                  for gs in by_dtype.values()]
-        # Combined in double: the per-dtype norms are exact up to fp32's max, their fp32 squares
-        # are not (a norm of 1e30 would square to inf).
-        total = (torch.linalg.vector_norm(torch.stack(norms).double()).float() if norms
-                 else None)
+        if self._sharding is not None:
+            # Under FSDP: the norm of the whole model's gradients, equal on every rank.
+            total = _sharding.global_norm({True: [n for (_, sh), n in zip(by_dtype, norms) if sh],
+                                           False: [n for (_, sh), n in zip(by_dtype, norms)
+                                                   if not sh]})
+        else:
+            # Combined in double: the per-dtype norms are exact up to fp32's max, their fp32
+            # squares are not (a norm of 1e30 would square to inf).
+            total = (torch.linalg.vector_norm(torch.stack(norms).double()).float() if norms
+                     else None)
         if self.clip_grad_kwargs and total is not None:
             self._flag_nonfinite_norm(total)  # before the sync, so every rank skips together
         self._sync_flags()
@@ -500,12 +524,14 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             if g.is_sparse:
                 raise RuntimeError('mixed-precision wrappers do not support sparse gradients '
                                    f'(parameter of shape {tuple(slot.shape)})')
-            by_dtype.setdefault(g.dtype, []).append(g)
+            by_dtype.setdefault(g.dtype, []).append(_sharding.local_tensor(g, 'a gradient'))
         norm = None
         if scaler.is_unit:
             norms = [multi_tensor_unscale_l2norm(gs, 1.0, found_inf=flag)[0]
                      for gs in by_dtype.values()]
-            norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else None
+            # Local norms under FSDP: the whole model's norm is taken below when it is needed.
+            norm = (torch.linalg.vector_norm(torch.stack(norms).double()).float()
+                    if norms and self._sharding is None else None)
         else:
             inv_scale = scaler.inv_scale()
             for gs in by_dtype.values():
@@ -515,16 +541,25 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         skipped = self._overflowed()
         if not skipped:
             if self.clip_grad_kwargs:
-                self._clip_grad()
+                skipped = not self._clip_grad()  # a non-finite norm skips (Note [non-finite norm])
             else:
                 if norm is None and self._publish_due():
                     grads = [g for gs in by_dtype.values() for g in gs]
-                    norm = multi_tensor_l2norm(grads)[0] if grads else None
+                    norm = self._norm_of(grads) if grads else None
                 self._grad_norm = norm
+        if not skipped:
             self.optimizer.step(**kwargs)
         self._finish_step(skipped)
         for slot in slots:  # consumed, as on the stash path: the next backward starts afresh
             slot.grad = None
+    def _norm_of(self, grads: List[Tensor]) -> Tensor:
+        """L2 norm of unscaled gradients; under FSDP the norm of the whole model's."""
+        if self._sharding is None:
+            return multi_tensor_l2norm(grads)[0]
+        sharded, replicated = _sharding.split_by_sharding(grads, self._sharding)
+        return _sharding.global_norm({True: [multi_tensor_l2norm(sharded)[0]] if sharded else [],
+                                      False: [multi_tensor_l2norm(replicated)[0]]
+                                      if replicated else []})
 
     def _finish_step(self, skipped: bool) -> None:
         before = {k: self.loss_scalers[k].loss_scale for k in self._used_scalers} if skipped \
@@ -663,7 +698,13 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
                 if set_to_none:
                     p.grad = None
                 else:
-                    p.grad.detach_().requires_grad_(False).zero_()
+                    # As torch's Optimizer.zero_grad: grads that are views (FSDP's use_orig_params,
+                    # DDP's gradient_as_bucket_view) cannot be detached in place.
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
 
     # ---- helpers ---------------------------------------------------------------------------------
     def master_params(self) -> List[Tensor]:

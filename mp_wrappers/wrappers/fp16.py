@@ -99,7 +99,9 @@ class FP16OptimWrapper(MixedPrecisionOptimWrapper):
             retain_graph (bool): Passed to ``Tensor.backward``.
         """
         super().backward(loss, loss_id=loss_id, retain_graph=retain_graph, **kwargs)
-        if update_master_grads:
+        # Under FSDP while accumulating, the grads are unsharded partial sums until the last
+        # micro-batch's backward: unscale then (the scale is the same for the whole step).
+        if update_master_grads and not self._grads_unsynced:
             self.update_master_grads()
 
     def update_master_grads(self) -> None:

@@ -1,0 +1,131 @@
+"""FSDP2 for mmengine's ``Runner``: a model wrapper that applies ``torch.distributed.fsdp.fully_shard``.
+
+mmengine's ``Runner.train`` calls ``init_weights()`` and then broadcasts every state-dict entry from
+rank 0, which fails on DTensors (and would copy rank 0's shards everywhere). :class:`FullyShardedModel`
+therefore initialises the weights and broadcasts them *before* sharding, and
+:class:`FullyShardedRunner` (``runner_type='mp_wrappers.FullyShardedRunner'``) skips that step for it.
+
+mmengine 0.10.7 has no FSDP2 strategy; its ``Runner`` wraps the model with ``model_wrapper_cfg``
+(``MODEL_WRAPPERS``), which is where :class:`FullyShardedModel` plugs in. It shards every module that
+owns parameters on its own (one all-gather per layer) and then the root, with a
+``MixedPrecisionPolicy`` whose ``param_dtype`` is the wrapper's ``dtype``: FSDP makes the half
+copies and the fp32 shards are the master weights our optimizer wrappers step (Note [sharded
+masters]). Normalisation layers keep fp32 parameters (no ``param_dtype``), apex O2's
+``keep_batchnorm_fp32``.
+"""
+from typing import Any, Dict, Optional, Union
+
+import torch
+from mmengine.model.base_model.data_preprocessor import BaseDataPreprocessor
+from torch import nn
+from ..casting import is_norm_layer, parse_dtype
+from mmengine.runner import Runner
+
+from ..registry import MODEL_WRAPPERS, RUNNERS
+
+__all__ = ['FullyShardedModel', 'FullyShardedRunner']
+
+@MODEL_WRAPPERS.register_module()
+class FullyShardedModel(nn.Module):
+    """``fully_shard`` (FSDP2) a model for mmengine's ``Runner``, with FSDP's mixed precision.
+
+    Args:
+        module (nn.Module): The model (mmengine passes it); sharded in place.
+        dtype (str | torch.dtype, optional): FSDP's ``param_dtype``, the dtype forward and backward
+            run in (``'bfloat16'``, ``'float16'``), or None for fp32.
+        reduce_dtype (str | torch.dtype): dtype of the gradient reduce-scatter. Defaults to
+            ``'float32'``.
+        keep_norm_fp32 (bool): Shard normalisation layers without ``param_dtype`` (fp32 weights).
+            Defaults to True.
+        reshard_after_forward (bool): FSDP2's option (free the gathered weights after forward).
+
+    Examples:
+        >>> model_wrapper_cfg = dict(type='mp_wrappers.FullyShardedModel', dtype='bfloat16')
+        >>> optim_wrapper = dict(type='mp_wrappers.ApexOptimWrapper', opt_level='O2',
+        ...                      dtype='bfloat16', optimizer=dict(type='mp_wrappers.FusedAdam'))
+    """
+
+    def __init__(self, module: nn.Module, dtype: Union[str, torch.dtype, None] = None,
+                 reduce_dtype: Union[str, torch.dtype] = 'float32', keep_norm_fp32: bool = True,
+                 reshard_after_forward: bool = True) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        super().__init__()
+        param_dtype = parse_dtype(dtype, option='FullyShardedModel(dtype)')
+        reduce = parse_dtype(reduce_dtype, option='FullyShardedModel(reduce_dtype)',
+                             allowed=('float32', 'float16', 'bfloat16'))
+        _init_and_broadcast(module)
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce)
+        fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce)
+        for m in list(module.modules())[1:]:
+            if isinstance(m, BaseDataPreprocessor) or not any(
+                    True for _ in m.parameters(recurse=False)):
+                continue
+            keep = keep_norm_fp32 and is_norm_layer(m)
+            fully_shard(m, mp_policy=fp32 if keep else policy,
+                        reshard_after_forward=reshard_after_forward)
+        fully_shard(module, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        self.module = module
+
+    # ---- mmengine's model-wrapper contract (as MMDistributedDataParallel) ------------------------
+    def train_step(self, data: Union[dict, tuple, list], optim_wrapper: Any) -> Dict[str, torch.Tensor]:
+        """Preprocess, forward in ``optim_wrapper.optim_context``, parse losses, update."""
+        with optim_wrapper.optim_context(self):
+            data = self.module.data_preprocessor(data, training=True)
+            losses = self._run_forward(data, mode='loss')
+        parsed_loss, log_vars = self.module.parse_losses(losses)
+        optim_wrapper.update_params(parsed_loss)
+        return log_vars
+
+    def val_step(self, data: Union[dict, tuple, list]) -> list:
+        return self.module.val_step(data)
+
+    def test_step(self, data: Union[dict, tuple, list]) -> list:
+        return self.module.test_step(data)
+
+    def _run_forward(self, data: Union[dict, tuple, list], mode: str) -> Any:
+        # Through the root's __call__: FSDP2's hooks all-gather the parameters.
+        if isinstance(data, dict):
+            return self.module(**data, mode=mode)
+        if isinstance(data, (list, tuple)):
+            return self.module(*data, mode=mode)
+        raise TypeError(f'Output of data_preprocessor should be a dict, list or tuple, got '
+                        f'{type(data).__name__}')
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    # FSDP2 modules have no no_sync(): our wrappers skip the reduce-scatter while accumulating
+    # through set_requires_gradient_sync (mp_wrappers.distributed.sharding.no_sync_for_backward).
+    @property
+    def sharded_root(self) -> Optional[nn.Module]:
+        return self.module
+
+
+def _init_and_broadcast(module: nn.Module) -> None:
+    """What ``Runner._init_model_weights`` does, on full tensors: init, then rank 0's values."""
+    import torch.distributed as dist
+    if hasattr(module, 'init_weights'):
+        module.init_weights()
+    if dist.is_available() and dist.is_initialized():
+        with torch.no_grad():
+            for t in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(t.data, src=0)
+
+
+@RUNNERS.register_module()
+class FullyShardedRunner(Runner):
+    """mmengine's ``Runner`` for :class:`FullyShardedModel` (FSDP2).
+
+    The only difference: weights are initialised and broadcast by :class:`FullyShardedModel`
+    before sharding, so the Runner's own init-and-broadcast (which cannot broadcast DTensors) is
+    skipped for it. Other models go through ``Runner`` unchanged.
+
+    Examples:
+        >>> runner_type = 'mp_wrappers.FullyShardedRunner'
+        >>> model_wrapper_cfg = dict(type='mp_wrappers.FullyShardedModel', dtype='bfloat16')
+    """
+
+    def _init_model_weights(self) -> None:
+        if isinstance(self.model, FullyShardedModel):
+            return
+        super()._init_model_weights()
