@@ -191,7 +191,7 @@ def _resume(rank, world, tmp):
 
 
 def _errors(rank, world):
-    from mp_wrappers import ApexOptimWrapper, FP16OptimWrapper, FusedAdam, FusedLAMB
+    from mp_wrappers import ApexOptimWrapper, FP16OptimWrapper, FusedAdam, FusedLAMB, cast_model
     errors = {}
     model = _shard(_model(), param_dtype=None)
     wrapper = ApexOptimWrapper(FusedAdam(model.parameters()), opt_level='O2', dtype='bfloat16',
@@ -208,6 +208,33 @@ def _errors(rank, world):
             pass
     except NotImplementedError as exc:
         errors['lamb'] = str(exc)
+    model = _shard(_model())
+    wrapper = ApexOptimWrapper(FusedAdam(model.parameters()), opt_level='O3', dtype='bfloat16',
+                               verbosity=0)
+    try:
+        with wrapper.optim_context(model):
+            pass
+    except RuntimeError as exc:
+        errors['o3_over_fp32_shards'] = str(exc)
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, init_device_mesh
+    mesh = init_device_mesh('cpu', (world,))
+    for name, grad_placement, param_placement in (('partial', Partial(), Partial()),
+                                                  ('mismatch', Replicate(), Shard(0))):
+        param = nn.Parameter(DTensor.from_local(torch.zeros(4), mesh, [param_placement]))
+        n = 4 * world if isinstance(grad_placement, Replicate) else 4  # the same global shape
+        param.grad = DTensor.from_local(torch.ones(n), mesh, [grad_placement])
+        try:
+            FusedAdam([param]).step()
+        except (NotImplementedError, ValueError) as exc:
+            errors[name] = str(exc)
+    from mp_wrappers.distributed.checkpoint import save_sharded
+    model = cast_model(_model(), torch.bfloat16)
+    _shard(model, param_dtype=None)
+    wrapper = FP16OptimWrapper(FusedAdam(model.parameters()), verbose=False)
+    try:
+        save_sharded('unused', model, wrapper)
+    except NotImplementedError as exc:
+        errors['checkpoint_half_masters'] = str(exc)
     lamb = FusedLAMB(_shard(_model()).parameters())
     m = lamb.param_groups[0]['params'][0]
     m.grad = torch.zeros_like(m)
@@ -367,6 +394,28 @@ def test_refusals_name_the_fix(ranks):
     assert 'MixedPrecisionPolicy(param_dtype=torch.bfloat16' in errors['o2_without_fsdp_mp']
     assert 'FusedLAMB computes per-tensor norms' in errors['lamb']
     assert 'FusedLAMB computes per-tensor norms' in errors['lamb_direct']
+    assert "Use opt_level='O2'" in errors['o3_over_fp32_shards']
+    assert 'supports Shard(dim) and Replicate() placements only' in errors['partial']
+    assert 'laid out alike' in errors['mismatch']
+    assert 'masters of half-precision shards' in errors['checkpoint_half_masters']
+
+
+def test_sharded_helpers_refuse_bad_options_without_processes():
+    from mp_wrappers import FP16OptimWrapper, FusedSGD, cast_model
+    from mp_wrappers.distributed.fsdp import _wrapper_extras
+    from mp_wrappers.distributed.sharding import Sharding, clip_grad_norm_sharded, global_norm
+    with pytest.raises(ValueError, match='norm_type=1.0 is not supported'):
+        global_norm({True: [torch.ones(1)]}, norm_type=1.0)
+    model = _model()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float('nan'))
+    with pytest.raises(RuntimeError, match='error_if_nonfinite=True'):
+        clip_grad_norm_sharded(list(model.parameters()), Sharding('fsdp1', model, None), 1.0,
+                               error_if_nonfinite=True)
+    half = cast_model(_model(), torch.bfloat16)
+    wrapper = FP16OptimWrapper(FusedSGD(half.parameters(), lr=0.1), verbose=False)
+    with pytest.raises(NotImplementedError, match='masters of half-precision FSDP shards'):
+        _wrapper_extras(wrapper)
 
 
 def test_fsdp1_fp32_shards_are_the_masters_and_match_single_process(ranks):

@@ -17,6 +17,6 @@ optim_wrapper = dict(
     clip_grad=dict(max_norm=5.0))
 # mmengine's Runner writes checkpoints from rank 0 only, which under FSDP2 holds only its own shards:
 # no Runner checkpoints here. Sharded checkpoints of FSDP2 go through torch.distributed.checkpoint
-# (mp_wrappers.distributed.checkpoint.save_sharded / load_sharded, all ranks; N -> M ranks works);
+# (mp_wrappers.distributed.checkpoint.save_sharded / load_sharded, called on all ranks);
 # for checkpoints through mmengine use FSDP1 (cnn_fsdp_apex_O2_bf16.py) or DDP.
 default_hooks = dict(checkpoint=dict(interval=-1, save_last=False))

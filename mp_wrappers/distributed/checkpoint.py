@@ -2,8 +2,7 @@
 
 torch's own machinery does the work: ``get_state_dict`` / ``set_state_dict`` (parameter and
 optimizer state keyed by fully qualified names, DTensors kept sharded) and ``dcp.save`` /
-``dcp.load`` (one file per rank plus metadata; a checkpoint saved on N ranks loads on M, DCP
-re-slicing the DTensors). We add the wrapper's own state: the loss scalers (scale, growth and
+``dcp.load`` (one file per rank plus metadata; DCP re-slices DTensors saved on N ranks for M). We add the wrapper's own state: the loss scalers (scale, growth and
 hysteresis trackers, skip and step counters) and its policy, plain numbers that are the same on
 every rank.
 
@@ -80,7 +79,7 @@ def save_sharded(checkpoint_dir: str, model: nn.Module, wrapper: Any) -> None:
 
 
 def load_sharded(checkpoint_dir: str, model: nn.Module, wrapper: Any) -> None:
-    """Load what :func:`save_sharded` wrote, on any number of ranks DCP can re-slice to."""
+    """Load what :func:`save_sharded` wrote into the current sharding (DCP re-slices DTensors)."""
     import torch.distributed.checkpoint as dcp
     state = sharded_state_dict(model, wrapper)
     # The blob's length differs between runs: let DCP allocate it from the checkpoint.
