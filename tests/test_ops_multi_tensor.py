@@ -123,7 +123,8 @@ def _scale(impl, inputs, outputs, scale, found_inf):
 
 @pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('in_dtype,out_dtype,sizea,sizeb,repeat', SCALE_CASES)
-def test_scale_matches_reference_and_oracle(device, in_dtype, out_dtype, sizea, sizeb, repeat):
+def test_scale_matches_reference_and_oracle(device, in_dtype, out_dtype, sizea, sizeb, repeat,
+                                           cpu_isa):
     # Fuzz sizes through the public API; the direct-op path is covered by the tests below.
     scale = 1.0 / 3.0  # not a power of two: the products need rounding
     inputs = _make_list(sizea, sizeb, repeat, in_dtype, device)
@@ -235,7 +236,8 @@ def _oracle_norms(tensors, inv_scale=1.0):
 @pytest.mark.parametrize('dtype', FLOATS)
 @pytest.mark.parametrize('unscale', [False, True], ids=['l2norm', 'unscale_l2norm'])
 @pytest.mark.parametrize('sizea,sizeb,repeat', FUZZ, ids=FUZZ_IDS)
-def test_l2norm_matches_reference_and_oracle(device, dtype, unscale, sizea, sizeb, repeat):
+def test_l2norm_matches_reference_and_oracle(device, dtype, unscale, sizea, sizeb, repeat,
+                                            cpu_isa):
     tensors = _make_list(sizea, sizeb, repeat, dtype, device, seed=1)
     inv = 1.0 / 1024.0 + 1e-4 if unscale else 1.0
     flag = mops.new_found_inf(device)
@@ -336,7 +338,7 @@ def test_axpby_all_dtype_combinations(device, impl, x_dtype, y_dtype, out_dtype)
 
 @pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('sizea,sizeb,repeat', FUZZ, ids=FUZZ_IDS)
-def test_axpby_fuzz_sizes_in_place(device, sizea, sizeb, repeat):
+def test_axpby_fuzz_sizes_in_place(device, sizea, sizeb, repeat, cpu_isa):
     x = _make_list(sizea, sizeb, repeat, torch.bfloat16, device, seed=5)
     y = _make_list(sizea, sizeb, repeat, torch.float32, device, seed=6)
     expected = [(2.0 * xi.float() + 0.5 * yi.float()) for xi, yi in zip(x, y)]

@@ -207,7 +207,7 @@ CASES = [(op, name, hp) for op in OPS for name, hp in VARIANTS[op]]
 @pytest.mark.parametrize('dtypes', DTYPES, ids=lambda d: '-'.join(
     str(t).replace('torch.', '') for t in d))
 @pytest.mark.parametrize('op,variant,hp', CASES, ids=[f'{c[0]}{c[1]}' for c in CASES])
-def test_kernel_matches_reference(op, variant, hp, dtypes, device):
+def test_kernel_matches_reference(op, variant, hp, dtypes, device, cpu_isa):
     """Fuzz sizes in one list, 3 steps (each compared with one reference step from the same inputs)
     with a non-power-of-two grad scale (a real divide), then a power of two (the exact-reciprocal
     fast path); then a skipped step that must change no bit."""
