@@ -4,6 +4,7 @@ Examples:
     python tools/train.py configs/digits/cnn_bf16.py
     python tools/train.py configs/digits/cnn_bf16.py --resume            # last complete checkpoint
     python tools/train.py configs/digits/cnn_fp32.py --cfg-options train_cfg.max_epochs=2
+    python tools/train.py configs/digits/cnn_fp32.py --amp             # O1, dtype='auto'
     torchrun --nproc_per_node=2 tools/train.py configs/digits/cnn_fp32.py --launcher pytorch
 
 The two mmengine 0.10.7 traps on torch 2.13 are handled by the package, not here: importing
@@ -30,6 +31,7 @@ import mp_wrappers  # noqa: E402,F401  (installs the secure loader and atomic ch
 from mp_wrappers.atomic_io import resolve_resume_checkpoint  # noqa: E402
 from mp_wrappers.runtime import (LAUNCHERS, add_mixed_precision_hook,  # noqa: E402
                                  backend_summary, configure_torch_threads, prepare_distributed)
+from mp_wrappers.runtime import enable_amp  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -44,6 +46,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help='override config settings, e.g. train_cfg.max_epochs=2 '
                         'optim_wrapper.optimizer.lr=0.1 (lists as key="[a,b]")')
     parser.add_argument('--launcher', choices=LAUNCHERS, default='none', help='job launcher')
+    parser.add_argument('--amp', action='store_true',
+                        help="train the config's OptimWrapper with mixed precision: "
+                        "mp_wrappers.ApexOptimWrapper(opt_level='O1', dtype='auto'), keeping its "
+                        'optimizer, accumulative_counts and clip_grad')
     # torch.distributed.launch passes --local-rank (torch>=2.0) or --local_rank.
     parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
     args = parser.parse_args(argv)
@@ -69,6 +75,8 @@ def build_config(args: argparse.Namespace) -> Config:
     elif args.resume is not None:
         cfg.resume = True
         cfg.load_from = args.resume
+    if args.amp:
+        enable_amp(cfg)
     # amp_* log fields, precision summary and skip-aware schedules for our wrappers (opt out with
     # `mixed_precision_hook = False` in the config).
     add_mixed_precision_hook(cfg)
