@@ -49,7 +49,14 @@ class _RefuseUnsafeFP16Functions(TorchFunctionMode):
 
 @contextlib.contextmanager
 def o1_context(device_type: str, dtype: torch.dtype) -> Iterator[None]:
-    """Run the enclosed forward under apex O1's policy: ``torch.autocast`` with ``dtype``."""
+    """Run the enclosed forward under apex O1's policy: ``torch.autocast`` with ``dtype``.
+
+    ``dtype=torch.float32`` (what ``dtype='auto'`` picks on a CPU without native half formats) runs
+    the block as it is: there is nothing to cast to.
+    """
+    if dtype == torch.float32:
+        yield
+        return
     with torch.autocast(device_type=device_type, dtype=dtype):
         if device_type == 'cpu' and dtype == torch.float16:
             with _RefuseUnsafeFP16Functions():
@@ -135,13 +142,6 @@ def promote_function(fn: Callable) -> Callable:
 
 @functools.lru_cache(maxsize=None)
 def cpu_has_native_fp16() -> bool:
-    """Whether this CPU has fp16 matrix units (AVX512-FP16 or AMX-FP16) that oneDNN uses."""
-    try:
-        with open('/proc/cpuinfo') as f:
-            for line in f:
-                if line.startswith('flags'):
-                    flags = set(line.split(':', 1)[1].split())
-                    return bool(flags & {'avx512_fp16', 'amx_fp16'})
-    except OSError:
-        pass
-    return False
+    """Whether this CPU computes fp16 natively (AVX512-FP16/AMX-FP16), see :mod:`mp_wrappers.hardware`."""
+    from .hardware import device_capability
+    return device_capability('cpu').is_native(torch.float16)

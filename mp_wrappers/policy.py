@@ -11,7 +11,10 @@ O2    half              False                 True                True          
 O3    half              False                 False               False          1.0
 ===== ================= ===================== =================== ============== ==========
 
-"half" is float16 as in apex, or bfloat16 with ``dtype='bfloat16'``. O1's "patched functions" are
+"half" is float16 as in apex, or bfloat16 with ``dtype='bfloat16'``; ``dtype='auto'`` picks the
+format the training device computes natively (:func:`mp_wrappers.hardware.auto_dtype`), which is fp32
+on a CPU without native half instructions: O1 then runs without autocast, O2/O3 keep an fp32 model,
+and the wrapper's skipping, scaling and checkpoint behaviour stay. O1's "patched functions" are
 ``torch.autocast``: the dispatcher applies the cast policy, nothing in torch is patched.
 """
 import dataclasses
@@ -41,7 +44,7 @@ class Properties:
 
     opt_level: str
     enabled: bool
-    dtype: torch.dtype  # the half type used by O1-O3
+    dtype: torch.dtype  # the compute type of O1-O3: a half type, or fp32 where 'auto' chose it
     cast_model_type: Optional[torch.dtype]
     patch_torch_functions: bool
     keep_batchnorm_fp32: Optional[bool]
@@ -103,12 +106,16 @@ def resolve_properties(opt_level: str = 'O1', *, dtype: Union[str, torch.dtype] 
                        enabled: bool = True, loss_scale: Any = DEFAULT,
                        cast_model_type: Any = None, patch_torch_functions: Any = None,
                        keep_batchnorm_fp32: Any = None, master_weights: Any = None,
-                       cast_model_outputs: Any = None) -> Properties:
+                       cast_model_outputs: Any = None,
+                       device: Union[str, torch.device, None] = None) -> Properties:
     """Apply user overrides to an opt level's defaults, with apex's rules and errors.
 
     Any override that is not None replaces the level's default. ``loss_scale`` left at its default
     means ``'dynamic'`` for fp16 (mmengine passes ``'dynamic'``, overriding O0/O3's 1.0) and no
-    scaling (1.0) for bf16; an explicit value always wins.
+    scaling (1.0) for bf16 and fp32; an explicit value always wins. ``dtype='auto'`` is resolved
+    for ``device`` (default: CUDA when available, else the CPU) by
+    :func:`mp_wrappers.hardware.auto_dtype`; ``'float32'`` (explicit, or what ``'auto'`` chose)
+    makes O1-O3 compute in fp32.
 
     Raises:
         RuntimeError: unknown opt level, or an override the level forbids (apex's wording).
@@ -123,7 +130,15 @@ def resolve_properties(opt_level: str = 'O1', *, dtype: Union[str, torch.dtype] 
                            f'"O2", "O3".{hint}')
     if not isinstance(enabled, bool):
         raise ValueError(f'enabled={enabled!r} must be True or False')
-    half = parse_dtype(dtype, 'dtype', allowed=('float16', 'bfloat16'))
+    if isinstance(dtype, str) and dtype == 'auto':
+        from .hardware import auto_dtype
+        half = auto_dtype(device).dtype
+    else:
+        try:
+            half = parse_dtype(dtype, 'dtype', allowed=('float16', 'bfloat16', 'float32'))
+        except ValueError:
+            raise ValueError(f"dtype={dtype!r} is not supported; allowed: 'float16', 'bfloat16', "
+                             "'float32', 'auto'") from None
     level_cast, level_patch, level_keep_bn, level_master, level_scale = OPT_LEVELS[opt_level]
     level_cast = half if level_cast == 'half' else level_cast
 
@@ -152,7 +167,7 @@ def resolve_properties(opt_level: str = 'O1', *, dtype: Union[str, torch.dtype] 
                            f"opt_level='O1' (got opt_level={opt_level!r})")
 
     if loss_scale is DEFAULT:
-        scale: Union[float, str] = 1.0 if half == torch.bfloat16 else 'dynamic'
+        scale: Union[float, str] = 'dynamic' if half == torch.float16 else 1.0
     else:
         scale = _parse_loss_scale(loss_scale)
 

@@ -7,7 +7,7 @@ itself when CUDA is unavailable (``Runner.setup_env`` then skips ``init_dist``, 
 uninitialised group) and makes the DDP wrapper CPU-friendly. With CUDA, mmengine's own nccl path is
 left untouched.
 
-:func:`add_mixed_precision_hook` adds :class:`mp_wrappers.MixedPrecisionHook` to configs that train
+:func:`enable_amp` is ``tools/train.py --amp``. :func:`add_mixed_precision_hook` adds :class:`mp_wrappers.MixedPrecisionHook` to configs that train
 with one of our optimizer wrappers, so the ``amp_*`` log fields, the precision summary and
 skip-aware schedules come without configuration.
 """
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ['LAUNCHERS', 'prepare_distributed', 'configure_torch_threads', 'backend_summary',
-           'add_mixed_precision_hook', 'uses_our_optim_wrapper']
+           'add_mixed_precision_hook', 'uses_our_optim_wrapper', 'enable_amp']
 
 LAUNCHERS = ('none', 'pytorch', 'slurm', 'mpi')
 _DEFAULT_PORT = '29500'  # torch.distributed's default, as in mmengine
@@ -281,4 +281,53 @@ def add_mixed_precision_hook(cfg: Any) -> bool:
     options.pop('type', None)
     hooks.append(dict(type='mp_wrappers.MixedPrecisionHook', **options))
     cfg.custom_hooks = hooks
+    return True
+
+
+_PLAIN_OPTIM_WRAPPERS = ('OptimWrapper', 'mmengine.OptimWrapper')
+
+
+def enable_amp(cfg: Any) -> bool:
+    """``tools/train.py --amp``: train the config's plain ``OptimWrapper`` with mixed precision.
+
+    Like OpenMMLab's train scripts (which switch to ``AmpOptimWrapper``), the ``optim_wrapper`` type
+    becomes ``mp_wrappers.ApexOptimWrapper`` with ``opt_level='O1'`` (autocast) and ``dtype='auto'``
+    (bf16 where native, fp16 on CUDA before sm_80, fp32 on a CPU without native half formats); the
+    optimizer, ``accumulative_counts``, ``clip_grad`` and constructor options are kept.
+
+    Args:
+        cfg: The mmengine ``Config`` (modified in place).
+
+    Returns:
+        True when the wrapper was switched, False when the config already trains with one of our
+        wrappers (a warning says so).
+
+    Raises:
+        ValueError: the config has no ``optim_wrapper``, or one of another type (e.g. mmengine's
+            ``AmpOptimWrapper`` or an ``OptimWrapperDict`` constructor), which ``--amp`` cannot
+            convert without changing its meaning.
+    """
+    import logging
+
+    from mmengine.logging import print_log
+    from mmengine.optim import OptimWrapper
+    optim = cfg.get('optim_wrapper', None)
+    if not isinstance(optim, dict):
+        raise ValueError('--amp needs an optim_wrapper dict in the config, found '
+                         f'{type(optim).__name__}')
+    if uses_our_optim_wrapper(cfg):
+        print_log('--amp: the config already trains with an mp_wrappers optimizer wrapper '
+                  f'({optim.get("type")!r}); left unchanged', logger='current', level=logging.WARNING)
+        return False
+    wrapper_type = optim.get('type', 'OptimWrapper')
+    if not (wrapper_type in _PLAIN_OPTIM_WRAPPERS or wrapper_type is OptimWrapper):
+        raise ValueError(f'--amp switches a plain OptimWrapper to mixed precision, but '
+                         f'optim_wrapper.type is {wrapper_type!r}; allowed: '
+                         f'{", ".join(repr(t) for t in _PLAIN_OPTIM_WRAPPERS)} (or drop --amp and '
+                         "configure type='mp_wrappers.ApexOptimWrapper' yourself)")
+    optim['type'] = 'mp_wrappers.ApexOptimWrapper'
+    optim['opt_level'] = 'O1'
+    optim['dtype'] = 'auto'
+    print_log("--amp: optim_wrapper is now mp_wrappers.ApexOptimWrapper(opt_level='O1', "
+              "dtype='auto')", logger='current', level=logging.INFO)
     return True

@@ -216,7 +216,11 @@ def test_o1_refuses_half_parameters():
 
 
 def test_fp16_on_cpu_warns_once_with_the_bf16_alternative(monkeypatch):
-    monkeypatch.setattr(mp_wrappers.wrappers.apex, 'cpu_has_native_fp16', lambda: False)
+    # An AVX-512 CPU with native bf16 but no AVX512-FP16/AMX-FP16.
+    cap = mp_wrappers.hardware.cpu_capability(
+        {'avx2', 'fma', 'f16c', 'avx512f', 'avx512bw', 'avx512vl', 'avx512_bf16'}, arch='x86_64',
+        torch_isa='AVX512', onednn_max_isa='')
+    monkeypatch.setattr(mp_wrappers.hardware, '_probe_cpu', lambda: cap)
     model = _model()
     w = _wrapper(model, opt_level='O2')
     with pytest.warns(UserWarning, match="dtype='bfloat16'"):

@@ -123,7 +123,8 @@ def _scale(impl, inputs, outputs, scale, found_inf):
 
 @pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('in_dtype,out_dtype,sizea,sizeb,repeat', SCALE_CASES)
-def test_scale_matches_reference_and_oracle(device, in_dtype, out_dtype, sizea, sizeb, repeat):
+def test_scale_matches_reference_and_oracle(device, in_dtype, out_dtype, sizea, sizeb, repeat,
+                                           cpu_isa):
     # Fuzz sizes through the public API; the direct-op path is covered by the tests below.
     scale = 1.0 / 3.0  # not a power of two: the products need rounding
     inputs = _make_list(sizea, sizeb, repeat, in_dtype, device)
@@ -235,7 +236,8 @@ def _oracle_norms(tensors, inv_scale=1.0):
 @pytest.mark.parametrize('dtype', FLOATS)
 @pytest.mark.parametrize('unscale', [False, True], ids=['l2norm', 'unscale_l2norm'])
 @pytest.mark.parametrize('sizea,sizeb,repeat', FUZZ, ids=FUZZ_IDS)
-def test_l2norm_matches_reference_and_oracle(device, dtype, unscale, sizea, sizeb, repeat):
+def test_l2norm_matches_reference_and_oracle(device, dtype, unscale, sizea, sizeb, repeat,
+                                            cpu_isa):
     tensors = _make_list(sizea, sizeb, repeat, dtype, device, seed=1)
     inv = 1.0 / 1024.0 + 1e-4 if unscale else 1.0
     flag = mops.new_found_inf(device)
@@ -336,7 +338,7 @@ def test_axpby_all_dtype_combinations(device, impl, x_dtype, y_dtype, out_dtype)
 
 @pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('sizea,sizeb,repeat', FUZZ, ids=FUZZ_IDS)
-def test_axpby_fuzz_sizes_in_place(device, sizea, sizeb, repeat):
+def test_axpby_fuzz_sizes_in_place(device, sizea, sizeb, repeat, cpu_isa):
     x = _make_list(sizea, sizeb, repeat, torch.bfloat16, device, seed=5)
     y = _make_list(sizea, sizeb, repeat, torch.float32, device, seed=6)
     expected = [(2.0 * xi.float() + 0.5 * yi.float()) for xi, yi in zip(x, y)]
@@ -516,44 +518,69 @@ def test_fake_kernels_give_output_metadata():
 
 # ---- determinism across ISAs and threads ---------------------------------------------------------
 
-_ISA_SCRIPT = r'''
+def _isa_results(threads: int) -> dict:
+    """The ops' results on one fixed input set, with the flavour in use now and ``threads``."""
+    from mp_wrappers.ops._extension import extension
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ops = torch.ops.mp_wrappers
+        gen = torch.Generator().manual_seed(0)
+        dts = [torch.float32, torch.float16, torch.bfloat16]
+        sizes = [1, 15, 17, 33, 777, 65535, 65537, 100003]
+        xs = [(torch.randn(n, generator=gen) * 50).to(dts[i % 3]) for i, n in enumerate(sizes)]
+        ys = [(torch.randn(n, generator=gen) * 50).to(dts[(i + 1) % 3]) for i, n in enumerate(sizes)]
+        xs[3][5] = float('inf')
+        out = {'isa': extension().cpu_isa()}
+        f = torch.zeros(1)
+        o = [torch.empty(n, dtype=dts[(i + 2) % 3]) for i, n in enumerate(sizes)]
+        ops.multi_tensor_scale_(xs, o, torch.tensor([1 / 3.0]), f)
+        out['scale'] = [t.float() for t in o] + [f.clone()]
+        ops.multi_tensor_axpby_(xs, ys, o, 0.7, -1.3, 1, f)
+        out['axpby'] = [t.float() for t in o]
+        out['l2norm'] = list(ops.multi_tensor_l2norm(ys, True))
+        f = torch.zeros(1)
+        out['unscale_l2norm'] = list(ops.multi_tensor_unscale_l2norm(
+            ys, torch.tensor([1e-3]), f, True)) + [f]
+        return out
+    finally:
+        torch.set_num_threads(before)
+
+
+_ENV_SCRIPT = r'''
 import sys, torch
-torch.set_num_threads(int(sys.argv[2]))
-from mp_wrappers import _C
-from mp_wrappers.ops import _extension
-_extension.extension()
-ops = torch.ops.mp_wrappers
-gen = torch.Generator().manual_seed(0)
-dts = [torch.float32, torch.float16, torch.bfloat16]
-sizes = [1, 15, 17, 33, 777, 65535, 65537, 100003]
-xs = [(torch.randn(n, generator=gen) * 50).to(dts[i % 3]) for i, n in enumerate(sizes)]
-ys = [(torch.randn(n, generator=gen) * 50).to(dts[(i + 1) % 3]) for i, n in enumerate(sizes)]
-xs[3][5] = float('inf')
-out = {'isa': _C.cpu_isa()}
-f = torch.zeros(1)
-o = [torch.empty(n, dtype=dts[(i + 2) % 3]) for i, n in enumerate(sizes)]
-ops.multi_tensor_scale_(xs, o, torch.tensor([1 / 3.0]), f)
-out['scale'] = [t.float() for t in o] + [f.clone()]
-ops.multi_tensor_axpby_(xs, ys, o, 0.7, -1.3, 1, f)
-out['axpby'] = [t.float() for t in o]
-out['l2norm'] = list(ops.multi_tensor_l2norm(ys, True))
-f = torch.zeros(1)
-out['unscale_l2norm'] = list(ops.multi_tensor_unscale_l2norm(ys, torch.tensor([1e-3]), f, True)) + [f]
-torch.save(out, sys.argv[1])
+sys.path.insert(0, sys.argv[3])
+import test_ops_multi_tensor as T
+torch.save(T._isa_results(int(sys.argv[2])), sys.argv[1])
 '''
 
 
-def _run_isa_script(tmp_path, isa, threads):
+def _run_with_env_isa(tmp_path, isa, threads):
+    """MP_WRAPPERS_CPU_ISA is read when the extension first picks a flavour: a fresh process."""
     path = tmp_path / f'{isa}-{threads}.pt'
     env = dict(os.environ, MP_WRAPPERS_CPU_ISA=isa)
-    subprocess.run([sys.executable, '-c', _ISA_SCRIPT, str(path), str(threads)], env=env,
-                   check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    tests = os.path.dirname(os.path.abspath(__file__))
+    subprocess.run([sys.executable, '-c', _ENV_SCRIPT, str(path), str(threads), tests], env=env,
+                   check=True, cwd=os.path.dirname(tests))
     return torch.load(path)
 
 
+def _run_switched(isa, threads):
+    from mp_wrappers.ops._extension import extension
+    ext = extension()
+    order = ['baseline', 'avx2', 'avx512']
+    isa = order[min(order.index(isa), order.index(ext.cpu_isa_hardware()))]
+    previous = ext._set_cpu_isa(isa)
+    try:
+        return _isa_results(threads)
+    finally:
+        ext._set_cpu_isa(previous)
+
+
 def test_forced_isas_and_thread_counts_give_identical_results(tmp_path):
-    results = {(isa, th): _run_isa_script(tmp_path, isa, th)
-               for isa, th in [('avx512', 2), ('avx2', 1), ('baseline', 2)]}
+    results = {('avx2', 1): _run_with_env_isa(tmp_path, 'avx2', 1)}
+    results.update({(isa, th): _run_switched(isa, th) for isa, th in [('avx512', 2),
+                                                                      ('baseline', 2)]})
     native = mops.backend()['cpu'].replace('cpp-', '')
     order = ['baseline', 'avx2', 'avx512']
     for (isa, _), res in results.items():

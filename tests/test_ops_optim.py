@@ -230,7 +230,7 @@ def assert_close(actual, expected, dtype, what):
 @pytest.mark.parametrize('scaled', [False, True], ids=['unscaled', 'grad_scale'])
 @pytest.mark.parametrize('dtypes', DTYPES, ids=lambda d: '-'.join(str(x)[6:] for x in d))
 @pytest.mark.parametrize('case', CASES, ids=repr)
-def test_op_matches_float64_oracle(case, dtypes, scaled):
+def test_op_matches_float64_oracle(case, dtypes, scaled, cpu_isa):
     params, model, state, gen = make_inputs(case, dtypes, seed=0)
     step = torch.zeros(1)
     scale = SCALE if scaled else 1.0

@@ -5,15 +5,11 @@ Both are run side by side from the same state for several steps with scaled grad
 sizes (chunk boundaries at 65536, odd tails), fp32/fp16/bf16 params, grads and model copies. fp32
 results agree to TOL (the kernels repeat the reference's fp32 operations; they differ only where
 torch.sqrt on CPU is not correctly rounded and where the references reduce norms in fp32), half
-results to one rounding. A found_inf step must leave every tensor bit-identical. The AVX2 and
-baseline kernels (forced through MP_WRAPPERS_CPU_ISA in a subprocess) must give the same bits as the
-default one. CUDA cases are the same tests, skipped without a GPU.
+results to one rounding. A found_inf step must leave every tensor bit-identical. The kernel-vs-
+reference tests run once per CPU flavour the machine supports (the ``cpu_isa`` fixture, conftest.py),
+and the narrower flavours must give the same bits as the widest. CUDA cases are the same tests,
+skipped without a GPU.
 """
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -21,7 +17,6 @@ from _tolerances import TOL
 from mp_wrappers.ops import backend, reference
 from mp_wrappers.ops._dispatch import _op_has_kernel
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 OPS = ['multi_tensor_adam_', 'multi_tensor_sgd_', 'multi_tensor_lamb_', 'multi_tensor_adagrad_',
        'multi_tensor_novograd_']
 SIZES = [777, 555, 65535, 65536, 65537, 33333]
@@ -215,7 +210,7 @@ CASES = [(op, name, hp) for op in OPS for name, hp in VARIANTS[op]]
 @pytest.mark.parametrize('dtypes', DTYPES, ids=lambda d: '-'.join(
     str(t).replace('torch.', '') for t in d))
 @pytest.mark.parametrize('op,variant,hp', CASES, ids=[f'{c[0]}{c[1]}' for c in CASES])
-def test_kernel_matches_reference(op, variant, hp, dtypes, device):
+def test_kernel_matches_reference(op, variant, hp, dtypes, device, cpu_isa):
     """Fuzz sizes in one list, 3 steps (each compared with one reference step from the same inputs)
     with a non-power-of-two grad scale (a real divide), then a power of two (the exact-reciprocal
     fast path); then a skipped step that must change no bit."""
@@ -346,38 +341,40 @@ def test_kernels_reject_bad_arguments():
 
 # ---- the ISA flavours ---------------------------------------------------------------------------------
 
-_ISA_SCRIPT = r'''
-import sys, torch
-sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
-import test_optim_kernels as T
-from mp_wrappers.ops import backend
-assert backend()['cpu'] == 'cpp-' + {isa!r}, backend()
-out = {{}}
-for op, variant, hp in T.CASES:
-    st = T.State(op, [65537, 33, 777], T.DTYPES[1], 'cpu', seed=5)
-    for _ in range(2):
-        T._kernel(op)(*st.args(op, hp))
-    out[op + variant] = {{k: v.clone() for k, v in st.tensors().items()}}
-torch.save(out, {path!r})
-'''
+def _run_isa(isa: str, threads: int) -> dict:
+    """Two steps of every case with the kernels switched to ``isa`` in this process."""
+    from mp_wrappers.ops._extension import extension
+    ext = extension()
+    previous, before_threads = ext._set_cpu_isa(isa), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = {}
+        for op, variant, hp in CASES:
+            st = State(op, [65537, 33, 777], DTYPES[1], 'cpu', seed=5)
+            for _ in range(2):
+                _kernel(op)(*st.args(op, hp))
+            out[op + variant] = {k: v.clone() for k, v in st.tensors().items()}
+        return out
+    finally:
+        ext._set_cpu_isa(previous)
+        torch.set_num_threads(before_threads)
 
 
-def _run_isa(isa: str, path: pathlib.Path) -> dict:
-    script = _ISA_SCRIPT.format(root=str(ROOT), tests=str(ROOT / 'tests'), isa=isa,
-                                path=str(path))
-    env = dict(os.environ, MP_WRAPPERS_CPU_ISA=isa, OMP_NUM_THREADS='1')
-    subprocess.run([sys.executable, '-c', script], check=True, env=env, timeout=120)
-    return torch.load(path)
+_ISAS = ('avx512', 'avx2', 'baseline')
 
 
-@pytest.mark.skipif(backend()['cpu'] != 'cpp-avx512', reason='needs an AVX-512 CPU')
-def test_isa_flavours_agree(tmp_path):
-    """avx2 and baseline give the same bits as avx512 (no FMA contraction, correctly rounded
-    sqrt/div in every flavour, SumSq32's flavour-independent norm layout, one thread vs two)."""
-    results = {isa: _run_isa(isa, tmp_path / f'{isa}.pt')
-               for isa in ('avx512', 'avx2', 'baseline')}
-    for isa in ('avx2', 'baseline'):
-        for case, tensors in results['avx512'].items():
+@pytest.mark.skipif(backend()['cpu'] not in ('cpp-avx512', 'cpp-avx2'),
+                    reason='needs a CPU with at least AVX2 (two flavours to compare)')
+def test_isa_flavours_agree():
+    """Every flavour the CPU runs gives the same bits as the widest (no FMA contraction, correctly
+    rounded sqrt/div in every flavour, SumSq32's flavour-independent norm layout, one thread vs
+    two). The ISA is switched in this process (``_C._set_cpu_isa``)."""
+    from mp_wrappers.ops._extension import extension
+    widest = extension().cpu_isa_hardware()
+    isas = _ISAS[_ISAS.index(widest):]
+    results = {isa: _run_isa(isa, 2 if i == 0 else 1) for i, isa in enumerate(isas)}
+    for isa in isas[1:]:
+        for case, tensors in results[widest].items():
             for name, want in tensors.items():
                 got = results[isa][case][name]
-                assert torch.equal(got, want), f'{isa} differs from avx512: {case} {name}'
+                assert torch.equal(got, want), f'{isa} differs from {widest}: {case} {name}'

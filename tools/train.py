@@ -5,6 +5,7 @@ Examples:
     python tools/train.py configs/digits/cnn_bf16.py --resume            # last complete checkpoint
     python tools/train.py configs/digits/cnn_fp32.py --cfg-options train_cfg.max_epochs=2
     python tools/train.py configs/digits/cnn_bf16.py --auto-scale-lr     # lr x batch / base batch
+    python tools/train.py configs/digits/cnn_fp32.py --amp             # O1, dtype='auto'
     torchrun --nproc_per_node=2 tools/train.py configs/digits/cnn_fp32.py --launcher pytorch
 
 The two mmengine 0.10.7 traps on torch 2.13 are handled by the package, not here: importing
@@ -33,6 +34,7 @@ from mp_wrappers.atomic_io import resolve_resume_checkpoint  # noqa: E402
 from mp_wrappers.loops import use_mixed_precision_loops  # noqa: E402
 from mp_wrappers.runtime import (LAUNCHERS, add_mixed_precision_hook,  # noqa: E402
                                  backend_summary, configure_torch_threads, prepare_distributed)
+from mp_wrappers.runtime import enable_amp  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,6 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="scale the learning rate by (world size x batch size) / "
                         "auto_scale_lr.base_batch_size, as OpenMMLab's train scripts do (the config "
                         'must set auto_scale_lr=dict(base_batch_size=N))')
+    parser.add_argument('--amp', action='store_true',
+                        help="train the config's OptimWrapper with mixed precision: "
+                        "mp_wrappers.ApexOptimWrapper(opt_level='O1', dtype='auto'), keeping its "
+                        'optimizer, accumulative_counts and clip_grad')
     # torch.distributed.launch passes --local-rank (torch>=2.0) or --local_rank.
     parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
     args = parser.parse_args(argv)
@@ -78,6 +84,8 @@ def build_config(args: argparse.Namespace) -> Config:
         cfg.load_from = args.resume
     if args.auto_scale_lr:
         enable_auto_scale_lr(cfg)
+    if args.amp:
+        enable_amp(cfg)
     # amp_* log fields, precision summary and skip-aware schedules for our wrappers (opt out with
     # `mixed_precision_hook = False` in the config).
     add_mixed_precision_hook(cfg)

@@ -1,11 +1,15 @@
-# DEFAULT config: bf16 model (BatchNorm kept fp32) with fp32 master weights in FP16OptimWrapper.
-# bf16 has fp32's exponent range, so gradients do not underflow and no loss scaling is needed.
+# DEFAULT config: the model in the precision this machine computes natively, with fp32 master
+# weights in FP16OptimWrapper. dtype='auto' (mp_wrappers.hardware.auto_dtype) is bf16 on CPUs with
+# AVX512-BF16/AMX and on GPUs from sm_80 (BatchNorm kept fp32; bf16 has fp32's exponent range, so no
+# loss scaling), fp16 with dynamic loss scaling where only fp16 is native, and fp32 on CPUs without
+# native half formats (e.g. AVX2-only), where bf16 would run ~8x slower than fp32. The wrapper logs
+# what 'auto' resolved to and why. Force bf16 with --cfg-options model.dtype=bfloat16
+# optim_wrapper.dtype=bfloat16.
 _base_ = ['./_base_/digits_data.py', './_base_/cnn_model.py', './_base_/schedule_20e.py',
           './_base_/default_runtime.py']
-model = dict(dtype='bfloat16')
+model = dict(dtype='auto')
 optim_wrapper = dict(
     _delete_=True,
     type='mp_wrappers.FP16OptimWrapper',
     optimizer=dict(type='SGD', lr=0.05, momentum=0.9, weight_decay=1e-4, nesterov=True),
-    dynamic_loss_scale=False,
-    static_loss_scale=1.0)
+    dtype='auto')

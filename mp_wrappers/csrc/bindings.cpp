@@ -76,4 +76,15 @@ PYBIND11_MODULE(_C, m) {
 #endif
   m.def("cpu_isa", &mp_wrappers::cpu_isa_name,
         "The instruction set the CPU kernels selected at run time (avx512, avx2 or baseline).");
+#if defined(__clang__)
+  m.attr("compiler") = "clang " __clang_version__;
+#elif defined(__GNUC__)
+  m.attr("compiler") = "gcc " __VERSION__;
+#elif defined(_MSC_VER)
+  m.attr("compiler") = "msvc " + std::to_string(_MSC_VER);
+#endif
+  m.def("cpu_isa_hardware", &mp_wrappers::cpu_isa_hardware_name,
+        "The widest instruction set this CPU can run (ignores MP_WRAPPERS_CPU_ISA).");
+  m.def("_set_cpu_isa", &mp_wrappers::set_cpu_isa,
+        "Switch the CPU kernels' instruction set (tests); returns the previous one's name.");
 }

@@ -7,6 +7,7 @@ from mmengine.model import BaseModel
 from torch import nn
 
 from ..casting import cast_floating, cast_model, parse_dtype
+from ..hardware import auto_dtype
 from ..registry import MODELS
 
 __all__ = ['DigitsCNN']
@@ -27,7 +28,10 @@ class DigitsCNN(BaseModel):
     Args:
         num_classes: Number of output classes. Defaults to 10.
         width: Channels of the first conv; the second has ``2 * width``. Defaults to 32.
-        dtype: ``None`` (fp32), ``'float16'`` or ``'bfloat16'`` (aliases such as ``'bf16'`` work).
+        dtype: ``None`` (fp32), ``'float16'`` or ``'bfloat16'`` (aliases such as ``'bf16'`` work),
+            or ``'auto'``: the format the training device (CUDA if available, else the CPU) computes
+            natively, fp32 where it has none (:func:`mp_wrappers.hardware.auto_dtype`); pair it with
+            ``FP16OptimWrapper(dtype='auto')``.
         data_preprocessor: mmengine data preprocessor config; defaults to ``BaseDataPreprocessor``.
         init_cfg: mmengine weight-initialisation config.
 
@@ -40,6 +44,9 @@ class DigitsCNN(BaseModel):
                  data_preprocessor: Optional[dict] = None,
                  init_cfg: Optional[dict] = None) -> None:
         super().__init__(data_preprocessor=data_preprocessor, init_cfg=init_cfg)
+        if isinstance(dtype, str) and dtype == 'auto':
+            resolved = auto_dtype().dtype
+            dtype = None if resolved == torch.float32 else resolved
         self.dtype = parse_dtype(dtype, option='DigitsCNN(dtype)')
         self.features = nn.Sequential(
             nn.Conv2d(1, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),

@@ -11,7 +11,8 @@ from mmengine.optim import OptimWrapper
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ..autocast import cpu_has_native_fp16, o1_context
+from .. import hardware
+from ..autocast import o1_context
 from ..casting import (HALF_DTYPES, ForwardCaster, cast_model, fp32_state_dict_hook,
                        model_cast_dtype, owned_roots)
 from ..distributed.sharding import check_fsdp_precision, sharding_of
@@ -22,11 +23,15 @@ from .base import STATE_KEY, MixedPrecisionOptimWrapper
 
 __all__ = ['ApexOptimWrapper']
 
-_FP16_ON_CPU_WARNING = (
-    'ApexOptimWrapper(opt_level={level!r}, dtype=float16) on a CPU without native fp16 matrix units '
-    '(AVX512-FP16/AMX-FP16): fp16 matmuls and convolutions run about 100x slower than fp32 here '
-    '(measured: 4x Linear(2048) fwd+bwd, REFERENCE.md section 8), while bf16 runs 2-2.7x faster than '
-    "fp32. Use dtype='bfloat16' on this machine.")
+_SHORT = {torch.float16: 'fp16', torch.bfloat16: 'bf16'}
+
+
+def _optimizer_device(optimizer: Optimizer) -> torch.device:
+    """The device of the optimizer's first parameter (CPU for an optimizer without any yet)."""
+    for group in getattr(optimizer, 'param_groups', []):
+        for p in group['params']:
+            return p.device
+    return torch.device('cpu')
 
 
 @OPTIM_WRAPPERS.register_module()
@@ -59,7 +64,10 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
         verbosity (int): 1 logs the resolved properties once (rank 0); 0 is silent.
         min_loss_scale (float, optional): Floor of dynamic scales.
         max_loss_scale (float): Ceiling of dynamic scales. Defaults to 2**24.
-        dtype (str): The half type of O1-O3: ``'float16'`` (apex) or ``'bfloat16'``.
+        dtype (str): The compute type of O1-O3: ``'float16'`` (apex), ``'bfloat16'``, ``'float32'``
+            or ``'auto'``: the format the optimizer's device computes natively (bf16, else fp16,
+            else fp32; :func:`mp_wrappers.hardware.auto_dtype`), logged once with the reason. An
+            explicit half type the device has no instructions for is honoured with a warning.
         hysteresis (int): Consecutive overflows before a dynamic scale backs off. Defaults to 1.
         scale_window (int): Clean steps before a dynamic scale grows. Defaults to 2000.
         init_scale (float): Initial dynamic scale. Defaults to 2**16.
@@ -88,11 +96,15 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
                  hysteresis: int = 1, scale_window: int = 2000, init_scale: float = 2.**16,
                  accumulative_counts: int = 1, clip_grad: Optional[dict] = None,
                  **kwargs) -> None:
+        device = _optimizer_device(optimizer)
         self.properties: Properties = resolve_properties(
             opt_level, dtype=dtype, enabled=enabled, loss_scale=loss_scale,
             cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
             keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
-            cast_model_outputs=cast_model_outputs)
+            cast_model_outputs=cast_model_outputs, device=device)
+        if isinstance(dtype, str) and dtype == 'auto' and enabled:
+            print_log('mp_wrappers ApexOptimWrapper: ' + hardware.auto_dtype(device).reason,
+                      logger='current', level=logging.INFO)
         if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
             raise ValueError(f'num_losses must be an integer >= 1, got {num_losses!r}')
         if isinstance(verbosity, bool) or not isinstance(verbosity, int) or verbosity < 0:
@@ -211,11 +223,15 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
             if cast in HALF_DTYPES and sharding is None:
                 # Checkpoints stay fp32, whatever the training dtype.
                 self._state_dict_hook = module._register_state_dict_hook(fp32_state_dict_hook)
-        uses_fp16 = (cast == torch.float16 or
-                     (props.opt_level == 'O1' and props.dtype == torch.float16))
-        if device.type == 'cpu' and uses_fp16 and not cpu_has_native_fp16():
-            warnings.warn(_FP16_ON_CPU_WARNING.format(level=props.opt_level), UserWarning,
-                          stacklevel=3)
+        computes_in = {cast} if cast in HALF_DTYPES else set()
+        if props.opt_level == 'O1' and props.dtype in HALF_DTYPES:
+            computes_in.add(props.dtype)
+        for half_dtype in sorted(computes_in, key=str):
+            reason = hardware.slowdown_reason(half_dtype, device)
+            if reason is not None:
+                warnings.warn(f'ApexOptimWrapper(opt_level={props.opt_level!r}, dtype='
+                              f"{str(half_dtype).replace('torch.', '')}) on a device without "
+                              f'native {_SHORT[half_dtype]}: {reason}', UserWarning, stacklevel=3)
         for scaler in self.loss_scalers:
             scaler.to(device)
         self._model = module

@@ -1,13 +1,16 @@
 """``FP16OptimWrapper``: apex ``fp16_utils.FP16_Optimizer`` semantics as an mmengine optimizer wrapper."""
 import logging
 import warnings
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 from mmengine.logging import print_log
 from torch import Tensor
 from torch.optim import Optimizer
 
+from .. import hardware
+from ..casting import HALF_DTYPES
+from ..policy import DEFAULT
 from ..registry import OPTIM_WRAPPERS
 from ..scaler import DynamicLossScaler, build_loss_scaler
 from .base import MixedPrecisionOptimWrapper
@@ -33,6 +36,42 @@ def _warn_fp32_model() -> None:
     print_log(f'mp_wrappers: {_FP32_MODEL_MESSAGE}', logger='current', level=logging.WARNING)
 
 
+def _check_model_dtype(optimizer: Optimizer,
+                       dtype: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
+    """Resolve ``dtype`` for the parameters' device, check the parameters, warn when slow.
+
+    Returns the resolved dtype (None when ``dtype`` is None).
+
+    Raises:
+        ValueError: ``dtype`` is not allowed, or a parameter is in another half dtype than ``dtype``.
+    """
+    params = [p for g in getattr(optimizer, 'param_groups', []) for p in g['params']]
+    device = params[0].device if params else torch.device('cpu')
+    resolved = None
+    if dtype is not None:
+        try:
+            resolved = hardware.resolve_dtype(dtype, device)
+        except ValueError:
+            raise ValueError(f"FP16OptimWrapper: dtype={dtype!r} is not supported; allowed: "
+                             "'float16', 'bfloat16', 'float32', 'auto' or None") from None
+        if isinstance(dtype, str) and dtype == 'auto':
+            print_log('mp_wrappers FP16OptimWrapper: ' + hardware.auto_dtype(device).reason,
+                      logger='current', level=logging.INFO)
+        for i, p in enumerate(params):
+            if p.is_floating_point() and p.dtype not in (resolved, torch.float32):
+                raise ValueError(
+                    f'FP16OptimWrapper(dtype={dtype!r}) expects the model in {resolved} (normalisation '
+                    f'layers may stay float32), but parameter {i} of the optimizer is {p.dtype}; '
+                    f'build the model with the same dtype (e.g. DigitsCNN(dtype={dtype!r}))')
+    for half in sorted({p.dtype for p in params if p.dtype in HALF_DTYPES}, key=str):
+        reason = hardware.slowdown_reason(half, device)
+        if reason is not None:
+            warnings.warn(f'FP16OptimWrapper: the model has {half} parameters on a device without '
+                          f'native {str(half).replace("torch.", "")}: {reason}', UserWarning,
+                          stacklevel=4)
+    return resolved
+
+
 @OPTIM_WRAPPERS.register_module()
 class FP16OptimWrapper(MixedPrecisionOptimWrapper):
     """fp32 master weights and static or dynamic loss scaling for fp16/bf16 models.
@@ -47,17 +86,29 @@ class FP16OptimWrapper(MixedPrecisionOptimWrapper):
     2000 clean steps, max 2**24); ``dynamic_loss_args=dict(init_scale=2.**32, scale_window=1000,
     min_loss_scale=1.)`` restores the legacy ``FP16_Optimizer`` scaler.
 
+    The model is cast by the user (the wrapper never sees it), so ``dtype`` *states* the model's
+    precision rather than choosing it: with ``dtype='auto'`` build the model with the same ``'auto'``
+    (``DigitsCNN(dtype='auto')``, or ``cast_model(model, hardware.auto_dtype().dtype)``): bf16 where
+    the device computes it natively, else fp16 where native, else fp32, in which case the wrapper
+    keeps no masters and does no scaling but still skips non-finite steps. The wrapper checks that
+    the parameters are in that dtype (normalisation layers may stay fp32), logs the resolution once,
+    and picks the loss-scaling default from it. Whatever ``dtype`` says, a half parameter dtype the
+    device has no native instructions for is warned about once, with the reason.
+
     Args:
         optimizer (Optimizer): Optimizer over the (half) model parameters.
         static_loss_scale (float): The fixed scale when ``dynamic_loss_scale`` is False. Defaults
             to 1.0. Use 1.0 for bf16, which needs no scaling.
-        dynamic_loss_scale (bool): Use a dynamic scale. Defaults to False.
+        dynamic_loss_scale (bool): Use a dynamic scale. Defaults to False (apex), or, when
+            ``dtype`` is given, True exactly when it is (or resolves to) fp16.
         dynamic_loss_args (dict, optional): Dynamic scaler options: ``init_scale``,
             ``scale_factor``, ``scale_window``, ``min_loss_scale``, ``max_loss_scale``,
             ``hysteresis``.
         verbose (bool): Log skipped steps. Defaults to True.
         accumulative_counts (int): mmengine gradient accumulation. Defaults to 1.
         clip_grad (dict, optional): mmengine's ``clip_grad``, applied to unscaled fp32 master grads.
+        dtype (str, optional): The precision the model was built in: ``'float16'``, ``'bfloat16'``,
+            ``'float32'`` or ``'auto'`` (see above). None (default, apex) checks nothing.
         **kwargs: Options shared by all our wrappers (``overflow_report``, ``on_scale_collapse``,
             ``collapse_patience``, ``sync_found_inf``, ``log_interval``): see
             :class:`~mp_wrappers.wrappers.base.MixedPrecisionOptimWrapper`.
@@ -73,9 +124,13 @@ class FP16OptimWrapper(MixedPrecisionOptimWrapper):
     """
 
     def __init__(self, optimizer: Optimizer, static_loss_scale: float = 1.0,
-                 dynamic_loss_scale: bool = False, dynamic_loss_args: Optional[Dict[str, Any]] = None,
+                 dynamic_loss_scale: Any = DEFAULT, dynamic_loss_args: Optional[Dict[str, Any]] = None,
                  verbose: bool = True, accumulative_counts: int = 1,
-                 clip_grad: Optional[dict] = None, **kwargs) -> None:
+                 clip_grad: Optional[dict] = None,
+                 dtype: Union[str, torch.dtype, None] = None, **kwargs) -> None:
+        self.dtype = _check_model_dtype(optimizer, dtype)
+        if dynamic_loss_scale is DEFAULT:
+            dynamic_loss_scale = self.dtype == torch.float16
         if not isinstance(dynamic_loss_scale, bool):
             raise TypeError(f'dynamic_loss_scale must be True or False, got {dynamic_loss_scale!r}')
         scaler = build_loss_scaler(dynamic_loss_scale, static_loss_scale, dynamic_loss_args)

@@ -34,10 +34,10 @@ inline void adagrad_span(P* p, const G* g, float* h, M* out, int64_t n, const Ad
   const bool decoupled = c.adagrad_w_mode && c.has_weight_decay;
   for (int64_t i = 0; i < n; i += V::kWidth) {
     const int64_t k = n - i;
-    optim::prefetch_write(p + i);
-    optim::prefetch_read(g + i);
-    optim::prefetch_write(h + i);
-    optim::prefetch_write(optim::at_offset(out, i));
+    optim::prefetch_write_line<V>(p, i);
+    optim::prefetch_read_line<V>(g, i);
+    optim::prefetch_write_line<V>(h, i);
+    optim::prefetch_write_line<V>(out, i);
     const F p32 = load_n<V>(p + i, k);
     F g32 = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
     if (l2) g32 = V::add(g32, V::mul(wd, p32));

@@ -40,11 +40,11 @@ inline void adam_span(P* p, const G* g, float* m, float* v, M* out, int64_t n,
   const bool decoupled = c.adam_w_mode && c.has_weight_decay;
   for (int64_t i = 0; i < n; i += V::kWidth) {
     const int64_t k = n - i;  // >= kWidth except in the tail, where load_n/store_n pad
-    optim::prefetch_write(p + i);
-    optim::prefetch_read(g + i);
-    optim::prefetch_write(m + i);
-    optim::prefetch_write(v + i);
-    optim::prefetch_write(optim::at_offset(out, i));
+    optim::prefetch_write_line<V>(p, i);
+    optim::prefetch_read_line<V>(g, i);
+    optim::prefetch_write_line<V>(m, i);
+    optim::prefetch_write_line<V>(v, i);
+    optim::prefetch_write_line<V>(out, i);
     const F p32 = load_n<V>(p + i, k);
     F g32 = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
     if (l2) g32 = V::add(g32, V::mul(wd, p32));

@@ -85,11 +85,11 @@ inline void lamb_fused_span(P* p, const G* g, float* m, float* v, M* out, int64_
   const F ratio = V::set1(lr);
   for (int64_t i = 0; i < n; i += V::kWidth) {
     const int64_t k = n - i;
-    optim::prefetch_write(p + i);
-    optim::prefetch_read(g + i);
-    optim::prefetch_write(m + i);
-    optim::prefetch_write(v + i);
-    optim::prefetch_write(optim::at_offset(out, i));
+    optim::prefetch_write_line<V>(p, i);
+    optim::prefetch_read_line<V>(g, i);
+    optim::prefetch_write_line<V>(m, i);
+    optim::prefetch_write_line<V>(v, i);
+    optim::prefetch_write_line<V>(out, i);
     const F p32 = load_n<V>(p + i, k);
     F m_new, v_new;
     lamb_moments<V>(p32, g + i, m + i, v + i, k, c, &m_new, &v_new);

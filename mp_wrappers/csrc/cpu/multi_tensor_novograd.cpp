@@ -91,10 +91,10 @@ inline void novograd_span(P* p, const G* g, float* m, M* out, int64_t n, float d
   const F us = V::set1(c.unscale.factor);
   for (int64_t i = 0; i < n; i += V::kWidth) {
     const int64_t k = n - i;
-    optim::prefetch_write(p + i);
-    optim::prefetch_read(g + i);
-    optim::prefetch_write(m + i);
-    optim::prefetch_write(optim::at_offset(out, i));
+    optim::prefetch_write_line<V>(p, i);
+    optim::prefetch_read_line<V>(g, i);
+    optim::prefetch_write_line<V>(m, i);
+    optim::prefetch_write_line<V>(out, i);
     const F p32 = load_n<V>(p + i, k);
     const F g32 = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
     const F m_old = V::mul(b1, load_n<V>(m + i, k));

@@ -35,10 +35,10 @@ inline void sgd_span(P* p, const G* g, float* buf, M* out, int64_t n, const SgdC
   const bool wd_after = c.has_weight_decay && c.wd_after_momentum;
   for (int64_t i = 0; i < n; i += V::kWidth) {
     const int64_t k = n - i;
-    optim::prefetch_write(p + i);
-    optim::prefetch_read(g + i);
-    if (c.has_momentum) optim::prefetch_write(buf + i);
-    optim::prefetch_write(optim::at_offset(out, i));
+    optim::prefetch_write_line<V>(p, i);
+    optim::prefetch_read_line<V>(g, i);
+    if (c.has_momentum) optim::prefetch_write_line<V>(buf, i);
+    optim::prefetch_write_line<V>(out, i);
     const F p32 = load_n<V>(p + i, k);
     F d = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
     if (wd_before) d = V::add(d, V::mul(wd, p32));

@@ -1,0 +1,123 @@
+"""``python -m mp_wrappers``: the doctor. What is installed, what the hardware runs natively, what
+``dtype='auto'`` picks, and a self-test of every compiled op against its reference.
+
+The output is plain text meant to be pasted into a bug report. The exit status is 0 when everything
+that is present works, 1 when something is broken: the extension failed to load (other than being
+disabled on purpose), or an op disagreed with its reference. ``--no-selftest`` skips the self-test.
+"""
+import argparse
+import platform
+import sys
+from typing import List, Optional
+
+import torch
+
+from . import __version__, hardware
+from .selftest import run_selftest
+
+
+def _versions() -> List[str]:
+    try:
+        import mmengine
+        mmengine_version = mmengine.__version__
+    except Exception as exc:  # the doctor must report, not crash
+        mmengine_version = f'not importable ({type(exc).__name__}: {exc})'
+    from .ops import _extension
+    ext = _extension.extension()
+    compiler = getattr(ext, 'compiler', None) if ext is not None else None
+    torch_compiler = next((line.strip().lstrip('- ') for line in torch.__config__.show().splitlines()
+                           if 'C++ Version' in line or 'GCC' in line), 'unknown')
+    return [
+        f'python       {platform.python_version()} ({platform.platform()})',
+        f'torch        {torch.__version__} (CUDA {torch.version.cuda or "none"}; built with '
+        f'{torch_compiler})',
+        f'mmengine     {mmengine_version}',
+        f'mp_wrappers  {__version__} ({__file__.rsplit("/", 2)[0]})',
+        f'extension    compiled with {compiler or "unknown (older build)"}',
+    ]
+
+
+def _extension_lines(info: dict) -> List[str]:
+    backend = info['backend']
+    lines = [f'backend      cpu: {backend["cpu"]}, cuda: {backend["cuda"]}']
+    if not backend['extension']:
+        lines.append(f'             extension not loaded: {info.get("why_missing")}; the '
+                     'pure-PyTorch references run (correct, slower). Rebuild with '
+                     '`pip install --no-build-isolation -e .`')
+        return lines
+    widest = info.get('cpu_kernels_widest')
+    forced = info.get('cpu_isa_forced')
+    lines.append(f'cpu kernels  {info["cpu_kernels"]} in use; widest this CPU runs: {widest}'
+                 + (f' (MP_WRAPPERS_CPU_ISA={forced})' if forced else ''))
+    if info.get('cuda_why_missing'):
+        lines.append(f'cuda kernels {info["cuda_why_missing"]}')
+    else:
+        lines.append('cuda kernels built and a GPU is present')
+    return lines
+
+
+def _device_lines(rep: dict) -> List[str]:
+    lines = []
+    for d in rep['devices']:
+        native = ', '.join(d['native']) or 'none'
+        lines.append(f'{d["device"]:<12} {d["name"]} ({d["isa"]}); native low precision: {native}')
+        if d['features']:
+            lines.append(f'             flags: {" ".join(d["features"])}')
+        for note in d['notes']:
+            lines.append(f'             {note}')
+        lines.append(f"             dtype='auto' -> {rep['auto'][d['device']]}")
+    return lines
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog='python -m mp_wrappers', description=__doc__.split('\n')[0])
+    parser.add_argument('--no-selftest', action='store_true', help='skip the op self-test')
+    args = parser.parse_args(argv)
+
+    broken: List[str] = []
+    print('== mp_wrappers doctor ==')
+    print('\n-- versions')
+    print('\n'.join(_versions()))
+    rep = hardware.report()
+    info = rep['extension']
+    print('\n-- extension')
+    print('\n'.join(_extension_lines(info)))
+    error = info['backend']['error']
+    if not info['backend']['extension'] and 'MP_WRAPPERS_DISABLE_EXTENSION' not in str(error):
+        broken.append(f'the C++ extension failed to load: {error}')
+    print('\n-- devices')
+    print('\n'.join(_device_lines(rep)))
+
+    if not args.no_selftest:
+        print('\n-- self-test (every op against its pure-PyTorch reference)')
+        results, uncovered, seconds = run_selftest()
+        if not results:
+            print('skipped: no compiled ops to test (the references are what runs)')
+        groups = {}
+        for r in results:
+            groups.setdefault((r.device, r.isa), []).append(r)
+        for (device, isa), rs in groups.items():
+            ok = sum(r.ok for r in rs)
+            where = device + (f' [{isa}]' if isa else '')
+            print(f'{where:<20} {ok}/{len(rs)} ops agree')
+            for r in rs:
+                if not r.ok:
+                    print(f'  FAIL {r.op}: {r.error}')
+                    broken.append(f'{r.op} on {where}: {r.error}')
+        if uncovered:
+            print(f'not covered by the self-test: {", ".join(uncovered)}')
+        if results:
+            print(f'({seconds:.1f} s)')
+
+    print('\n-- verdict')
+    if broken:
+        print(f'BROKEN ({len(broken)}):')
+        for b in broken:
+            print(f'  - {b}')
+        return 1
+    print('OK')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,375 @@
+"""Which precisions this machine computes natively: a cheap, cached capability probe.
+
+The probe reads what the hardware and the libraries say, never times anything:
+
+* **CPU**: the instruction-set flags from ``/proc/cpuinfo`` (Linux) and from
+  ``torch.cpu.get_capabilities()`` (cpuinfo, any OS), the ISA torch's own kernels were dispatched to
+  (``torch.backends.cpu.get_cpu_capability()``), and ``ONEDNN_MAX_CPU_ISA``, which caps what oneDNN
+  (torch's matmul/convolution backend on CPU) may use. A half format is *native* when the CPU has
+  matrix/vector instructions for it that oneDNN uses: bf16 with ``avx512_bf16`` or ``amx_bf16``, fp16
+  with ``avx512_fp16`` or ``amx_fp16`` (x86); bf16 with ``bf16``/``svebf16``, fp16 with
+  ``asimdhp``/``fp16_arith`` (ARM). Without them oneDNN converts every half operand to fp32 and back,
+  and half runs slower than fp32 (measured on an AVX2-only EPYC: the digits CNN 8x slower in bf16).
+* **CUDA**: the compute capability: fp16 on every GPU we build for, bf16 from sm_80, fp8 from sm_89.
+* **Our extension**: whether it loaded, the CPU kernel flavour it selected and the widest the CPU
+  can run, and whether CUDA kernels were built.
+
+:func:`auto_dtype` is what ``dtype='auto'`` means everywhere (the wrappers, ``DigitsCNN``,
+``tools/train.py --amp``): bf16 where it is native, else fp16 where that is native, else fp32.
+:func:`slowdown_reason` is the warning for an explicit dtype the device does not run natively.
+
+Every probe takes its inputs as arguments (``flags=``, ``torch_isa=``...) so tests can fake any
+machine; the argument-free calls read the real machine once per process (``functools.lru_cache``).
+"""
+import dataclasses
+import functools
+import os
+import platform
+from typing import Dict, FrozenSet, Iterable, Mapping, Optional, Tuple, Union
+
+import torch
+
+__all__ = ['DeviceCapability', 'AutoDtype', 'cpu_flags', 'cpu_capability', 'cuda_capability',
+           'device_capability', 'auto_dtype', 'resolve_dtype', 'slowdown_reason',
+           'extension_info', 'report']
+
+# torch.cpu.get_capabilities() names -> the Linux /proc/cpuinfo names we use throughout.
+_TORCH_FLAG_NAMES = {
+    'avx512_f': 'avx512f', 'avx512_bw': 'avx512bw', 'avx512_vl': 'avx512vl',
+    'avx512_dq': 'avx512dq', 'avx512_cd': 'avx512cd', 'fma3': 'fma',
+    'neon': 'asimd', 'fp16_arith': 'asimdhp', 'sve_bf16': 'svebf16',
+}
+# The flags the report shows (the rest of /proc/cpuinfo says nothing about precision).
+_SHOWN_FLAGS = ('avx2', 'fma', 'f16c', 'avx512f', 'avx512bw', 'avx512vl', 'avx512_bf16',
+                'avx512_fp16', 'amx_tile', 'amx_bf16', 'amx_fp16', 'avx_ne_convert', 'asimd',
+                'asimdhp', 'bf16', 'sve', 'sve2', 'svebf16')
+_X86_BF16 = ('avx512_bf16', 'amx_bf16')
+_X86_FP16 = ('avx512_fp16', 'amx_fp16')
+_ARM_BF16 = ('bf16', 'svebf16')
+_ARM_FP16 = ('asimdhp',)
+# ONEDNN_MAX_CPU_ISA values (lower case) that still allow AVX-512 bf16 / fp16 instructions.
+_ONEDNN_BF16_ISAS = ('avx512_core_bf16', 'avx512_core_fp16', 'avx512_core_amx',
+                     'avx512_core_amx_fp16', 'avx10_1_512', 'avx10_1_512_amx',
+                     'avx10_1_512_amx_fp16', 'all', 'default')
+_ONEDNN_FP16_ISAS = ('avx512_core_fp16', 'avx512_core_amx_fp16', 'avx10_1_512',
+                     'avx10_1_512_amx', 'avx10_1_512_amx_fp16', 'all', 'default')
+
+_NAMES = {torch.float32: 'float32', torch.float16: 'float16', torch.bfloat16: 'bfloat16'}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceCapability:
+    """What one device computes natively.
+
+    Attributes:
+        device: ``'cpu'`` or ``'cuda:<index>'``.
+        name: The processor's name as the system reports it.
+        isa: The CPU's widest vector ISA (``'avx512'``, ``'avx2'``, ``'sve'``, ``'neon'``,
+            ``'baseline'``) or the GPU's compute capability (``'sm_90'``).
+        features: The precision-relevant flags found (CPU) or ``()``.
+        native: Low-precision formats with native compute, widest first (e.g. ``(bfloat16,
+            float16)``); fp32 is always native and not listed. On CUDA ``'float8'`` may appear.
+        notes: Why a format is or is not native, one sentence each (the doctor prints them).
+    """
+
+    device: str
+    name: str
+    isa: str
+    features: Tuple[str, ...]
+    native: Tuple[str, ...]
+    notes: Tuple[str, ...]
+
+    def is_native(self, dtype: torch.dtype) -> bool:
+        """Whether ``dtype`` computes natively here (fp32 always does)."""
+        return dtype == torch.float32 or _NAMES.get(dtype) in self.native
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoDtype:
+    """What ``dtype='auto'`` resolved to on one device, and why (one log line)."""
+
+    dtype: torch.dtype
+    device: str
+    reason: str
+
+
+# ---- CPU -------------------------------------------------------------------------------------------
+def _read_proc_cpuinfo() -> str:
+    try:
+        with open('/proc/cpuinfo') as f:
+            return f.read()
+    except OSError:  # not Linux, or a sandbox without /proc
+        return ''
+
+
+def _torch_cpu_capabilities() -> Mapping[str, object]:
+    get = getattr(getattr(torch, 'cpu', None), 'get_capabilities', None)
+    if get is None:  # torch < 2.8
+        return {}
+    try:
+        return get()
+    except Exception:  # cpuinfo failed to initialise (exotic VMs): /proc/cpuinfo still answers
+        return {}
+
+
+def cpu_flags(cpuinfo: Optional[str] = None,
+              torch_caps: Optional[Mapping[str, object]] = None) -> FrozenSet[str]:
+    """The CPU's feature flags, from ``/proc/cpuinfo`` and torch's cpuinfo, in Linux's spelling.
+
+    Args:
+        cpuinfo: Text of ``/proc/cpuinfo`` (default: read it; empty off Linux).
+        torch_caps: ``torch.cpu.get_capabilities()`` (default: ask torch).
+
+    Returns:
+        The union of both sources (either may be missing on a given OS).
+    """
+    if cpuinfo is None:
+        cpuinfo = _read_proc_cpuinfo()
+    if torch_caps is None:
+        torch_caps = _torch_cpu_capabilities()
+    flags = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(':')
+        if key.strip() in ('flags', 'Features'):  # x86 / ARM
+            flags.update(value.split())
+            break  # every core lists the same flags
+    for name, value in torch_caps.items():
+        if value is True:
+            flags.add(_TORCH_FLAG_NAMES.get(name, name))
+    return frozenset(flags)
+
+
+def _cpu_name(cpuinfo: str, torch_caps: Mapping[str, object]) -> str:
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(':')
+        if key.strip() in ('model name', 'Hardware', 'CPU part') and value.strip():
+            return value.strip()
+    return str(torch_caps.get('cpu_name', '') or platform.processor() or 'unknown CPU')
+
+
+def cpu_capability(flags: Optional[Iterable[str]] = None, *, arch: Optional[str] = None,
+                   torch_isa: Optional[str] = None, onednn_max_isa: Optional[str] = None,
+                   name: Optional[str] = None) -> DeviceCapability:
+    """Describe a CPU; every input can be given (tests), else the real machine is read.
+
+    Args:
+        flags: Feature flags in Linux's spelling (default: :func:`cpu_flags`).
+        arch: ``platform.machine()`` (``'x86_64'``, ``'aarch64'``...).
+        torch_isa: ``torch.backends.cpu.get_cpu_capability()`` (``'AVX512'``, ``'AVX2'``,
+            ``'DEFAULT'``, ``'SVE256'``...): ``ATEN_CPU_CAPABILITY`` lowers it.
+        onednn_max_isa: ``ONEDNN_MAX_CPU_ISA`` (default: the environment variable; unset = all).
+        name: The processor's name.
+
+    Returns:
+        The :class:`DeviceCapability` of the CPU.
+    """
+    if flags is None:
+        cpuinfo, caps = _read_proc_cpuinfo(), _torch_cpu_capabilities()
+        flags = cpu_flags(cpuinfo, caps)
+        if name is None:
+            name = _cpu_name(cpuinfo, caps)
+    flags = frozenset(flags)
+    arch = (arch if arch is not None else platform.machine()).lower()
+    if torch_isa is None:
+        torch_isa = torch.backends.cpu.get_cpu_capability()
+    if onednn_max_isa is None:
+        onednn_max_isa = os.environ.get('ONEDNN_MAX_CPU_ISA', os.environ.get('DNNL_MAX_CPU_ISA', ''))
+    onednn = onednn_max_isa.strip().lower() or 'all'
+    torch_isa = torch_isa.upper()
+    notes = []
+    native = []
+    x86 = arch in ('x86_64', 'amd64', 'i386', 'i686', 'x86')
+    if x86:
+        if {'avx512f', 'avx512bw', 'avx512vl'} <= flags:
+            isa = 'avx512'
+        elif {'avx2', 'fma'} <= flags:
+            isa = 'avx2'
+        else:
+            isa = 'baseline'
+        # Library caps: oneDNN runs convolutions/matmuls, ATen the elementwise half work. Either one
+        # held below AVX-512 converts every half operand in software.
+        capped = None
+        if torch_isa not in ('AVX512', 'ZVECTOR', 'VSX') and isa == 'avx512':
+            capped = (f'torch dispatches its CPU kernels to {torch_isa} (ATEN_CPU_CAPABILITY), '
+                      'below AVX-512')
+        for fmt, hw_flags, onednn_ok in (('bfloat16', _X86_BF16, _ONEDNN_BF16_ISAS),
+                                         ('float16', _X86_FP16, _ONEDNN_FP16_ISAS)):
+            found = [f for f in hw_flags if f in flags]
+            if not found:
+                notes.append(f'{fmt}: not native (no {" / ".join(hw_flags)}); oneDNN converts '
+                             'every operand to fp32 and back, slower than fp32')
+            elif capped:
+                notes.append(f'{fmt}: the CPU has {", ".join(found)} but {capped}: not native')
+            elif onednn not in onednn_ok:
+                notes.append(f'{fmt}: the CPU has {", ".join(found)} but ONEDNN_MAX_CPU_ISA='
+                             f'{onednn_max_isa} keeps oneDNN from using it: not native')
+            else:
+                native.append(fmt)
+                notes.append(f'{fmt}: native ({", ".join(found)})')
+    elif arch in ('aarch64', 'arm64'):
+        isa = 'sve' if 'sve' in flags else ('neon' if 'asimd' in flags else 'baseline')
+        for fmt, hw_flags in (('bfloat16', _ARM_BF16), ('float16', _ARM_FP16)):
+            found = [f for f in hw_flags if f in flags]
+            if found:
+                native.append(fmt)
+                notes.append(f'{fmt}: native ({", ".join(found)})')
+            else:
+                notes.append(f'{fmt}: not native (no {" / ".join(hw_flags)})')
+    else:
+        isa = torch_isa.lower() or 'baseline'
+        notes.append(f'bfloat16, float16: unknown on {arch or "this architecture"}; treated as '
+                     'not native')
+    shown = tuple(f for f in _SHOWN_FLAGS if f in flags)
+    return DeviceCapability(device='cpu', name=name or 'unknown CPU', isa=isa, features=shown,
+                            native=tuple(native), notes=tuple(notes))
+
+
+# ---- CUDA ------------------------------------------------------------------------------------------
+def cuda_capability(compute_capability: Tuple[int, int], *, index: int = 0,
+                    name: str = 'CUDA GPU') -> DeviceCapability:
+    """Describe a GPU from its compute capability (``torch.cuda.get_device_capability()``).
+
+    fp16 tensor cores exist on every architecture we build for (sm_70+; older GPUs still compute
+    fp16 natively), bf16 from Ampere (sm_80), fp8 from Ada/Hopper (sm_89).
+    """
+    major, minor = compute_capability
+    cc = major * 10 + minor
+    native = ['float16']
+    notes = ['float16: native (every CUDA GPU)']
+    if cc >= 80:
+        native.insert(0, 'bfloat16')
+        notes.append(f'bfloat16: native (sm_{cc} >= sm_80)')
+    else:
+        notes.append(f'bfloat16: not native before sm_80 (this GPU is sm_{cc}): emulated, slow')
+    if cc >= 89:
+        native.append('float8')
+        notes.append(f'float8: native (sm_{cc} >= sm_89)')
+    return DeviceCapability(device=f'cuda:{index}', name=name, isa=f'sm_{cc}', features=(),
+                            native=tuple(native), notes=tuple(notes))
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_cpu() -> DeviceCapability:
+    return cpu_capability()
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_cuda(index: int) -> DeviceCapability:
+    return cuda_capability(torch.cuda.get_device_capability(index), index=index,
+                           name=torch.cuda.get_device_name(index))
+
+
+def device_capability(device: Union[str, torch.device, None] = None) -> DeviceCapability:
+    """The (cached) capability of a real device: ``'cpu'``, ``'cuda'``, ``'cuda:1'``...
+
+    ``None`` means the device training would use: the current CUDA device when CUDA is available,
+    else the CPU. Devices other than CPU and CUDA are reported with no native half format.
+    """
+    if device is None:
+        device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    device = torch.device(device)
+    if device.type == 'cpu':
+        return _probe_cpu()
+    if device.type == 'cuda':
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _probe_cuda(index)
+    return DeviceCapability(device=str(device), name=device.type, isa='unknown', features=(),
+                            native=(), notes=(f'{device.type}: not probed; fp32 assumed',))
+
+
+# ---- dtype='auto' and honest warnings ----------------------------------------------------------------
+def auto_dtype(device: Union[str, torch.device, None] = None,
+               capability: Optional[DeviceCapability] = None) -> AutoDtype:
+    """What ``dtype='auto'`` means on ``device``: bf16 if native, else fp16 if native, else fp32.
+
+    bf16 comes first because it has fp32's exponent range (no loss scaling needed). On CUDA this is
+    bf16 from sm_80 and fp16 before; on a CPU without native half formats it is fp32: mixed precision
+    would only add conversions there.
+
+    Args:
+        device: The training device (default: CUDA when available, else CPU).
+        capability: A :class:`DeviceCapability` to decide for (tests); default: probe ``device``.
+    """
+    cap = capability if capability is not None else device_capability(device)
+    for name, dtype in (('bfloat16', torch.bfloat16), ('float16', torch.float16)):
+        if name in cap.native:
+            why = 'native' if name == 'bfloat16' else 'native, bfloat16 is not'
+            return AutoDtype(dtype, cap.device,
+                             f"dtype='auto' resolved to {name} on {cap.device} ({cap.name}, "
+                             f'{cap.isa}): {name} is {why} there')
+    return AutoDtype(torch.float32, cap.device,
+                     f"dtype='auto' resolved to float32 on {cap.device} ({cap.name}, {cap.isa}): "
+                     'it has no native bfloat16 or float16 instructions, so half precision would '
+                     'run slower than fp32 here; the wrapper keeps its scaling, skipping and '
+                     'checkpoint behaviour, and computes in fp32')
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype], device: Union[str, torch.device, None] = None,
+                  capability: Optional[DeviceCapability] = None) -> torch.dtype:
+    """``torch.float32/float16/bfloat16`` for ``dtype``, resolving ``'auto'`` with :func:`auto_dtype`."""
+    if isinstance(dtype, str) and dtype == 'auto':
+        return auto_dtype(device, capability).dtype
+    from .casting import parse_dtype
+    return parse_dtype(dtype, 'dtype', allowed=('float16', 'bfloat16', 'float32'))
+
+
+def slowdown_reason(dtype: torch.dtype, device: Union[str, torch.device, None] = None,
+                    capability: Optional[DeviceCapability] = None) -> Optional[str]:
+    """A warning for computing in ``dtype`` on ``device`` when it has no native instructions.
+
+    Returns None when ``dtype`` is native there (or fp32). The text states the class of machine and
+    what was measured on that class, and names the dtype ``'auto'`` would pick.
+    """
+    cap = capability if capability is not None else device_capability(device)
+    if cap.is_native(dtype):
+        return None
+    name = _NAMES.get(dtype, str(dtype))
+    short = {'bfloat16': 'bf16', 'float16': 'fp16'}.get(name, name)
+    auto = auto_dtype(capability=cap).dtype
+    if cap.device == 'cpu':
+        measured = {
+            'bfloat16': 'measured on an AVX2-only CPU: the digits CNN 8x slower than fp32',
+            'float16': 'measured on an AVX-512 CPU without AVX512-FP16: fp16 matmuls ~100x '
+                       'slower than fp32',
+        }.get(name, '')
+        what = f'{short} on this CPU ({cap.name}, {cap.isa}) has no native instructions'
+    else:
+        measured = 'bf16 is emulated before sm_80'
+        what = f'{short} on {cap.device} ({cap.name}, {cap.isa}) has no native instructions'
+    return (f'{what}: expect slower than fp32 ({measured}). Use dtype=\'auto\' (here: '
+            f'dtype=\'{_NAMES[auto]}\').')
+
+
+# ---- the extension and the whole report ------------------------------------------------------------------
+def extension_info() -> Dict[str, object]:
+    """Build facts of ``mp_wrappers._C``: loaded or why not, CPU kernel ISA (in use and widest), CUDA."""
+    from .ops import _extension
+    ext = _extension.extension()
+    info: Dict[str, object] = dict(backend=_extension.backend())
+    if ext is None:
+        info['cpu_kernels'] = None
+        info['why_missing'] = info['backend']['error']
+        return info
+    info['cpu_kernels'] = ext.cpu_isa()
+    hardware = getattr(ext, 'cpu_isa_hardware', None)
+    info['cpu_kernels_widest'] = hardware() if hardware is not None else None
+    info['cpu_isa_forced'] = os.environ.get('MP_WRAPPERS_CPU_ISA') or None
+    info['cuda_built'] = bool(ext.cuda_built)
+    if not ext.cuda_built:
+        info['cuda_why_missing'] = ('built without CUDA kernels (torch has no CUDA, no toolkit was '
+                                    'found, or MP_WRAPPERS_CUDA=0 at build time)')
+    elif not torch.cuda.is_available():
+        info['cuda_why_missing'] = 'CUDA kernels built, but torch sees no GPU'
+    return info
+
+
+def report() -> Dict[str, object]:
+    """Everything above for every device present, as plain data (``python -m mp_wrappers`` prints it)."""
+    devices = [device_capability('cpu')]
+    if torch.cuda.is_available():
+        devices += [device_capability(f'cuda:{i}') for i in range(torch.cuda.device_count())]
+    return dict(
+        devices=[dataclasses.asdict(d) for d in devices],
+        auto={d.device: _NAMES[auto_dtype(capability=d).dtype] for d in devices},
+        extension=extension_info(),
+    )
