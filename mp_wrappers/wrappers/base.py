@@ -141,9 +141,13 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self._names_for: Optional[int] = None
 
     # ---- masters ---------------------------------------------------------------------------------
+    def _new_masters(self) -> MasterParams:
+        """Subclass hook: the master-weight mode (ApexOptimWrapper's lean bf16 storages)."""
+        return MasterParams(self.optimizer, create_masters=self.master_weights)
+
     def _master_params(self) -> MasterParams:
         if self._masters is None or self._masters.optimizer is not self.optimizer:
-            self._masters = MasterParams(self.optimizer, create_masters=self.master_weights)
+            self._masters = self._new_masters()
             self._stash = GradStash()
         else:
             self._masters.check_groups()
