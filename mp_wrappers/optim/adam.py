@@ -88,6 +88,9 @@ class FusedAdam(LeanStorageMixin, FusedOptimizer):
 
     def _update_target(self, param: Tensor, state: Dict[str, Any],
                        model: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+        if self.bf16_storage is not None or self.state_dtype != torch.float32:
+            # The lean storages (never with master_weights=True: refused in set_bf16_storage).
+            return LeanStorageMixin._update_target(self, param, state, model)
         master = state.get('master_param')
         if master is None:
             return param, model

@@ -62,9 +62,6 @@ class LeanStorageMixin:
         if bf16_storage is not None and bf16_storage not in LEAN_STORAGES:
             raise ValueError(f'{name}: bf16_storage={bf16_storage!r} is not allowed; expected None'
                              f' or one of {sorted(LEAN_STORAGES)}')
-        if bf16_storage is None and self.state_dtype != torch.float32:
-            raise ValueError(f"{name}: state_dtype='bfloat16' needs bf16_storage='split', 'kahan' "
-                             "or 'stochastic' (the fp32-master update keeps float32 state)")
         if bf16_storage is not None and getattr(self, 'master_weights', False):
             raise ValueError(f'{name}: bf16_storage={bf16_storage!r} cannot be combined with '
                              'master_weights=True (an internal fp32 master); choose one')
@@ -89,6 +86,13 @@ class LeanStorageMixin:
 
     def _update_target(self, param: Tensor, state: Dict[str, Any],
                        model: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+        if self.bf16_storage is None and self.state_dtype != torch.float32:
+            # Checked at the step, not at construction: a wrapper's master_weights='split'|...
+            # sets the storage after the optimizer is built from the config.
+            raise ValueError(f"{type(self).__name__}: state_dtype='bfloat16' needs "
+                             "bf16_storage='split', 'kahan' or 'stochastic' (or a wrapper's "
+                             "master_weights with one of them); the fp32-master update keeps "
+                             'float32 state')
         if self._is_lean(param):
             if model is not None:
                 raise ValueError(f'{type(self).__name__}(bf16_storage={self.bf16_storage!r}) steps '
