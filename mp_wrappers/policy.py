@@ -16,6 +16,9 @@ format the training device computes natively (:func:`mp_wrappers.hardware.auto_d
 on a CPU without native half instructions: O1 then runs without autocast, O2/O3 keep an fp32 model,
 and the wrapper's skipping, scaling and checkpoint behaviour stay. O1's "patched functions" are
 ``torch.autocast``: the dispatcher applies the cast policy, nothing in torch is patched.
+
+Beyond apex, ``master_weights`` also accepts ``'split'``, ``'kahan'`` and ``'stochastic'`` for a bf16
+model (O2/O3 with ``dtype='bfloat16'``): the lean storages of :mod:`mp_wrappers.master_modes`.
 """
 import dataclasses
 import math
@@ -24,6 +27,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .casting import parse_dtype
+from .master_modes import LEAN_MODES
 
 __all__ = ['Properties', 'OPT_LEVELS', 'resolve_properties', 'DEFAULT']
 
@@ -48,9 +52,14 @@ class Properties:
     cast_model_type: Optional[torch.dtype]
     patch_torch_functions: bool
     keep_batchnorm_fp32: Optional[bool]
-    master_weights: Optional[bool]
+    master_weights: Optional[Union[bool, str]]  # True/False/None, or a lean mode (LEAN_MODES)
     loss_scale: Union[float, str]
     cast_model_outputs: Optional[torch.dtype]
+
+    @property
+    def lean_storage(self) -> Optional[str]:
+        """``'split'``, ``'kahan'`` or ``'stochastic'`` when master_weights names one, else None."""
+        return self.master_weights if isinstance(self.master_weights, str) else None
 
     @property
     def dynamic_loss_scale(self) -> bool:
@@ -144,7 +153,15 @@ def resolve_properties(opt_level: str = 'O1', *, dtype: Union[str, torch.dtype] 
 
     cast = _parse_cast_type('cast_model_type', cast_model_type)
     keep_bn = _parse_bool_or_none('keep_batchnorm_fp32', keep_batchnorm_fp32)
-    master = _parse_bool_or_none('master_weights', master_weights)
+    if isinstance(master_weights, str) and master_weights in LEAN_MODES:
+        master: Optional[Union[bool, str]] = master_weights
+    else:
+        try:
+            master = _parse_bool_or_none('master_weights', master_weights)
+        except ValueError:
+            raise ValueError(f'master_weights={master_weights!r} is not allowed; expected True, '
+                             'False, None (apex), or for a bf16 model one of '
+                             f'{", ".join(repr(m) for m in LEAN_MODES)}') from None
     patch = _parse_bool_or_none('patch_torch_functions', patch_torch_functions)
     outputs = _parse_cast_type('cast_model_outputs', cast_model_outputs)
 
@@ -158,6 +175,12 @@ def resolve_properties(opt_level: str = 'O1', *, dtype: Union[str, torch.dtype] 
             raise RuntimeError(
                 'With opt_level O1, batchnorm functions are automatically run in FP32, so '
                 f'keep_batchnorm_fp32 should be None. keep_batchnorm_fp32 was {keep_batchnorm_fp32}')
+        if isinstance(master, str):
+            raise RuntimeError(
+                f'master_weights={master!r} stores a bf16 model without a separate fp32 master, but '
+                'O1 keeps fp32 model weights (and, as in apex, master_weights must be None with '
+                f"O1). Use opt_level='O2' (or 'O3') with dtype='bfloat16' for master_weights="
+                f'{master!r}')
         if master is not None:
             raise RuntimeError(
                 "It doesn't make sense to use master_weights with O1. With O1, your model weights "
@@ -171,11 +194,24 @@ def resolve_properties(opt_level: str = 'O1', *, dtype: Union[str, torch.dtype] 
     else:
         scale = _parse_loss_scale(loss_scale)
 
+    final_cast = level_cast if cast is None else (None if cast is False else cast)
+    if isinstance(master, str):
+        if half != torch.bfloat16:
+            raise ValueError(
+                f"master_weights={master!r} needs dtype='bfloat16', got dtype={dtype!r}: the lean "
+                'storages rely on a bf16 being the top half of an fp32 (same exponent range); an '
+                "fp16 model has no such master. Use dtype='bfloat16', or master_weights=True")
+        if final_cast != torch.bfloat16:
+            raise ValueError(
+                f'master_weights={master!r} needs a bf16 model, but opt_level={opt_level!r} with '
+                f'cast_model_type={cast_model_type!r} keeps the model in {final_cast}. Use '
+                "opt_level='O2' or 'O3' with dtype='bfloat16'")
+
     return Properties(
         opt_level=opt_level,
         enabled=enabled,
         dtype=half,
-        cast_model_type=level_cast if cast is None else (None if cast is False else cast),
+        cast_model_type=final_cast,
         patch_torch_functions=level_patch if patch is None else patch,
         keep_batchnorm_fp32=level_keep_bn if keep_bn is None else keep_bn,
         master_weights=level_master if master is None else master,

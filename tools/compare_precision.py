@@ -28,6 +28,14 @@ The table has, per run:
 ``--iters N`` trains N iterations with mmengine's ``IterBasedTrainLoop`` (epoch-based schedulers are
 converted with ``convert_to_iter_based=True``, so their epochs become ``len(train_dataloader)``
 iterations) and validates once at the end; without it the config's own loop runs.
+
+``--masters MODE ...`` adds O2 bf16 runs with ``master_weights=MODE`` (``split``, ``kahan``,
+``stochastic``; a ``-bf16state`` suffix also sets the optimizer's ``state_dtype='bfloat16'``). They need
+``mp_wrappers.FusedAdam``/``FusedSGD`` (``--cfg-options optim_wrapper.optimizer.type=mp_wrappers.FusedAdam``
+gives every run the same optimizer). Every row then also has **B/param**: the bytes of the distinct
+tensors that persist between steps (model params, the optimizer's params, i.e. fp32 masters, and
+every optimizer state tensor, gradients excluded) after training, divided by the model's parameter
+count; and **time vs O2**, the ms/iter ratio to the plain O2 row of the same invocation.
 """
 import argparse
 import datetime
@@ -44,10 +52,25 @@ _ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-__all__ = ['plan_runs', 'build_run_config', 'format_table', 'main']
+__all__ = ['plan_runs', 'build_run_config', 'format_table', 'persistent_bytes_per_param', 'main']
 
 LEVELS = ('O0', 'O1', 'O2', 'O3')
 DTYPES = ('float16', 'bfloat16')
+MASTER_MODES = ('split', 'kahan', 'stochastic')
+_BF16_STATE = '-bf16state'
+
+
+def parse_master_mode(mode: str) -> Tuple[str, Optional[str]]:
+    """``'kahan-bf16state'`` -> ``('kahan', 'bfloat16')``; ``'split'`` -> ``('split', None)``.
+
+    Raises:
+        ValueError: an unknown mode, naming the allowed ones.
+    """
+    base = mode[:-len(_BF16_STATE)] if mode.endswith(_BF16_STATE) else mode
+    if base not in MASTER_MODES:
+        raise ValueError(f'--masters: {mode!r} is not a master mode; allowed: '
+                         f'{", ".join(MASTER_MODES)}, each optionally with {_BF16_STATE!r}')
+    return base, ('bfloat16' if base != mode else None)
 _LOSS_WINDOW = 10
 
 
@@ -73,7 +96,8 @@ def plan_runs(levels: Sequence[str], dtypes: Sequence[str]) -> List[Tuple[str, s
     return runs
 
 
-def build_run_config(cfg: Any, level: str, dtype: str, iters: Optional[int], work_dir: str) -> Any:
+def build_run_config(cfg: Any, level: str, dtype: str, iters: Optional[int], work_dir: str,
+                     master: Optional[str] = None) -> Any:
     """Rewrite a loaded mmengine ``Config`` for one comparison run (in place; returned).
 
     Args:
@@ -82,6 +106,7 @@ def build_run_config(cfg: Any, level: str, dtype: str, iters: Optional[int], wor
         dtype: ``'float32'`` (O0), ``'float16'`` or ``'bfloat16'``.
         iters: Iteration budget, or None for the config's own loop.
         work_dir: Where this run writes logs.
+        master: None, or a ``--masters`` mode (O2 bf16 with ``master_weights`` set).
     """
     old = cfg.get('optim_wrapper', None)
     if not isinstance(old, dict) or 'optimizer' not in old:
@@ -89,7 +114,12 @@ def build_run_config(cfg: Any, level: str, dtype: str, iters: Optional[int], wor
                          "dict with an 'optimizer' (multi-optimizer configs are not supported)")
     wrapper = dict(type='mp_wrappers.ApexOptimWrapper', opt_level=level,
                    dtype='bfloat16' if dtype == 'float32' else dtype,
-                   optimizer=old['optimizer'], verbosity=0)
+                   optimizer=dict(old['optimizer']), verbosity=0)
+    if master is not None:
+        mode, state_dtype = parse_master_mode(master)
+        wrapper['master_weights'] = mode
+        if state_dtype is not None:
+            wrapper['optimizer']['state_dtype'] = state_dtype
     for key in ('clip_grad', 'accumulative_counts'):
         if old.get(key) is not None:
             wrapper[key] = old[key]
@@ -115,8 +145,35 @@ def build_run_config(cfg: Any, level: str, dtype: str, iters: Optional[int], wor
     cfg.custom_hooks = list(cfg.get('custom_hooks', None) or []) + [
         dict(type='CompareProbeHook', progress_file=osp.join(work_dir, 'progress'))]
     cfg.work_dir = work_dir
-    cfg.experiment_name = f'compare_{level}_{dtype}'
+    cfg.experiment_name = f'compare_{level}_{dtype}' + (f'_{master}' if master else '')
     return cfg
+
+
+def persistent_bytes_per_param(model: Any, optimizer: Any) -> float:
+    """Bytes of the distinct tensors kept between steps per model parameter, measured.
+
+    Counts the model's parameters, the optimizer's params (fp32 masters where a wrapper swapped
+    them in) and every tensor in the optimizer state (moments, low halves, compensations, step
+    counters); gradients are not counted. Tensors sharing storage are counted once.
+    """
+    import torch
+    seen: Dict[Tuple[int, int], int] = {}
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            seen[(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())] = \
+                t.untyped_storage().nbytes()
+
+    params = list(model.parameters())
+    for p in params:
+        add(p)
+    for group in optimizer.param_groups:
+        for p in group['params']:
+            add(p)
+    for state in optimizer.state.values():
+        for value in state.values():
+            add(value)
+    return sum(seen.values()) / sum(p.numel() for p in params)
 
 
 # ---- the child process: one run ------------------------------------------------------------------
@@ -173,7 +230,7 @@ def _probe_hook_class():
 
 
 def _run_one(config: str, level: str, dtype: str, iters: Optional[int], work_dir: str,
-             result_path: str, cfg_options: Optional[dict]) -> None:
+             result_path: str, cfg_options: Optional[dict], master: Optional[str] = None) -> None:
     import torch
     from mmengine.config import Config
     from mmengine.runner import Runner
@@ -186,7 +243,7 @@ def _run_one(config: str, level: str, dtype: str, iters: Optional[int], work_dir
     if cfg_options:
         cfg.merge_from_dict(cfg_options)
     os.makedirs(work_dir, exist_ok=True)
-    build_run_config(cfg, level, dtype, iters, work_dir)
+    build_run_config(cfg, level, dtype, iters, work_dir, master)
     add_mixed_precision_hook(cfg)
     threads = configure_torch_threads(cfg)
     runner = Runner.from_cfg(cfg)
@@ -197,7 +254,8 @@ def _run_one(config: str, level: str, dtype: str, iters: Optional[int], work_dir
     warmup = max(1, len(probe.iter_times) // 10)
     timed = probe.iter_times[warmup:] or probe.iter_times
     result = dict(
-        level=level, dtype=dtype, iters=len(probe.iter_times),
+        level=level, dtype=dtype, master=master, iters=len(probe.iter_times),
+        bytes_per_param=persistent_bytes_per_param(runner.model, wrapper.optimizer),
         time_per_iter=sum(timed) / len(timed),
         peak_memory_bytes=probe.peak_bytes,
         memory_kind='cuda_max_allocated' if torch.cuda.is_available() else 'cpu_peak_rss_growth',
@@ -225,11 +283,17 @@ def format_table(results: Sequence[Dict[str, Any]]) -> str:
             if k not in metric_names:
                 metric_names.append(k)
     base = next((r for r in results if r['level'] == 'O0' and 'error' not in r), None)
+    o2 = next((r for r in results if r['level'] == 'O2' and not r.get('master')
+               and 'error' not in r), None)
+    with_bpp = any('bytes_per_param' in r for r in results)
     mem_kind = next((r['memory_kind'] for r in results if 'memory_kind' in r), 'cpu_peak_rss_growth')
     mem_head = 'peak mem (MiB, CUDA)' if mem_kind == 'cuda_max_allocated' else \
         'peak RSS growth (MiB)'
     head = ['level', 'dtype', 'ms/iter', 'speed-up vs O0', mem_head, 'final train loss',
             *[f'val {m}' for m in metric_names], 'skipped steps']
+    if with_bpp:
+        head[2:2] = ['B/param']
+        head[4:4] = ['time vs O2']
     if base:
         head[-1:-1] = [f'Δ {m} vs O0' for m in metric_names]
     lines = ['| ' + ' | '.join(head) + ' |', '|' + '|'.join('---' for _ in head) + '|']
@@ -239,7 +303,8 @@ def format_table(results: Sequence[Dict[str, Any]]) -> str:
             lines.append('| ' + ' | '.join(cells) + ' |')
             continue
         mem = r['peak_memory_bytes']
-        cells = [r['level'], r['dtype'], _fmt(1e3 * r['time_per_iter'], 1),
+        level = r['level'] + (f" master_weights={r['master']}" if r.get('master') else '')
+        cells = [level, r['dtype'], _fmt(1e3 * r['time_per_iter'], 1),
                  _fmt(base['time_per_iter'] / r['time_per_iter'], 2) + 'x' if base else '-',
                  _fmt(mem / 2 ** 20, 1) if mem is not None else '-',
                  _fmt(r['final_train_loss'])]
@@ -254,6 +319,9 @@ def format_table(results: Sequence[Dict[str, Any]]) -> str:
                 else:  # accuracy is already a percentage: report points
                     cells.append(f'{v - b:+.2f}')
         cells.append(str(r['skipped']))
+        if with_bpp:
+            cells[2:2] = [_fmt(r.get('bytes_per_param'), 2)]
+            cells[4:4] = [_fmt(r['time_per_iter'] / o2['time_per_iter'], 2) + 'x' if o2 else '-']
         lines.append('| ' + ' | '.join(cells) + ' |')
     return '\n'.join(lines)
 
@@ -281,8 +349,8 @@ def _progress():
                     TimeElapsedColumn(), transient=False)
 
 
-def _start(args: argparse.Namespace, level: str, dtype: str,
-           run_dir: str) -> Tuple[subprocess.Popen, str, str]:
+def _start(args: argparse.Namespace, level: str, dtype: str, run_dir: str,
+           master: Optional[str] = None) -> Tuple[subprocess.Popen, str, str]:
     """Start the child process of one run; returns it, its progress file and its result file."""
     os.makedirs(run_dir, exist_ok=True)
     result_path = osp.join(run_dir, 'result.json')
@@ -294,6 +362,8 @@ def _start(args: argparse.Namespace, level: str, dtype: str,
            '--work-dir', run_dir]
     if args.iters is not None:
         cmd += ['--iters', str(args.iters)]
+    if master is not None:
+        cmd += ['--master-one', master]
     if args.cfg_options:
         cmd += ['--cfg-options', *args.raw_cfg_options]
     env = dict(os.environ)
@@ -304,27 +374,28 @@ def _start(args: argparse.Namespace, level: str, dtype: str,
 
 
 def _result(proc: subprocess.Popen, level: str, dtype: str, run_dir: str,
-            result_path: str) -> Dict[str, Any]:
+            result_path: str, master: Optional[str] = None) -> Dict[str, Any]:
     if proc.returncode == 0 and osp.exists(result_path):
         with open(result_path) as f:
             return json.load(f)
-    return dict(level=level, dtype=dtype,
+    return dict(level=level, dtype=dtype, master=master,
                 error=f'exit code {proc.returncode}, see {osp.join(run_dir, "run.log")}')
 
 
-def _run_all(args: argparse.Namespace, runs: List[Tuple[str, str]]) -> List[Dict[str, Any]]:
+def _run_all(args: argparse.Namespace,
+             runs: List[Tuple[str, str, Optional[str]]]) -> List[Dict[str, Any]]:
     results = []
     progress = None if args.no_progress else _progress()
     if progress is not None:
         progress.start()
     try:
         overall = progress.add_task('all runs', total=len(runs)) if progress else None
-        for level, dtype in runs:
-            run_dir = osp.join(args.work_dir, f'{level}_{dtype}')
+        for level, dtype, master in runs:
+            run_dir = osp.join(args.work_dir, f'{level}_{dtype}' + (f'_{master}' if master else ''))
             task = progress.add_task(f'{level} {dtype}', total=args.iters) if progress else None
             if progress is None:
                 print(f'compare_precision: training {level} {dtype} ...', flush=True)
-            proc, progress_file, result_path = _start(args, level, dtype, run_dir)
+            proc, progress_file, result_path = _start(args, level, dtype, run_dir, master)
             while proc.poll() is None:
                 time.sleep(0.5)
                 if progress is not None and osp.exists(progress_file):
@@ -334,7 +405,7 @@ def _run_all(args: argparse.Namespace, runs: List[Tuple[str, str]]) -> List[Dict
                         progress.update(task, completed=done, total=total)
                     except ValueError:
                         pass  # caught the file mid-write
-            results.append(_result(proc, level, dtype, run_dir, result_path))
+            results.append(_result(proc, level, dtype, run_dir, result_path, master))
             if progress is not None:
                 progress.update(task, completed=progress.tasks[task].total or 1)
                 progress.advance(overall)
@@ -362,7 +433,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--cfg-options', nargs='+', action=DictAction,
                         help='override config settings for every run')
     parser.add_argument('--no-progress', action='store_true', help='plain lines, no progress bar')
+    parser.add_argument('--masters', nargs='+', default=[],
+                        help='also train O2 bf16 with master_weights=MODE for each MODE: split, '
+                        "kahan, stochastic, optionally suffixed '-bf16state' (bf16 optimizer state)")
     parser.add_argument('--run-one', nargs=2, metavar=('LEVEL', 'DTYPE'), help=argparse.SUPPRESS)
+    parser.add_argument('--master-one', default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     # Hand the raw option strings on to the child processes.
     raw = list(argv if argv is not None else sys.argv[1:])
@@ -382,13 +457,16 @@ def main(argv=None) -> int:
     if args.run_one:
         level, dtype = args.run_one
         _run_one(args.config, level, dtype, args.iters, args.work_dir,
-                 osp.join(args.work_dir, 'result.json'), args.cfg_options)
+                 osp.join(args.work_dir, 'result.json'), args.cfg_options, args.master_one)
         return 0
     if not osp.isfile(args.config):
         print(f'compare_precision.py: error: config {args.config!r} does not exist', file=sys.stderr)
         return 2
     try:
-        runs = plan_runs(args.levels, args.dtypes)
+        runs = [(level, dtype, None) for level, dtype in plan_runs(args.levels, args.dtypes)]
+        for master in args.masters:
+            parse_master_mode(master)
+            runs.append(('O2', 'bfloat16', master))
     except ValueError as exc:
         print(f'compare_precision.py: error: {exc}', file=sys.stderr)
         return 2

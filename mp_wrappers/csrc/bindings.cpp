@@ -63,6 +63,21 @@ TORCH_LIBRARY(mp_wrappers, m) {
         "float beta1, float beta2, float eps, float weight_decay, bool bias_correction, "
         "bool grad_averaging, bool reg_inside_moment, int norm_type, bool init_zero, "
         "Tensor? grad_scale, Tensor? found_inf) -> ()");
+
+  // ---- lean bf16 storage: optimizer updates without a separate fp32 master -----------------------
+  // Executable definitions: mp_wrappers/ops/reference_lean.py (Note [lean bf16 storage]). params
+  // are bfloat16; storage is 'split' (aux: uint16 low halves, params + aux ARE the fp32 master),
+  // 'kahan' (aux: bfloat16 compensation) or 'stochastic' (aux empty; seed keys the rounding hash).
+  // State lists are float32 or bfloat16. Otherwise the conventions of the updates above.
+  m.def("multi_tensor_adam_lean_(Tensor(a!)[] params, Tensor(b!)[] aux, Tensor[] grads, "
+        "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!) step, float lr, "
+        "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, "
+        "bool bias_correction, str storage, int seed, Tensor? grad_scale, "
+        "Tensor? found_inf) -> ()");
+  m.def("multi_tensor_sgd_lean_(Tensor(a!)[] params, Tensor(b!)[] aux, Tensor[] grads, "
+        "Tensor(c!)[] momentum_buffers, Tensor(d!) step, float lr, float momentum, "
+        "float dampening, float weight_decay, bool nesterov, bool wd_after_momentum, "
+        "str storage, int seed, Tensor? grad_scale, Tensor? found_inf) -> ()");
 }
 
 // pybind11 only makes the module importable (importing it runs the registrations above) and carries

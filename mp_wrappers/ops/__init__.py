@@ -7,10 +7,11 @@ here validate their inputs and pick one of the two (:func:`backend` says which).
 from ._extension import backend
 from .multi_tensor import (multi_tensor_axpby, multi_tensor_l2norm, multi_tensor_scale,
                            multi_tensor_unscale_l2norm, new_found_inf, update_scale_hysteresis_)
+from .lean import multi_tensor_adam_lean, multi_tensor_sgd_lean
 from .optimizers import (multi_tensor_adagrad, multi_tensor_adam, multi_tensor_lamb,
                          multi_tensor_novograd, multi_tensor_sgd)
 
 __all__ = ['backend', 'multi_tensor_scale', 'multi_tensor_l2norm', 'multi_tensor_unscale_l2norm',
            'multi_tensor_axpby', 'update_scale_hysteresis_', 'new_found_inf',
            'multi_tensor_adam', 'multi_tensor_sgd', 'multi_tensor_lamb', 'multi_tensor_adagrad',
-           'multi_tensor_novograd']
+           'multi_tensor_novograd', 'multi_tensor_adam_lean', 'multi_tensor_sgd_lean']

@@ -77,3 +77,29 @@ def _multi_tensor_novograd_fake(params: List[Tensor], grads: List[Tensor],
                                 grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
     check_tensor_lists('multi_tensor_novograd_', ('params', 'grads', 'exp_avgs', 'model_params'),
                        (params, grads, exp_avgs, model_params), allow_empty=('model_params',))
+
+
+# ---- lean bf16 storage (Note [lean bf16 storage] in reference_lean.py) ----------------------------
+# aux holds uint16 or bf16 tensors (or nothing), which check_tensor_lists would refuse as
+# non-float; it is validated by the public entry points in mp_wrappers/ops/lean.py.
+
+@torch.library.register_fake('mp_wrappers::multi_tensor_adam_lean_')
+def _multi_tensor_adam_lean_fake(params: List[Tensor], aux: List[Tensor], grads: List[Tensor],
+                                 exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor], step: Tensor,
+                                 lr: float, beta1: float, beta2: float, eps: float,
+                                 weight_decay: float, adam_w_mode: bool, bias_correction: bool,
+                                 storage: str, seed: int, grad_scale: Optional[Tensor],
+                                 found_inf: Optional[Tensor]) -> None:
+    check_tensor_lists('multi_tensor_adam_lean_', ('params', 'grads', 'exp_avgs', 'exp_avg_sqs'),
+                       (params, grads, exp_avgs, exp_avg_sqs))
+
+
+@torch.library.register_fake('mp_wrappers::multi_tensor_sgd_lean_')
+def _multi_tensor_sgd_lean_fake(params: List[Tensor], aux: List[Tensor], grads: List[Tensor],
+                                momentum_buffers: List[Tensor], step: Tensor, lr: float,
+                                momentum: float, dampening: float, weight_decay: float,
+                                nesterov: bool, wd_after_momentum: bool, storage: str, seed: int,
+                                grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+    allow_empty = ('momentum_buffers',) if momentum == 0 else ()
+    check_tensor_lists('multi_tensor_sgd_lean_', ('params', 'grads', 'momentum_buffers'),
+                       (params, grads, momentum_buffers), allow_empty=allow_empty)

@@ -354,3 +354,10 @@ def multi_tensor_novograd_(params: List[Tensor], grads: List[Tensor], exp_avgs: 
             _commit_(model_params[i], p_new, skip)
     _commit_(exp_avg_sq_norms, new_norms, skip)
     _commit_(step, count, skip)
+
+
+# The lean bf16 storage updates (Note [lean bf16 storage]) live in their own module; exported here so
+# the one dispatch point (_dispatch.implementation) finds every reference in this namespace.
+from .reference_lean import multi_tensor_adam_lean_, multi_tensor_sgd_lean_  # noqa: E402
+
+__all__ += ['multi_tensor_adam_lean_', 'multi_tensor_sgd_lean_']

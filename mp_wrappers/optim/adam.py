@@ -8,12 +8,13 @@ from ..casting import HALF_DTYPES
 from ..ops.optimizers import _check_betas, _check_lr, _check_nonnegative
 from ..registry import OPTIMIZERS
 from .base import FusedOptimizer, ParamsT, _Bucket, _like
+from .lean import LeanStorageMixin
 
 __all__ = ['FusedAdam']
 
 
 @OPTIMIZERS.register_module()
-class FusedAdam(FusedOptimizer):
+class FusedAdam(LeanStorageMixin, FusedOptimizer):
     """Adam / AdamW with the update of each bucket of params in one fused op (apex FusedAdam).
 
     With ``adam_w_mode=True`` (the default, as in apex) weight decay is decoupled:
@@ -38,6 +39,11 @@ class FusedAdam(FusedOptimizer):
         master_weights: Keep an fp32 master copy of every fp16/bf16 param in the optimizer state
             and update it, rounding the result into the param (apex's option). Not needed when a
             wrapper already swaps fp32 masters into ``param_groups``.
+        bf16_storage: How bfloat16 params are stored without an fp32 master: None (default),
+            ``'split'``, ``'kahan'`` or ``'stochastic'`` (:mod:`mp_wrappers.optim.lean`).
+        state_dtype: ``'float32'`` (default) or ``'bfloat16'``: dtype of both moments of the
+            bf16 params stepped with ``bf16_storage`` (Adam at 8 B/param with 'kahan').
+        seed: Key of the stochastic-rounding hash (``bf16_storage='stochastic'``).
 
     Examples:
         >>> optim_wrapper = dict(
@@ -49,12 +55,15 @@ class FusedAdam(FusedOptimizer):
 
     _op = 'multi_tensor_adam_'
     _tensor_state = ('exp_avg', 'exp_avg_sq')
+    _moment_keys = ('exp_avg', 'exp_avg_sq')
+    _lean_op = 'multi_tensor_adam_lean_'
 
     def __init__(self, params: ParamsT, lr: float = 1e-3, bias_correction: bool = True,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False,
                  set_grad_none: bool = True, capturable: bool = False,
-                 master_weights: bool = False) -> None:
+                 master_weights: bool = False, bf16_storage: Optional[str] = None,
+                 state_dtype: str = 'float32', seed: int = 0) -> None:
         if amsgrad:
             raise ValueError('FusedAdam: amsgrad=True is not supported (there is no fused AMSGrad '
                              'update); use amsgrad=False or torch.optim.Adam(amsgrad=True)')
@@ -62,6 +71,7 @@ class FusedAdam(FusedOptimizer):
         self.master_weights = bool(master_weights)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode)
+        self._init_lean(bf16_storage, state_dtype, seed)
         super().__init__(params, defaults, set_grad_none)
 
     def _check_hyperparameters(self, group: Dict[str, Any]) -> None:
@@ -78,6 +88,9 @@ class FusedAdam(FusedOptimizer):
 
     def _update_target(self, param: Tensor, state: Dict[str, Any],
                        model: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+        if self.bf16_storage is not None or self.state_dtype != torch.float32:
+            # The lean storages (never with master_weights=True: refused in set_bf16_storage).
+            return LeanStorageMixin._update_target(self, param, state, model)
         master = state.get('master_param')
         if master is None:
             return param, model
@@ -91,6 +104,12 @@ class FusedAdam(FusedOptimizer):
                 prepared: Any) -> None:
         g = bucket.group
         beta1, beta2 = g['betas']
+        if self._is_lean(bucket.params[0]):
+            self._launch_lean(bucket, (bucket.states['exp_avg'], bucket.states['exp_avg_sq']),
+                              float(g['lr']), float(beta1), float(beta2), float(g['eps']),
+                              float(g['weight_decay']), bool(g['adam_w_mode']),
+                              bool(g['bias_correction']), grad_scale, found_inf)
+            return
         self._call_op(bucket, bucket.params, bucket.grads, bucket.states['exp_avg'],
                       bucket.states['exp_avg_sq'], bucket.model_params, bucket.step,
                       float(g['lr']), float(beta1), float(beta2), float(g['eps']),

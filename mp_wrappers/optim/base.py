@@ -166,6 +166,16 @@ class FusedOptimizer(Optimizer):
     def _init_extra_state(self, param: Tensor, state: Dict[str, Any]) -> None:
         """Create state beyond the declared tensors (FusedAdam's internal master)."""
 
+    def _state_dtype(self, key: str, param: Tensor) -> torch.dtype:
+        """The dtype of tensor state ``key`` of ``param`` (float32; the lean bf16 storages of
+        :mod:`mp_wrappers.optim.lean` keep some in bf16 or uint16)."""
+        return torch.float32
+
+    def _slot_state_keys(self, group: Dict[str, Any], target: Tensor) -> Tuple[str, ...]:
+        """The tensor-state keys whose lists the op gets for ``target`` (``_tensor_state_keys``
+        plus per-param extras such as a lean storage's aux state)."""
+        return self._tensor_state_keys(group)
+
     def _prepare(self, buckets: List[_Bucket], grad_scale: Optional[Tensor]) -> Any:
         """Work over all buckets before any update (LAMB's global grad norm); passed to _launch."""
         return None
@@ -281,8 +291,12 @@ class FusedOptimizer(Optimizer):
             param = group_params
             state = self.state[param]
             for key, value in saved.items():
-                if isinstance(value, Tensor) and value.is_floating_point():
-                    state[key] = value.to(device=param.device, dtype=torch.float32, copy=True)
+                if isinstance(value, Tensor):
+                    # Integer state (a 'split' param's uint16 low half) keeps its dtype: torch's
+                    # loader would have converted it to the param's dtype by value.
+                    dtype = (self._state_dtype(key, param) if value.is_floating_point()
+                             else value.dtype)
+                    state[key] = value.to(device=param.device, copy=True, dtype=dtype)
             if 'step' in state and isinstance(state['step'], Tensor):
                 state['step'] = state['step'].reshape(1)
             elif 'step' in state:  # a plain number from an older optimizer
@@ -334,7 +348,7 @@ class FusedOptimizer(Optimizer):
     def _init_state(self, param: Tensor, group: Dict[str, Any], step: Tensor) -> Dict[str, Any]:
         state = self.state[param]
         for key in self._tensor_state_keys(group):
-            state[key] = _like(param, torch.float32).zero_()
+            state[key] = _like(param, self._state_dtype(key, param)).zero_()
         for key in self._scalar_state:
             state[key] = torch.zeros(1, dtype=torch.float32, device=param.device)
         state['step'] = step
@@ -344,10 +358,11 @@ class FusedOptimizer(Optimizer):
     def _ensure_layout(self, state: Dict[str, Any], key: str, ref: Tensor) -> Tensor:
         """The state tensor ``key`` in ``ref``'s memory order, re-laid out once if needed."""
         value = state.get(key)
+        dtype = self._state_dtype(key, ref)
         if value is None:  # e.g. SGD momentum switched on after the first steps
-            value = state[key] = _like(ref, torch.float32).zero_()
-        elif not _same_order(value, ref) or value.dtype != torch.float32:
-            value = state[key] = _like(ref, torch.float32).copy_(value.reshape(ref.shape))
+            value = state[key] = _like(ref, dtype).zero_()
+        elif not _same_order(value, ref) or value.dtype != dtype:
+            value = state[key] = _like(ref, dtype).copy_(value.reshape(ref.shape))
         return value
 
     def _collect(self, grads: Optional[Sequence[Sequence[Optional[Tensor]]]],
@@ -378,6 +393,7 @@ class FusedOptimizer(Optimizer):
                 target, model = self._update_target(param, state, model)
                 if is_dtensor(target):  # FSDP2: update the local shards (mp_wrappers.distributed)
                     target, grad, model, state = local_slot(self, target, grad, model, state, keys)
+                slot_keys = self._slot_state_keys(group, target) if self._has_slot_keys else keys
                 for what, t in (('gradient', grad), ('model param', model)):
                     if t is None:
                         continue
@@ -393,22 +409,23 @@ class FusedOptimizer(Optimizer):
                 bucket = buckets.get(key)
                 if bucket is None:
                     bucket = buckets[key] = _Bucket(group, target.device, state['step'],
-                                                    keys + self._scalar_state)
-                states = [state.get(k) for k in keys]
+                                                    slot_keys + self._scalar_state)
+                states = [state.get(k) for k in slot_keys]
                 shape = target.shape
                 if (target.is_contiguous() and grad.is_contiguous() and grad.shape == shape
                         and (model is None or (model.is_contiguous() and model.shape == shape))
-                        and all(t is not None and t.dtype == torch.float32 and t.is_contiguous()
-                                and t.shape == shape for t in states)):
+                        and all(t is not None and t.dtype == self._state_dtype(k, target)
+                                and t.is_contiguous() and t.shape == shape
+                                for k, t in zip(slot_keys, states))):
                     # The common case, kept cheap: this loop runs for every param every step.
                     bucket.params.append(target)
                     bucket.grads.append(grad)
                     if model is not None:
                         bucket.model_params.append(model)
-                    for k, t in zip(keys, states):
+                    for k, t in zip(slot_keys, states):
                         bucket.states[k].append(t)
                 else:
-                    self._add_strided(bucket, target, grad, model, state, keys, writebacks)
+                    self._add_strided(bucket, target, grad, model, state, slot_keys, writebacks)
                 for k in self._scalar_state:
                     bucket.states[k].append(state[k])
         return list(buckets.values())
@@ -464,8 +481,13 @@ class FusedOptimizer(Optimizer):
         for dst, src in writebacks:
             dst.copy_(src.reshape(dst.shape))
 
-    def _call_op(self, bucket: _Bucket, *args: Any) -> None:
-        implementation(self._op, bucket.device)(*args)
+    def _call_op(self, bucket: _Bucket, *args: Any, op: Optional[str] = None) -> None:
+        implementation(op or self._op, bucket.device)(*args)
+
+    @property
+    def _has_slot_keys(self) -> bool:
+        # Only subclasses that override _slot_state_keys pay for a per-param call in _collect.
+        return type(self)._slot_state_keys is not FusedOptimizer._slot_state_keys
 
 
 def _scalar_on(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:

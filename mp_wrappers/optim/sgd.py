@@ -6,12 +6,13 @@ from torch import Tensor
 from ..ops.optimizers import _check_lr, _check_nonnegative
 from ..registry import OPTIMIZERS
 from .base import FusedOptimizer, ParamsT, _Bucket
+from .lean import LeanStorageMixin
 
 __all__ = ['FusedSGD']
 
 
 @OPTIMIZERS.register_module()
-class FusedSGD(FusedOptimizer):
+class FusedSGD(LeanStorageMixin, FusedOptimizer):
     """SGD with momentum, dampening, Nesterov and weight decay (torch.optim.SGD math, apex FusedSGD).
 
     The first applied update sets the momentum buffer to the gradient, as torch does; the decision
@@ -32,6 +33,11 @@ class FusedSGD(FusedOptimizer):
             made fp32 master grads). Never needed here: ``fused_master_step`` reads the half grads
             directly. Kept as the attribute of the same name.
         set_grad_none: Default of ``zero_grad(set_to_none=...)`` (False, as in apex).
+        bf16_storage: How bfloat16 params are stored without an fp32 master: None (default),
+            ``'split'``, ``'kahan'`` or ``'stochastic'`` (:mod:`mp_wrappers.optim.lean`).
+        state_dtype: ``'float32'`` (default) or ``'bfloat16'``: dtype of the momentum buffers of
+            the bf16 params stepped with ``bf16_storage``.
+        seed: Key of the stochastic-rounding hash (``bf16_storage='stochastic'``).
 
     Examples:
         >>> optim_wrapper = dict(
@@ -41,14 +47,18 @@ class FusedSGD(FusedOptimizer):
     """
 
     _op = 'multi_tensor_sgd_'
+    _moment_keys = ('momentum_buffer',)
+    _lean_op = 'multi_tensor_sgd_lean_'
 
     def __init__(self, params: ParamsT, lr: float, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False,
                  wd_after_momentum: bool = False, materialize_master_grads: bool = True,
-                 set_grad_none: bool = False) -> None:
+                 set_grad_none: bool = False, bf16_storage: Optional[str] = None,
+                 state_dtype: str = 'float32', seed: int = 0) -> None:
         self.materialize_master_grads = bool(materialize_master_grads)
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, wd_after_momentum=wd_after_momentum)
+        self._init_lean(bf16_storage, state_dtype, seed)
         super().__init__(params, defaults, set_grad_none)
 
     def _check_hyperparameters(self, group: Dict[str, Any]) -> None:
@@ -67,6 +77,12 @@ class FusedSGD(FusedOptimizer):
     def _launch(self, bucket: _Bucket, grad_scale: Optional[Tensor], found_inf: Optional[Tensor],
                 prepared: Any) -> None:
         g = bucket.group
+        if self._is_lean(bucket.params[0]):
+            self._launch_lean(bucket, (bucket.states.get('momentum_buffer', []),),
+                              float(g['lr']), float(g['momentum']), float(g['dampening']),
+                              float(g['weight_decay']), bool(g['nesterov']),
+                              bool(g['wd_after_momentum']), grad_scale, found_inf)
+            return
         self._call_op(bucket, bucket.params, bucket.grads, bucket.states.get('momentum_buffer', []),
                       bucket.model_params, bucket.step, float(g['lr']), float(g['momentum']),
                       float(g['dampening']), float(g['weight_decay']), bool(g['nesterov']),

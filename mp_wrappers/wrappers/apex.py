@@ -16,6 +16,8 @@ from ..autocast import o1_context
 from ..casting import (HALF_DTYPES, ForwardCaster, cast_model, fp32_state_dict_hook,
                        model_cast_dtype, owned_roots)
 from ..distributed.sharding import check_fsdp_precision, sharding_of
+from ..master import MasterParams
+from ..master_modes import LeanMasterParams
 from ..policy import DEFAULT, Properties, resolve_properties
 from ..registry import OPTIM_WRAPPERS
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
@@ -57,7 +59,12 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
         cast_model_type (torch.dtype, optional): Override of the level's model dtype.
         patch_torch_functions (bool, optional): Override (only True with O1).
         keep_batchnorm_fp32 (bool | str, optional): Override; ``"True"``/``"False"`` accepted.
-        master_weights (bool, optional): Override (not with O1).
+        master_weights (bool | str, optional): Override (not with O1). Beyond apex, a bf16 model
+            (O2/O3, ``dtype='bfloat16'``) also takes ``'split'`` (the bf16 params plus a uint16
+            low half ARE the fp32 masters: O2's masters bit for bit, forward weights rounded
+            toward zero, 2 B/param less), ``'kahan'`` (bf16 params with a bf16 Kahan compensation,
+            no master) or ``'stochastic'`` (stochastically rounded bf16 updates, no master). These
+            need ``mp_wrappers.FusedAdam`` or ``FusedSGD``; see :mod:`mp_wrappers.master_modes`.
         cast_model_outputs (torch.dtype, optional): dtype of the model's outputs under O2/O3
             (default fp32).
         num_losses (int): Number of independent loss scalers (``backward(loss, loss_id=k)``).
@@ -112,7 +119,7 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
         scalers = [self._build_scaler(min_loss_scale, max_loss_scale, hysteresis, scale_window,
                                       init_scale) for _ in range(num_losses)]
         super().__init__(optimizer, scalers,
-                         master_weights=bool(self.properties.master_weights),
+                         master_weights=self.properties.master_weights is True,
                          verbose=verbosity > 0, accumulative_counts=accumulative_counts,
                          clip_grad=clip_grad, **kwargs)
         self.num_losses = num_losses
@@ -122,6 +129,15 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
         self._forward_caster: Optional[ForwardCaster] = None
         self._state_dict_hook = None
         self._deferred_state: Optional[dict] = None
+        self._lean_state_dict_hook = None
+        if self.properties.lean_storage is not None and self.properties.enabled:
+            LeanMasterParams(optimizer, self.properties.lean_storage)  # refuse a wrong optimizer now
+
+    def _new_masters(self, initial_values: Optional[Dict[int, Tensor]] = None) -> MasterParams:
+        if self.properties.lean_storage is not None and self.properties.enabled:
+            return LeanMasterParams(self.optimizer, self.properties.lean_storage,
+                                    initial_values=initial_values)
+        return super()._new_masters(initial_values)
 
     def _build_scaler(self, min_loss_scale, max_loss_scale, hysteresis, scale_window,
                       init_scale) -> LossScaler:
@@ -239,6 +255,9 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
         self._rebuild_masters(initial_values=full_precision)
         # Also for the bind: deferred optimizer state loaded below may disagree with them.
         self._precast_weights = full_precision
+        if isinstance(self._masters, LeanMasterParams):
+            # After the fp32 hook: the checkpoint's weights are the full-precision ones.
+            self._lean_state_dict_hook = self._masters.register_state_dict_hook(module)
         if self._deferred_state is not None:
             state, self._deferred_state = self._deferred_state, None
             super().load_state_dict(state)  # warns nothing twice: the same dict was checked
@@ -260,6 +279,9 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
         if self._state_dict_hook is not None:
             self._state_dict_hook.remove()
             self._state_dict_hook = None
+        if self._lean_state_dict_hook is not None:
+            self._lean_state_dict_hook.remove()
+            self._lean_state_dict_hook = None
 
     def initialize_count_status(self, model: nn.Module, init_counts: int,
                                 max_counts: int) -> None:
@@ -365,7 +387,10 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
         return self._policy()
 
     def _policy(self) -> Dict[str, Any]:
-        return dict(opt_level=self.opt_level, dtype=str(self.properties.dtype))
+        policy = dict(opt_level=self.opt_level, dtype=str(self.properties.dtype))
+        if self.properties.lean_storage is not None:
+            policy['master_weights'] = self.properties.lean_storage
+        return policy
 
 
 def _contains(outer: nn.Module, inner: nn.Module) -> bool:

@@ -167,6 +167,11 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self._check_at_first_forward = False
 
     # ---- masters ---------------------------------------------------------------------------------
+    def _new_masters(self, initial_values: Optional[Dict[int, Tensor]] = None) -> MasterParams:
+        """Subclass hook: the master-weight mode (ApexOptimWrapper's lean bf16 storages)."""
+        return MasterParams(self.optimizer, create_masters=self.master_weights,
+                            initial_values=initial_values)
+
     def _master_params(self) -> MasterParams:
         if self._masters is None or self._masters.optimizer is not self.optimizer:
             self._rebuild_masters()
@@ -176,8 +181,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
 
     def _rebuild_masters(self, initial_values: Optional[Dict[int, Tensor]] = None) -> None:
         """New masters for ``self.optimizer`` (from ``initial_values`` where given), unbound."""
-        self._masters = MasterParams(self.optimizer, create_masters=self.master_weights,
-                                     initial_values=initial_values)
+        self._masters = self._new_masters(initial_values)
         self._stash = GradStash()
         self._bound_masters = None
 

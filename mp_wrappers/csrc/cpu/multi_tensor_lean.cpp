@@ -1,0 +1,371 @@
+// CPU kernels of multi_tensor_adam_lean_ and multi_tensor_sgd_lean_: Adam/AdamW and SGD on bf16
+// params that carry their own master ('split'), a Kahan compensation ('kahan') or nothing but
+// stochastic rounding ('stochastic'). Semantics and op order: mp_wrappers/ops/reference_lean.py
+// (Note [lean bf16 storage]); the fp32 arithmetic is that of cpu/multi_tensor_{adam,sgd}.cpp in the
+// same order, so 'split' masters are bit-identical to the fused O2 step's fp32 masters.
+//
+// One pass per 64K-element chunk, like the fp32-master kernels: per bf16 param, 'split' moves
+// 2 (param) + 2 (low half) + 8 (fp32 moments) bytes in and out plus the grad, where O2 moves the
+// model copy (2) + master (4) + moments (8); 'kahan' and 'stochastic' with bf16 moments move 4-6.
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "mp_wrappers/checks.h"
+#include "mp_wrappers/cpu_features.h"
+#include "mp_wrappers/cpu_lean.h"
+#include "mp_wrappers/cpu_multi_tensor.h"
+#include "mp_wrappers/cpu_optim.h"
+#include "mp_wrappers/cpu_vec.h"
+
+namespace mp_wrappers {
+namespace cpu {
+namespace {
+
+enum class Storage : int { kSplit = 0, kKahan = 1, kStochastic = 2 };
+
+Storage parse_storage(const char* op, const std::string& s) {
+  if (s == "split") return Storage::kSplit;
+  if (s == "kahan") return Storage::kKahan;
+  TORCH_CHECK(s == "stochastic", op, ": storage='", s,
+              "' is not allowed; expected 'split', 'kahan' or 'stochastic'");
+  return Storage::kStochastic;
+}
+
+// The bf16 params, their aux state and the element offset of a span, with the two storage steps
+// every update shares: read the fp32 value, and write `p32 - step` back.
+template <class V, Storage S>
+struct LeanParam {
+  using F = typename V::F;
+  c10::BFloat16* p;
+  void* aux;           // uint16 low halves ('split'), bf16 compensation ('kahan'), unused otherwise
+  uint32_t index;      // element index of p[0] in its tensor (the stochastic hash input)
+  uint32_t key;        // per-tensor key of the stochastic hash
+
+  inline uint16_t* lo() const { return static_cast<uint16_t*>(aux); }
+  inline c10::BFloat16* comp() const { return static_cast<c10::BFloat16*>(aux); }
+
+  inline F load(int64_t i, int64_t k) const {
+    if constexpr (S == Storage::kSplit) return lean::join_n<V>(p + i, lo() + i, k);
+    return load_n<V>(p + i, k);
+  }
+
+  // Stores p32 - step (step = lr * direction). Subtraction, not addition of a negated step, keeps
+  // the signed zeros of the fp32-master kernels.
+  inline void store(int64_t i, int64_t k, F p32, F step) const {
+    if constexpr (S == Storage::kKahan) {
+      const F c = V::sub(load_n<V>(comp() + i, k), step);
+      store_n<V>(p + i, V::add(p32, c), k);  // rounded to nearest
+      const F rounded = load_n<V>(p + i, k);
+      store_n<V>(comp() + i, V::sub(c, V::sub(rounded, p32)), k);
+    } else if constexpr (S == Storage::kSplit) {
+      lean::store_split_n<V>(p + i, lo() + i, V::sub(p32, step), k);
+    } else {
+      const auto rnd = lean::Bits<V>::random(index + static_cast<uint32_t>(i), key);
+      lean::store_stochastic_n<V>(p + i, V::sub(p32, step), rnd, k);
+    }
+  }
+
+  inline void prefetch(int64_t i) const {
+    optim::prefetch_write(p + i);
+    if constexpr (S == Storage::kSplit) optim::prefetch_write(lo() + i);
+    if constexpr (S == Storage::kKahan) optim::prefetch_write(comp() + i);
+  }
+};
+
+// ---- Adam ---------------------------------------------------------------------------------------
+
+struct AdamConsts {
+  float lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, bc1, bc2;
+  bool adam_w_mode, has_weight_decay;
+  optim::Unscale unscale;
+};
+
+template <class V, Storage S, class G, class M>
+inline void adam_lean_span(const LeanParam<V, S>& lp, const G* g, M* m, M* v, int64_t n,
+                           const AdamConsts& c) {
+  using F = typename V::F;
+  const F lr = V::set1(c.lr), b1 = V::set1(c.beta1), b2 = V::set1(c.beta2);
+  const F omb1 = V::set1(c.one_minus_beta1), omb2 = V::set1(c.one_minus_beta2);
+  const F eps = V::set1(c.eps), wd = V::set1(c.weight_decay);
+  const F bc1 = V::set1(c.bc1), bc2 = V::set1(c.bc2), us = V::set1(c.unscale.factor);
+  const bool l2 = !c.adam_w_mode && c.has_weight_decay;
+  const bool decoupled = c.adam_w_mode && c.has_weight_decay;
+  for (int64_t i = 0; i < n; i += V::kWidth) {
+    const int64_t k = n - i;
+    lp.prefetch(i);
+    optim::prefetch_read(g + i);
+    optim::prefetch_write(m + i);
+    optim::prefetch_write(v + i);
+    const F p32 = lp.load(i, k);
+    F g32 = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
+    if (l2) g32 = V::add(g32, V::mul(wd, p32));
+    const F m_new = V::add(V::mul(b1, load_n<V>(m + i, k)), V::mul(omb1, g32));
+    const F v_new = V::add(V::mul(b2, load_n<V>(v + i, k)), V::mul(V::mul(omb2, g32), g32));
+    F update = V::div(V::div(m_new, bc1), V::add(V::sqrt(V::div(v_new, bc2)), eps));
+    if (decoupled) update = V::add(update, V::mul(wd, p32));
+    store_n<V>(m + i, m_new, k);
+    store_n<V>(v + i, v_new, k);
+    lp.store(i, k, p32, V::mul(lr, update));
+  }
+}
+
+// The per-chunk arguments both optimizers share.
+struct LeanChunkArgs {
+  Storage storage;
+  const RawTensor* p;
+  const RawTensor* aux;  // nullptr for 'stochastic'
+  const RawTensor* g;
+  uint32_t key;
+};
+
+// Calls fn(LeanParam<V, S>) with the chunk's storage mode resolved at compile time.
+template <class V, class Fn>
+inline void with_lean_param(const LeanChunkArgs& a, const TensorChunk& ch, const Fn& fn) {
+  auto* p = static_cast<c10::BFloat16*>(a.p->data) + ch.begin;
+  const auto index = static_cast<uint32_t>(ch.begin);
+  switch (a.storage) {
+    case Storage::kSplit:
+      return fn(LeanParam<V, Storage::kSplit>{
+          p, static_cast<uint16_t*>(a.aux->data) + ch.begin, index, a.key});
+    case Storage::kKahan:
+      return fn(LeanParam<V, Storage::kKahan>{
+          p, static_cast<c10::BFloat16*>(a.aux->data) + ch.begin, index, a.key});
+    default:
+      return fn(LeanParam<V, Storage::kStochastic>{p, nullptr, index, a.key});
+  }
+}
+
+// State (moments, momentum) is float32 or bfloat16.
+template <class Fn>
+inline void with_state_typed(const RawTensor& t, const Fn& fn) {
+  if (t.dtype == StorageDtype::kBFloat16) return fn(static_cast<c10::BFloat16*>(t.data));
+  fn(static_cast<float*>(t.data));
+}
+
+struct AdamLeanChunk {
+  template <class V>
+  static void run(const LeanChunkArgs& a, const RawTensor& m, const RawTensor& v,
+                  const TensorChunk& ch, const AdamConsts& c) {
+    const int64_t b = ch.begin, n = ch.end - ch.begin;
+    with_lean_param<V>(a, ch, [&](const auto& lp) {
+      optim::with_typed(*a.g, [&](auto* gp) {
+        with_state_typed(m, [&](auto* mp) {
+          // Both moments share one dtype (checked on entry).
+          auto* vp = reinterpret_cast<decltype(mp)>(v.data);
+          adam_lean_span<V>(lp, gp + b, mp + b, vp + b, n, c);
+        });
+      });
+    });
+  }
+};
+
+// ---- SGD ----------------------------------------------------------------------------------------
+
+struct SgdConsts {
+  float lr, momentum, one_minus_dampening, weight_decay;
+  bool nesterov, wd_after_momentum, has_weight_decay, has_momentum, first;
+  optim::Unscale unscale;
+};
+
+template <class V, Storage S, class G, class B>
+inline void sgd_lean_span(const LeanParam<V, S>& lp, const G* g, B* buf, int64_t n,
+                          const SgdConsts& c) {
+  using F = typename V::F;
+  const F lr = V::set1(c.lr), mom = V::set1(c.momentum), omd = V::set1(c.one_minus_dampening);
+  const F wd = V::set1(c.weight_decay), us = V::set1(c.unscale.factor);
+  const bool wd_before = c.has_weight_decay && !c.wd_after_momentum;
+  const bool wd_after = c.has_weight_decay && c.wd_after_momentum;
+  for (int64_t i = 0; i < n; i += V::kWidth) {
+    const int64_t k = n - i;
+    lp.prefetch(i);
+    optim::prefetch_read(g + i);
+    const F p32 = lp.load(i, k);
+    F d = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
+    if (wd_before) d = V::add(d, V::mul(wd, p32));
+    if constexpr (!std::is_same<B, optim::NoOut>::value) {
+      if (c.has_momentum) {
+        optim::prefetch_write(buf + i);
+        const F b_new = c.first ? d : V::add(V::mul(mom, load_n<V>(buf + i, k)), V::mul(omd, d));
+        d = c.nesterov ? V::add(d, V::mul(mom, b_new)) : b_new;
+        store_n<V>(buf + i, b_new, k);
+      }
+    }
+    if (wd_after) d = V::add(d, V::mul(wd, p32));
+    lp.store(i, k, p32, V::mul(lr, d));
+  }
+}
+
+struct SgdLeanChunk {
+  template <class V>
+  static void run(const LeanChunkArgs& a, const RawTensor* buf, const TensorChunk& ch,
+                  const SgdConsts& c) {
+    const int64_t b = ch.begin, n = ch.end - ch.begin;
+    with_lean_param<V>(a, ch, [&](const auto& lp) {
+      optim::with_typed(*a.g, [&](auto* gp) {
+        if (buf == nullptr) {
+          sgd_lean_span<V>(lp, gp + b, static_cast<optim::NoOut*>(nullptr), n, c);
+          return;
+        }
+        with_state_typed(*buf, [&](auto* bp) { sgd_lean_span<V>(lp, gp + b, bp + b, n, c); });
+      });
+    });
+  }
+};
+
+// ---- argument checks and the host side ----------------------------------------------------------
+
+// params are bf16; aux is uint16 ('split'), bf16 ('kahan') or empty ('stochastic'), parallel to
+// params, contiguous and on their device; state lists hold float32 or bfloat16, one dtype for all.
+void check_lean_lists(const char* op, Storage storage, at::TensorList params, at::TensorList aux,
+                      const at::Device& device, std::initializer_list<NamedTensorList> state) {
+  for (size_t i = 0; i < params.size(); ++i)
+    TORCH_CHECK(params[i].scalar_type() == at::kBFloat16, op, ": params[", i, "] has dtype ",
+                params[i].scalar_type(), "; the lean storages hold bfloat16 params");
+  if (storage == Storage::kStochastic) {
+    TORCH_CHECK(aux.empty(), op, ": storage='stochastic' keeps no aux state, got ", aux.size(),
+                " aux tensors");
+  } else {
+    const at::ScalarType want = storage == Storage::kSplit ? at::kUInt16 : at::kBFloat16;
+    TORCH_CHECK(aux.size() == params.size(), op, ": aux has ", aux.size(),
+                " tensors but params has ", params.size(), "; the lists must be parallel");
+    for (size_t i = 0; i < aux.size(); ++i) {
+      TORCH_CHECK(aux[i].scalar_type() == want, op, ": aux[", i, "] has dtype ",
+                  aux[i].scalar_type(), "; storage='",
+                  storage == Storage::kSplit ? "split" : "kahan", "' needs ", want);
+      TORCH_CHECK(aux[i].is_contiguous() && aux[i].layout() == at::kStrided, op, ": aux[", i,
+                  "] must be a dense contiguous tensor");
+      TORCH_CHECK(aux[i].device() == device, op, ": aux[", i, "] is on ", aux[i].device(),
+                  " but the params are on ", device);
+      TORCH_CHECK(aux[i].numel() == params[i].numel(), op, ": aux[", i, "] has ",
+                  aux[i].numel(), " elements but params[", i, "] has ", params[i].numel());
+    }
+  }
+  std::optional<at::ScalarType> state_dtype;
+  for (const NamedTensorList& l : state) {
+    for (size_t i = 0; i < l.second.size(); ++i) {
+      const at::ScalarType t = l.second[i].scalar_type();
+      TORCH_CHECK(t == at::kFloat || t == at::kBFloat16, op, ": ", l.first, "[", i,
+                  "] has dtype ", t, "; optimizer state must be float32 or bfloat16");
+      if (!state_dtype.has_value()) state_dtype = t;
+      TORCH_CHECK(t == *state_dtype, op, ": ", l.first, "[", i, "] has dtype ", t,
+                  " but other state tensors are ", *state_dtype, "; use one state dtype");
+    }
+  }
+}
+
+std::vector<uint32_t> tensor_keys(Storage storage, int64_t seed, float count, size_t n) {
+  std::vector<uint32_t> keys(n, 0u);
+  if (storage == Storage::kStochastic)
+    for (size_t t = 0; t < n; ++t) keys[t] = lean::tensor_key(seed, count, static_cast<int64_t>(t));
+  return keys;
+}
+
+void multi_tensor_adam_lean_cpu(at::TensorList params, at::TensorList aux, at::TensorList grads,
+                                at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                                const at::Tensor& step, double lr, double beta1, double beta2,
+                                double eps, double weight_decay, bool adam_w_mode,
+                                bool bias_correction, c10::string_view storage_name, int64_t seed,
+                                const std::optional<at::Tensor>& grad_scale,
+                                const std::optional<at::Tensor>& found_inf) {
+  constexpr const char* op = "multi_tensor_adam_lean_";
+  const Storage storage = parse_storage(op, std::string(storage_name));
+  const at::Device device = check_tensor_lists(
+      op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},
+           {"exp_avg_sqs", exp_avg_sqs}});
+  check_lean_lists(op, storage, params, aux, device,
+                   {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}});
+  optim::check_step(op, step, device);
+  optim::check_optional_scalar(op, "grad_scale", grad_scale, device);
+  optim::check_optional_scalar(op, "found_inf", found_inf, device);
+  if (optim::should_skip(found_inf)) return;
+
+  const float count = optim::read_count(step);
+  AdamConsts c;
+  c.lr = static_cast<float>(lr);
+  c.beta1 = static_cast<float>(beta1);
+  c.beta2 = static_cast<float>(beta2);
+  c.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  c.eps = static_cast<float>(eps);
+  c.weight_decay = static_cast<float>(weight_decay);
+  c.has_weight_decay = weight_decay != 0.0;
+  c.adam_w_mode = adam_w_mode;
+  c.bc1 = optim::bias_correction(beta1, count, bias_correction);
+  c.bc2 = optim::bias_correction(beta2, count, bias_correction);
+  c.unscale = optim::Unscale::from(grad_scale);
+
+  const std::vector<RawTensor> ps = raw_tensors(params), as = raw_tensors(aux),
+                               gs = raw_tensors(grads), ms = raw_tensors(exp_avgs),
+                               vs = raw_tensors(exp_avg_sqs);
+  const std::vector<uint32_t> keys = tensor_keys(storage, seed, count, params.size());
+  const ChunkPlan plan(params);
+  const CpuIsa isa = cpu_isa();
+  plan.parallel_for_each([&](int64_t, const TensorChunk& ch) {
+    const int64_t t = ch.tensor;
+    const LeanChunkArgs a{storage, &ps[t], optim::raw_at(as, t), &gs[t], keys[t]};
+    run_cpu_kernel<AdamLeanChunk>(isa, a, ms[t], vs[t], ch, c);
+  });
+  optim::commit_count(step, count);
+}
+
+void multi_tensor_sgd_lean_cpu(at::TensorList params, at::TensorList aux, at::TensorList grads,
+                               at::TensorList momentum_buffers, const at::Tensor& step, double lr,
+                               double momentum, double dampening, double weight_decay,
+                               bool nesterov, bool wd_after_momentum,
+                               c10::string_view storage_name, int64_t seed,
+                               const std::optional<at::Tensor>& grad_scale,
+                               const std::optional<at::Tensor>& found_inf) {
+  constexpr const char* op = "multi_tensor_sgd_lean_";
+  const Storage storage = parse_storage(op, std::string(storage_name));
+  const bool has_momentum = momentum != 0.0;
+  const at::Device device = check_tensor_lists(
+      op, {{"params", params}, {"grads", grads}, {"momentum_buffers", momentum_buffers}},
+      {"momentum_buffers"});
+  TORCH_CHECK(!has_momentum || momentum_buffers.size() == params.size(), op,
+              ": momentum_buffers is empty but momentum=", momentum, " needs one per param");
+  check_lean_lists(op, storage, params, aux, device, {{"momentum_buffers", momentum_buffers}});
+  optim::check_step(op, step, device);
+  optim::check_optional_scalar(op, "grad_scale", grad_scale, device);
+  optim::check_optional_scalar(op, "found_inf", found_inf, device);
+  if (optim::should_skip(found_inf)) return;
+
+  const float count = optim::read_count(step);
+  SgdConsts c;
+  c.lr = static_cast<float>(lr);
+  c.momentum = static_cast<float>(momentum);
+  c.one_minus_dampening = static_cast<float>(1.0 - dampening);
+  c.weight_decay = static_cast<float>(weight_decay);
+  c.nesterov = nesterov;
+  c.wd_after_momentum = wd_after_momentum;
+  c.has_weight_decay = weight_decay != 0.0;
+  c.has_momentum = has_momentum;
+  c.first = *step.data_ptr<float>() == 0.f;
+  c.unscale = optim::Unscale::from(grad_scale);
+
+  const std::vector<RawTensor> ps = raw_tensors(params), as = raw_tensors(aux),
+                               gs = raw_tensors(grads), bs = raw_tensors(momentum_buffers);
+  const std::vector<uint32_t> keys = tensor_keys(storage, seed, count, params.size());
+  const ChunkPlan plan(params);
+  const CpuIsa isa = cpu_isa();
+  plan.parallel_for_each([&](int64_t, const TensorChunk& ch) {
+    const int64_t t = ch.tensor;
+    const LeanChunkArgs a{storage, &ps[t], optim::raw_at(as, t), &gs[t], keys[t]};
+    run_cpu_kernel<SgdLeanChunk>(isa, a, has_momentum ? optim::raw_at(bs, t) : nullptr, ch, c);
+  });
+  optim::commit_count(step, count);
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace mp_wrappers
+
+TORCH_LIBRARY_IMPL(mp_wrappers, CPU, m) {
+  m.impl("multi_tensor_adam_lean_", &mp_wrappers::cpu::multi_tensor_adam_lean_cpu);
+  m.impl("multi_tensor_sgd_lean_", &mp_wrappers::cpu::multi_tensor_sgd_lean_cpu);
+}
