@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mp_wrappers.ops import reference
-from test_cuda_host import Host, VARIANT_NAMES, _bits_equal, _rand, backend
+from test_cuda_host import Host, VARIANT_NAMES, _bits_equal, _rand, backend, representative
 
 pytestmark = pytest.mark.skipif(not backend()['extension'],
                                 reason='the C++ extension mp_wrappers._C is not built')
@@ -67,6 +67,7 @@ def _cases(h):
 
 @pytest.mark.parametrize('case', ['many_small', 'long_tensor', 'with_empty', 'exact_fit'])
 def test_launches_follow_the_plan(host, case):
+    representative(host, case in ('many_small', 'with_empty'))
     sizes = _cases(host)[case]
     xs = _rand(sizes, torch.float32, 21)
     outs = [torch.full_like(x, float('nan')) for x in xs]
@@ -85,6 +86,7 @@ def test_launches_follow_the_plan(host, case):
 def test_reductions_across_launches(host, case):
     """Per-chunk partials of a norm are indexed across launches: the per-tensor norms of lists that
     need several launches are those of each tensor alone."""
+    representative(host, case == 'many_small')
     sizes = _cases(host)[case]
     xs = _rand(sizes, torch.bfloat16, 22)
     total, norms = host.ops.multi_tensor_l2norm(xs, True)
@@ -103,6 +105,7 @@ def test_optimizers_across_launches(host, op):
     launches, against the CPU kernel."""
     from test_cuda_host import OPT_VARIANTS, BITWISE_OPS, _compare, _host_state
     from test_optim_kernels import DTYPES
+    representative(host, op == 'multi_tensor_adam_')
     hp = OPT_VARIANTS[op][0][1]
     c = host.geometry['chunk_size']
     mt = host.geometry['max_tensors'][4]
