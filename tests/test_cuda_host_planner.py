@@ -91,7 +91,11 @@ def test_reductions_across_launches(host, case):
     xs = _rand(sizes, torch.bfloat16, 22)
     total, norms = host.ops.multi_tensor_l2norm(xs, True)
     assert [r[1] for r in host.launches()][:-1] == planned_launches(sizes, 1, host.geometry)
-    for i, x in enumerate(xs):
+    # Each norm against the tensor's norm alone (a sample of the list in the real geometry,
+    # where every call runs 512-thread barriers).
+    picks = range(len(xs)) if host.variant != 'real' else sorted({0, 1, len(xs) // 2, len(xs) - 1})
+    for i in picks:
+        x = xs[i]
         alone, _ = host.ops.multi_tensor_l2norm([x], False)
         assert norms[i].item() == alone.item(), f'{case}: tensor {i}'
     want = torch.linalg.vector_norm(torch.cat([x.double() for x in xs]))

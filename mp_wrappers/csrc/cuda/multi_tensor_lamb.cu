@@ -143,6 +143,33 @@ __global__ void lamb_ratio_kernel(const float* found_inf, ChunkPartials<2> parti
   st(ratio + t, (p_norm != 0.f && u_norm != 0.f) ? fmul(lr, fdiv(p_norm, u_norm)) : lr);
 }
 
+// The three launches of the trust-ratio path. A function template (not a lambda) so that nvcc
+// names the kernel instantiations by template parameters.
+template <class P, class G, class M>
+void launch_trust_ratio(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                        at::TensorList exp_avg_sqs, at::TensorList model_params,
+                        const LambArgs& a, const at::Device& device, Stream stream) {
+  const int64_t n_tensors = static_cast<int64_t>(params.size());
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  // Two doubles per chunk of the call; ranges zeroed so that empty tensors have norm 0.
+  const at::Tensor part = at::empty({2 * total_chunks(params)}, f32.dtype(at::kDouble));
+  const at::Tensor range = at::zeros({2 * n_tensors}, f32.dtype(at::kLong));
+  const ChunkPartials<2> partials{part.data_ptr<double>(), range.data_ptr<int64_t>()};
+  const at::Tensor ratio = at::empty({n_tensors}, f32);
+  for_each_launch<4>({params, grads, exp_avgs, exp_avg_sqs},
+                     [&](int blocks, const TensorListMeta<4>& meta) {
+                       launch("lamb_norms", &lamb_norms_kernel<P, G>, blocks, kBlockSize, stream,
+                              meta, a, partials);
+                     });
+  launch("lamb_ratio", &lamb_ratio_kernel,
+         static_cast<unsigned int>((n_tensors + kPerTensorThreads - 1) / kPerTensorThreads),
+         kPerTensorThreads, stream, a.found_inf, partials, n_tensors, a.lr,
+         ratio.data_ptr<float>());
+  launch_elementwise<LambApplyOp, P, NoOut, M, 2>(
+      "lamb_apply", {params, exp_avgs, exp_avg_sqs, model_params},
+      LambApplyOp{a.found_inf, ratio.data_ptr<float>(), a});
+}
+
 void multi_tensor_lamb_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                             at::TensorList exp_avg_sqs, at::TensorList model_params,
                             const at::Tensor& step, double lr, double beta1, double beta2,
@@ -201,25 +228,8 @@ void multi_tensor_lamb_cuda(at::TensorList params, at::TensorList grads, at::Ten
                 LambFusedOp{a.found_inf, a});
             return;
           }
-          const int64_t n_tensors = static_cast<int64_t>(params.size());
-          const auto f32 = at::TensorOptions().dtype(at::kFloat).device(step.device());
-          // Two doubles per chunk of the call; ranges zeroed so that empty tensors have norm 0.
-          const at::Tensor part = at::empty({2 * total_chunks(params)}, f32.dtype(at::kDouble));
-          const at::Tensor range = at::zeros({2 * n_tensors}, f32.dtype(at::kLong));
-          const ChunkPartials<2> partials{part.data_ptr<double>(), range.data_ptr<int64_t>()};
-          const at::Tensor ratio = at::empty({n_tensors}, f32);
-          for_each_launch<4>({params, grads, exp_avgs, exp_avg_sqs},
-                             [&](int blocks, const TensorListMeta<4>& meta) {
-                               launch("lamb_norms", &lamb_norms_kernel<P, G>, blocks, kBlockSize,
-                                      stream, meta, a, partials);
-                             });
-          launch("lamb_ratio", &lamb_ratio_kernel,
-                 static_cast<unsigned int>((n_tensors + kPerTensorThreads - 1) / kPerTensorThreads),
-                 kPerTensorThreads, stream, a.found_inf, partials, n_tensors, a.lr,
-                 ratio.data_ptr<float>());
-          launch_elementwise<LambApplyOp, P, NoOut, M, 2>(
-              "lamb_apply", {params, exp_avgs, exp_avg_sqs, model_params},
-              LambApplyOp{a.found_inf, ratio.data_ptr<float>(), a});
+          launch_trust_ratio<P, G, M>(params, grads, exp_avgs, exp_avg_sqs, model_params, a,
+                                      step.device(), stream);
         });
       });
     });

@@ -104,6 +104,22 @@ __global__ void novograd_norms_kernel(const float* found_inf, const float* step,
   st(denom + t, fadd(fdiv(updated, bc2), eps));
 }
 
+// Pass 1 over the grads. A function template (not a lambda) so that nvcc names the kernel
+// instantiations by template parameters.
+template <class G>
+void launch_grad_norms(at::TensorList grads, bool l2, const float* found_inf,
+                       const float* grad_scale, const ChunkPartials<1>& partials, Stream stream) {
+  for_each_launch<1>({grads}, [&](int blocks, const TensorListMeta<1>& meta) {
+    if (l2) {
+      launch("novograd_grad_norm", &grad_norm_kernel<G, true>, blocks, kBlockSize, stream, meta,
+             found_inf, grad_scale, partials);
+    } else {
+      launch("novograd_grad_norm", &grad_norm_kernel<G, false>, blocks, kBlockSize, stream, meta,
+             found_inf, grad_scale, partials);
+    }
+  });
+}
+
 void multi_tensor_novograd_cuda(at::TensorList params, at::TensorList grads,
                                 at::TensorList exp_avgs, const at::Tensor& exp_avg_sq_norms,
                                 at::TensorList model_params, const at::Tensor& step, double lr,
@@ -156,16 +172,8 @@ void multi_tensor_novograd_cuda(at::TensorList params, at::TensorList grads,
     const ChunkPartials<1> partials{part.data_ptr<double>(), range.data_ptr<int64_t>()};
     const at::Tensor denom = at::empty({n_tensors}, f32);
     dispatch_dtype(grads, [&](auto* g_tag) {
-      using G = std::remove_pointer_t<decltype(g_tag)>;
-      for_each_launch<1>({grads}, [&](int blocks, const TensorListMeta<1>& meta) {
-        if (l2) {
-          launch("novograd_grad_norm", &grad_norm_kernel<G, true>, blocks, kBlockSize, stream,
-                 meta, o.found_inf, o.grad_scale, partials);
-        } else {
-          launch("novograd_grad_norm", &grad_norm_kernel<G, false>, blocks, kBlockSize, stream,
-                 meta, o.found_inf, o.grad_scale, partials);
-        }
-      });
+      launch_grad_norms<std::remove_pointer_t<decltype(g_tag)>>(grads, l2, o.found_inf,
+                                                               o.grad_scale, partials, stream);
     });
     launch("novograd_norms", &novograd_norms_kernel,
            static_cast<unsigned int>((n_tensors + kPerTensorThreads - 1) / kPerTensorThreads),
