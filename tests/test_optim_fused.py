@@ -497,6 +497,7 @@ BAD = [
     (FusedAdam, dict(eps=-1e-8), 'eps'),
     (FusedAdam, dict(weight_decay=-0.1), 'weight_decay'),
     (FusedAdam, dict(amsgrad=True), 'amsgrad'),
+    (FusedAdam, dict(capturable=True), 'capturable=True is not supported'),
     (FusedLAMB, dict(amsgrad=True), 'amsgrad'),
     (FusedLAMB, dict(max_grad_norm=-1.0), 'max_grad_norm'),
     (FusedLAMB, dict(betas=(0.9, 1.0)), 'beta parameter at index 1'),

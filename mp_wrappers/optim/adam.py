@@ -33,9 +33,11 @@ class FusedAdam(LeanStorageMixin, FusedOptimizer):
         weight_decay: Weight decay coefficient.
         amsgrad: Must be False; the AMSGrad variant is not implemented (apex neither).
         set_grad_none: Default of ``zero_grad(set_to_none=...)``.
-        capturable: Accepted for apex compatibility. The step count always lives on the device and
-            no update reads anything back to the host, so the step is CUDA-graph friendly either way;
-            note that hyperparameters are read as Python numbers when the step is called.
+        capturable: Must be False. apex's capturable mode reads lr from a device tensor so that a
+            replayed CUDA graph follows the LR schedule; here lr (and the other hyperparameters)
+            are kernel arguments fixed when the step is called, so a captured step would silently
+            keep its first lr. Refused until lr is read from the device. (The step count already
+            lives on the device and no update reads anything back to the host.)
         master_weights: Keep an fp32 master copy of every fp16/bf16 param in the optimizer state
             and update it, rounding the result into the param (apex's option). Not needed when a
             wrapper already swaps fp32 masters into ``param_groups``.
@@ -67,7 +69,11 @@ class FusedAdam(LeanStorageMixin, FusedOptimizer):
         if amsgrad:
             raise ValueError('FusedAdam: amsgrad=True is not supported (there is no fused AMSGrad '
                              'update); use amsgrad=False or torch.optim.Adam(amsgrad=True)')
-        self.capturable = bool(capturable)
+        if capturable:
+            raise ValueError('FusedAdam: capturable=True is not supported: lr is passed to the '
+                             'kernel as a number when step() is called, so a CUDA graph replay '
+                             'would ignore the LR schedule; use capturable=False (the default)')
+        self.capturable = False
         self.master_weights = bool(master_weights)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode)

@@ -1,11 +1,7 @@
 // CUDA kernel of multi_tensor_adagrad_ (apex FusedAdagrad math; semantics and op order:
 // mp_wrappers/ops/reference.py::multi_tensor_adagrad_). One element-wise pass; step only counts
-// applied updates and is incremented on the device.
+// applied updates.
 #include <ATen/core/Tensor.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <optional>
 
@@ -13,7 +9,7 @@
 #include "mp_wrappers/cuda/optim_apply.cuh"
 
 namespace mp_wrappers {
-namespace cuda_optim {
+namespace cuda {
 namespace {
 
 struct AdagradOp {
@@ -26,7 +22,7 @@ struct AdagradOp {
   struct Ctx {
     DeviceUnscale unscale;
   };
-  __device__ __forceinline__ Ctx begin(int32_t) const { return Ctx{DeviceUnscale(grad_scale)}; }
+  __device__ __forceinline__ Ctx begin(int32_t) const { return Ctx{make_unscale(grad_scale)}; }
   __device__ __forceinline__ float update(const Ctx& c, float p, float g, float (&s)[2]) const {
     g = c.unscale(g);
     if (l2) g = fadd(g, fmul(weight_decay, p));
@@ -53,10 +49,8 @@ void multi_tensor_adagrad_cuda(at::TensorList params, at::TensorList grads,
   check_one_dtype(op, "params", params);
   check_one_dtype(op, "grads", grads);
   check_one_dtype(op, "model_params", model_params);
-  check_step(op, step, step.device());
-  TORCH_CHECK(params.empty() || step.device() == device, op, ": step is on ", step.device(),
-              " but the tensors are on ", device);
-  const c10::cuda::CUDAGuard guard(step.device());
+  check_step(op, step, device, !params.empty());
+  const DeviceGuard guard(step.device());
 
   AdagradOp a;
   a.found_inf = optional_ptr(op, "found_inf", found_inf, step.device());
@@ -73,7 +67,8 @@ void multi_tensor_adagrad_cuda(at::TensorList params, at::TensorList grads,
           using P = std::remove_pointer_t<decltype(p_tag)>;
           using G = std::remove_pointer_t<decltype(g_tag)>;
           using M = std::remove_pointer_t<decltype(m_tag)>;
-          launch_elementwise<AdagradOp, P, G, M, 1>({params, grads, state_sums, model_params}, a);
+          launch_elementwise<AdagradOp, P, G, M, 1>(
+              "adagrad", {params, grads, state_sums, model_params}, a);
         });
       });
     });
@@ -82,9 +77,9 @@ void multi_tensor_adagrad_cuda(at::TensorList params, at::TensorList grads,
 }
 
 }  // namespace
-}  // namespace cuda_optim
+}  // namespace cuda
 }  // namespace mp_wrappers
 
-TORCH_LIBRARY_IMPL(mp_wrappers, CUDA, m) {
-  m.impl("multi_tensor_adagrad_", &mp_wrappers::cuda_optim::multi_tensor_adagrad_cuda);
+MP_WRAPPERS_CUDA_OPS(m) {
+  m.impl("multi_tensor_adagrad_", &mp_wrappers::cuda::multi_tensor_adagrad_cuda);
 }

@@ -3,10 +3,6 @@
 // lists (see mp_wrappers/cuda/optim_apply.cuh); found_inf, grad_scale and step are read on the
 // device, and one thread increments step afterwards unless the update was skipped.
 #include <ATen/core/Tensor.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <optional>
 
@@ -14,7 +10,7 @@
 #include "mp_wrappers/cuda/optim_apply.cuh"
 
 namespace mp_wrappers {
-namespace cuda_optim {
+namespace cuda {
 namespace {
 
 struct AdamOp {
@@ -31,9 +27,9 @@ struct AdamOp {
     DeviceUnscale unscale;
   };
   __device__ __forceinline__ Ctx begin(int32_t) const {
-    const float count = fadd(*step, 1.f);  // the number of this update, as the reference counts
-    return Ctx{cuda_optim::bias_correction(beta1_d, count, use_bias_correction),
-               cuda_optim::bias_correction(beta2_d, count, use_bias_correction), DeviceUnscale(grad_scale)};
+    const float count = fadd(ld(step), 1.f);  // the number of this update, as the reference counts
+    return Ctx{bias_correction(beta1_d, count, use_bias_correction),
+               bias_correction(beta2_d, count, use_bias_correction), make_unscale(grad_scale)};
   }
   __device__ __forceinline__ float update(const Ctx& c, float p, float g, float (&s)[3]) const {
     g = c.unscale(g);
@@ -64,10 +60,8 @@ void multi_tensor_adam_cuda(at::TensorList params, at::TensorList grads, at::Ten
   check_one_dtype(op, "params", params);
   check_one_dtype(op, "grads", grads);
   check_one_dtype(op, "model_params", model_params);
-  check_step(op, step, step.device());
-  TORCH_CHECK(params.empty() || step.device() == device, op, ": step is on ", step.device(),
-              " but the tensors are on ", device);
-  const c10::cuda::CUDAGuard guard(step.device());
+  check_step(op, step, device, !params.empty());
+  const DeviceGuard guard(step.device());
 
   AdamOp a;
   a.found_inf = optional_ptr(op, "found_inf", found_inf, step.device());
@@ -94,7 +88,7 @@ void multi_tensor_adam_cuda(at::TensorList params, at::TensorList grads, at::Ten
           using G = std::remove_pointer_t<decltype(g_tag)>;
           using M = std::remove_pointer_t<decltype(m_tag)>;
           launch_elementwise<AdamOp, P, G, M, 2>(
-              {params, grads, exp_avgs, exp_avg_sqs, model_params}, a);
+              "adam", {params, grads, exp_avgs, exp_avg_sqs, model_params}, a);
         });
       });
     });
@@ -103,9 +97,9 @@ void multi_tensor_adam_cuda(at::TensorList params, at::TensorList grads, at::Ten
 }
 
 }  // namespace
-}  // namespace cuda_optim
+}  // namespace cuda
 }  // namespace mp_wrappers
 
-TORCH_LIBRARY_IMPL(mp_wrappers, CUDA, m) {
-  m.impl("multi_tensor_adam_", &mp_wrappers::cuda_optim::multi_tensor_adam_cuda);
+MP_WRAPPERS_CUDA_OPS(m) {
+  m.impl("multi_tensor_adam_", &mp_wrappers::cuda::multi_tensor_adam_cuda);
 }

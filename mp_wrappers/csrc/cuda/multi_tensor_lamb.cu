@@ -4,8 +4,9 @@
 // With the trust ratio (weight_decay != 0 or use_nvlamb), three launches on the current stream and
 // no host synchronisation:
 //   1. per chunk: unscale and clip the grad, store the new moments, and reduce the block's sums of
-//      squares of p and of the update into partials[tensor][chunk];
-//   2. one thread per tensor: sum its partials in chunk order (double), ratio = lr * ||p|| / ||u||;
+//      squares of p and of the update (double, so finite values never overflow) into the chunk's
+//      partial slot;
+//   2. one thread per tensor: sum its partials in chunk order, ratio = lr * ||p|| / ||u||;
 //   3. element-wise: recompute the update from the stored moments (same fp32 operations, same
 //      bits) and apply p -= ratio[tensor] * update, writing the rounded model copy.
 // Without the trust ratio, a single element-wise pass. found_inf is checked by every kernel, and
@@ -13,10 +14,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <optional>
 
@@ -24,7 +21,7 @@
 #include "mp_wrappers/cuda/optim_apply.cuh"
 
 namespace mp_wrappers {
-namespace cuda_optim {
+namespace cuda {
 namespace {
 
 // Hyperparameters and device pointers shared by the three kernels.
@@ -43,15 +40,16 @@ struct LambCtx {
   DeviceUnscale unscale;
 };
 
+// Per-block constants (computed by one thread of the block).
 __device__ __forceinline__ LambCtx lamb_ctx(const LambArgs& a) {
-  const float count = fadd(*a.step, 1.f);
-  const float gnorm = *a.global_grad_norm;
+  const float count = fadd(ld(a.step), 1.f);
+  const float gnorm = ld(a.global_grad_norm);
   // fp32 as the reference computes it; a NaN norm compares false and leaves the grads unclipped.
   const float clip = (a.max_grad_norm > 0.f && gnorm > a.max_grad_norm)
                          ? fdiv(gnorm, a.max_grad_norm) : 1.f;
   return LambCtx{bias_correction(a.beta1_d, count, a.use_bias_correction),
                  bias_correction(a.beta2_d, count, a.use_bias_correction), clip,
-                 DeviceUnscale(a.grad_scale)};
+                 make_unscale(a.grad_scale)};
 }
 
 __device__ __forceinline__ void lamb_moments(const LambArgs& a, const LambCtx& c, float p, float g,
@@ -94,7 +92,7 @@ struct LambApplyOp {
     float ratio;
   };
   __device__ __forceinline__ Ctx begin(int32_t tensor) const {
-    return Ctx{lamb_ctx(a), ratio[tensor]};
+    return Ctx{lamb_ctx(a), ld(ratio + tensor)};
   }
   __device__ __forceinline__ float update(const Ctx& c, float p, float, float (&s)[3]) const {
     return fsub(p, fmul(c.ratio, lamb_update(a, c.c, p, s[0], s[1])));
@@ -105,51 +103,71 @@ struct LambApplyOp {
 // the sums are reduced over the block and written once per chunk.
 template <class P, class G>
 __global__ void __launch_bounds__(kBlockSize)
-    lamb_norms_kernel(TensorListMeta<4> meta, LambArgs a, float* p_part, float* u_part,
-                      int64_t max_chunks) {
+    lamb_norms_kernel(const TensorListMeta<4> meta, LambArgs a, ChunkPartials<2> partials) {
   if (skip_update(a.found_inf)) return;
-  __shared__ float shared[kBlockSize / 32];
-  const BlockChunk<4> ch(meta);
-  const LambCtx c = lamb_ctx(a);
-  const P* p = static_cast<const P*>(meta.addresses[0][ch.tensor_loc]) + ch.offset;
-  const G* g = static_cast<const G*>(meta.addresses[1][ch.tensor_loc]) + ch.offset;
-  float* m = static_cast<float*>(meta.addresses[2][ch.tensor_loc]) + ch.offset;
-  float* v = static_cast<float*>(meta.addresses[3][ch.tensor_loc]) + ch.offset;
-  float p_sq = 0.f, u_sq = 0.f;
-  for (int64_t i = threadIdx.x; i < ch.n; i += blockDim.x) {
-    const float p32 = to_float(p[i]);
-    float mi = m[i], vi = v[i];
-    lamb_moments(a, c, p32, to_float(g[i]), &mi, &vi);
-    m[i] = mi;
-    v[i] = vi;
+  __shared__ double shared[kBlockSize / kWarp];
+  __shared__ LambCtx shared_ctx;
+  const auto ch = meta.chunk_of_block();
+  if (threadIdx.x == 0) shared_ctx = lamb_ctx(a);
+  __syncthreads();
+  const LambCtx c = shared_ctx;
+  const P* p = static_cast<const P*>(meta.addresses[0][ch.slot]) + ch.begin;
+  const G* g = static_cast<const G*>(meta.addresses[1][ch.slot]) + ch.begin;
+  float* m = static_cast<float*>(meta.addresses[2][ch.slot]) + ch.begin;
+  float* v = static_cast<float*>(meta.addresses[3][ch.slot]) + ch.begin;
+  double p_sq = 0.0, u_sq = 0.0;
+  for (int64_t i = threadIdx.x; i < ch.size; i += blockDim.x) {
+    const float p32 = to_float(ld(p + i));
+    float mi = ld(m + i), vi = ld(v + i);
+    lamb_moments(a, c, p32, to_float(ld(g + i)), &mi, &vi);
+    st(m + i, mi);
+    st(v + i, vi);
     const float u = lamb_update(a, c, p32, mi, vi);
-    p_sq = fmaf(p32, p32, p_sq);
-    u_sq = fmaf(u, u, u_sq);
+    p_sq += square(p32);
+    u_sq += square(u);
   }
-  p_sq = block_reduce<false>(p_sq, shared);
-  u_sq = block_reduce<false>(u_sq, shared);
-  if (threadIdx.x == 0) {
-    const int64_t slot = static_cast<int64_t>(ch.tensor_index) * max_chunks +
-                         meta.block_to_chunk[blockIdx.x];
-    p_part[slot] = p_sq;
-    u_part[slot] = u_sq;
-  }
+  p_sq = block_reduce(p_sq, shared, SumOp());
+  u_sq = block_reduce(u_sq, shared, SumOp());
+  const double sums[2] = {p_sq, u_sq};
+  partials.write(ch, meta.numel[ch.slot], sums);
 }
 
-// Pass 2: one thread per tensor; partials of chunks a tensor does not have are zero.
-__global__ void lamb_ratio_kernel(const float* found_inf, const float* p_part,
-                                  const float* u_part, int64_t n_tensors, int64_t max_chunks,
-                                  float lr, float* ratio) {
+// Pass 2: one thread per tensor; a tensor without chunks has zero norms (ratio lr).
+__global__ void lamb_ratio_kernel(const float* found_inf, ChunkPartials<2> partials,
+                                  int64_t n_tensors, float lr, float* ratio) {
   if (skip_update(found_inf)) return;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= n_tensors) return;
-  double ps = 0.0, us = 0.0;
-  for (int64_t c = 0; c < max_chunks; ++c) {
-    ps += p_part[t * max_chunks + c];
-    us += u_part[t * max_chunks + c];
-  }
-  const float p_norm = static_cast<float>(sqrt(ps)), u_norm = static_cast<float>(sqrt(us));
-  ratio[t] = (p_norm != 0.f && u_norm != 0.f) ? fmul(lr, fdiv(p_norm, u_norm)) : lr;
+  const float p_norm = static_cast<float>(sqrt(partials.combine(t, 0, 0.0, SumOp())));
+  const float u_norm = static_cast<float>(sqrt(partials.combine(t, 1, 0.0, SumOp())));
+  st(ratio + t, (p_norm != 0.f && u_norm != 0.f) ? fmul(lr, fdiv(p_norm, u_norm)) : lr);
+}
+
+// The three launches of the trust-ratio path. A function template (not a lambda) so that nvcc
+// names the kernel instantiations by template parameters.
+template <class P, class G, class M>
+void launch_trust_ratio(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                        at::TensorList exp_avg_sqs, at::TensorList model_params,
+                        const LambArgs& a, const at::Device& device, Stream stream) {
+  const int64_t n_tensors = static_cast<int64_t>(params.size());
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  // Two doubles per chunk of the call; ranges zeroed so that empty tensors have norm 0.
+  const at::Tensor part = at::empty({2 * total_chunks(params)}, f32.dtype(at::kDouble));
+  const at::Tensor range = at::zeros({2 * n_tensors}, f32.dtype(at::kLong));
+  const ChunkPartials<2> partials{part.data_ptr<double>(), range.data_ptr<int64_t>()};
+  const at::Tensor ratio = at::empty({n_tensors}, f32);
+  for_each_launch<4>({params, grads, exp_avgs, exp_avg_sqs},
+                     [&](int blocks, const TensorListMeta<4>& meta) {
+                       launch("lamb_norms", &lamb_norms_kernel<P, G>, blocks, kBlockSize, stream,
+                              meta, a, partials);
+                     });
+  launch("lamb_ratio", &lamb_ratio_kernel,
+         static_cast<unsigned int>((n_tensors + kPerTensorThreads - 1) / kPerTensorThreads),
+         kPerTensorThreads, stream, a.found_inf, partials, n_tensors, a.lr,
+         ratio.data_ptr<float>());
+  launch_elementwise<LambApplyOp, P, NoOut, M, 2>(
+      "lamb_apply", {params, exp_avgs, exp_avg_sqs, model_params},
+      LambApplyOp{a.found_inf, ratio.data_ptr<float>(), a});
 }
 
 void multi_tensor_lamb_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
@@ -170,14 +188,12 @@ void multi_tensor_lamb_cuda(at::TensorList params, at::TensorList grads, at::Ten
   check_one_dtype(op, "params", params);
   check_one_dtype(op, "grads", grads);
   check_one_dtype(op, "model_params", model_params);
-  check_step(op, step, step.device());
-  TORCH_CHECK(params.empty() || step.device() == device, op, ": step is on ", step.device(),
-              " but the tensors are on ", device);
+  check_step(op, step, device, !params.empty());
   check_scalar_tensor(op, "global_grad_norm", global_grad_norm, step.device());
   TORCH_CHECK(max_grad_norm >= 0.0, op, ": max_grad_norm=", max_grad_norm,
               "; expected >= 0 (0 disables clipping)");
-  const c10::cuda::CUDAGuard guard(step.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const DeviceGuard guard(step.device());
+  const Stream stream = current_stream();
 
   LambArgs a;
   a.found_inf = optional_ptr(op, "found_inf", found_inf, step.device());
@@ -208,32 +224,12 @@ void multi_tensor_lamb_cuda(at::TensorList params, at::TensorList grads, at::Ten
           using M = std::remove_pointer_t<decltype(m_tag)>;
           if (!trust_ratio) {
             launch_elementwise<LambFusedOp, P, G, M, 2>(
-                {params, grads, exp_avgs, exp_avg_sqs, model_params}, LambFusedOp{a.found_inf, a});
+                "lamb_fused", {params, grads, exp_avgs, exp_avg_sqs, model_params},
+                LambFusedOp{a.found_inf, a});
             return;
           }
-          const int64_t n_tensors = static_cast<int64_t>(params.size());
-          const int64_t chunks = max_chunks(params);
-          const auto f32 = at::TensorOptions().dtype(at::kFloat).device(step.device());
-          // Zeros: a tensor with fewer chunks than the longest leaves its extra slots at 0.
-          const at::Tensor p_part = at::zeros({n_tensors * chunks}, f32);
-          const at::Tensor u_part = at::zeros({n_tensors * chunks}, f32);
-          const at::Tensor ratio = at::empty({n_tensors}, f32);
-          for_each_launch<4>({params, grads, exp_avgs, exp_avg_sqs},
-                             [&](int blocks, const TensorListMeta<4>& meta) {
-                               lamb_norms_kernel<P, G><<<blocks, kBlockSize, 0, stream>>>(
-                                   meta, a, p_part.data_ptr<float>(), u_part.data_ptr<float>(),
-                                   chunks);
-                               C10_CUDA_KERNEL_LAUNCH_CHECK();
-                             });
-          const int threads = 128;
-          const int blocks = static_cast<int>((n_tensors + threads - 1) / threads);
-          lamb_ratio_kernel<<<blocks, threads, 0, stream>>>(
-              a.found_inf, p_part.data_ptr<float>(), u_part.data_ptr<float>(), n_tensors, chunks,
-              a.lr, ratio.data_ptr<float>());
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-          launch_elementwise<LambApplyOp, P, NoOut, M, 2>(
-              {params, exp_avgs, exp_avg_sqs, model_params},
-              LambApplyOp{a.found_inf, ratio.data_ptr<float>(), a});
+          launch_trust_ratio<P, G, M>(params, grads, exp_avgs, exp_avg_sqs, model_params, a,
+                                      step.device(), stream);
         });
       });
     });
@@ -242,9 +238,9 @@ void multi_tensor_lamb_cuda(at::TensorList params, at::TensorList grads, at::Ten
 }
 
 }  // namespace
-}  // namespace cuda_optim
+}  // namespace cuda
 }  // namespace mp_wrappers
 
-TORCH_LIBRARY_IMPL(mp_wrappers, CUDA, m) {
-  m.impl("multi_tensor_lamb_", &mp_wrappers::cuda_optim::multi_tensor_lamb_cuda);
+MP_WRAPPERS_CUDA_OPS(m) {
+  m.impl("multi_tensor_lamb_", &mp_wrappers::cuda::multi_tensor_lamb_cuda);
 }

@@ -2,19 +2,16 @@
 // mp_wrappers/ops/reference.py::multi_tensor_novograd_).
 //
 // Three launches on the current stream, no host synchronisation:
-//   1. read-only over the grads: per chunk, the block's sum of squares (norm_type 2) or NaN-
-//      propagating max |g| (norm_type 0) of the unscaled grad, into partials[tensor][chunk];
-//   2. one thread per tensor: combine its partials in chunk order (double), blend the running norm
+//   1. read-only over the grads: per chunk, the block's sum of squares (norm_type 2, in double so
+//      finite grads never overflow it) or NaN-propagating max |g| (norm_type 0) of the unscaled
+//      grad, into the chunk's partial slot;
+//   2. one thread per tensor: combine its partials in chunk order, blend the running norm
 //      (first applied step: the norm itself unless init_zero), store it and the denominator;
 //   3. element-wise: moment and param update with the tensor's denominator, rounded model copy.
 // found_inf is checked by every kernel, and step is incremented on the device after the last one.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <optional>
 
@@ -22,7 +19,7 @@
 #include "mp_wrappers/cuda/optim_apply.cuh"
 
 namespace mp_wrappers {
-namespace cuda_optim {
+namespace cuda {
 namespace {
 
 struct NovoOp {
@@ -40,9 +37,9 @@ struct NovoOp {
     DeviceUnscale unscale;
   };
   __device__ __forceinline__ Ctx begin(int32_t tensor) const {
-    const float count = fadd(*step, 1.f);
-    return Ctx{bias_correction(beta1_d, count, use_bias_correction), denom[tensor],
-               DeviceUnscale(grad_scale)};
+    const float count = fadd(ld(step), 1.f);
+    return Ctx{bias_correction(beta1_d, count, use_bias_correction), ld(denom + tensor),
+               make_unscale(grad_scale)};
   }
   __device__ __forceinline__ float update(const Ctx& c, float p, float g, float (&s)[2]) const {
     g = c.unscale(g);
@@ -60,53 +57,67 @@ struct NovoOp {
 // Pass 1: lists [g].
 template <class G, bool kL2>
 __global__ void __launch_bounds__(kBlockSize)
-    grad_norm_kernel(TensorListMeta<1> meta, const float* found_inf, const float* grad_scale,
-                     float* part, int64_t max_chunks) {
+    grad_norm_kernel(const TensorListMeta<1> meta, const float* found_inf,
+                     const float* grad_scale, ChunkPartials<1> partials) {
   if (skip_update(found_inf)) return;
-  __shared__ float shared[kBlockSize / 32];
-  const BlockChunk<1> ch(meta);
-  const DeviceUnscale unscale(grad_scale);
-  const G* g = static_cast<const G*>(meta.addresses[0][ch.tensor_loc]) + ch.offset;
-  float acc = 0.f;
-  for (int64_t i = threadIdx.x; i < ch.n; i += blockDim.x) {
-    const float x = unscale(to_float(g[i]));
-    if (kL2) {
-      acc = fmaf(x, x, acc);
-    } else {
-      const float a = fabsf(x);
-      acc = (isnan(a) || isnan(acc)) ? __int_as_float(0x7fc00000) : fmaxf(acc, a);
-    }
+  __shared__ double shared[kBlockSize / kWarp];
+  __shared__ DeviceUnscale shared_unscale;
+  const auto ch = meta.chunk_of_block();
+  if (threadIdx.x == 0) shared_unscale = make_unscale(grad_scale);
+  __syncthreads();
+  const DeviceUnscale unscale = shared_unscale;
+  const G* g = static_cast<const G*>(meta.addresses[0][ch.slot]) + ch.begin;
+  double acc = 0.0;
+  for (int64_t i = threadIdx.x; i < ch.size; i += blockDim.x) {
+    const float x = unscale(to_float(ld(g + i)));
+    acc = kL2 ? acc + square(x) : NanMaxOp()(acc, static_cast<double>(fabsf(x)));
   }
-  acc = block_reduce<!kL2>(acc, shared);
-  if (threadIdx.x == 0)
-    part[static_cast<int64_t>(ch.tensor_index) * max_chunks + meta.block_to_chunk[blockIdx.x]] =
-        acc;
+  if (kL2) {
+    acc = block_reduce(acc, shared, SumOp());
+  } else {
+    acc = block_reduce(acc, shared, NanMaxOp());
+  }
+  const double v[1] = {acc};
+  partials.write(ch, meta.numel[ch.slot], v);
 }
 
 // Pass 2: one thread per tensor.
-__global__ void novograd_norms_kernel(const float* found_inf, const float* step, const float* part,
-                                      int64_t n_tensors, int64_t max_chunks, bool l2,
+__global__ void novograd_norms_kernel(const float* found_inf, const float* step,
+                                      ChunkPartials<1> partials, int64_t n_tensors, bool l2,
                                       bool init_zero, double beta2_d, bool use_bias_correction,
-                                      float beta2, float one_minus_beta2, float eps,
-                                      float* norms, float* denom) {
+                                      float beta2, float one_minus_beta2, float eps, float* norms,
+                                      float* denom) {
   if (skip_update(found_inf)) return;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= n_tensors) return;
-  double acc = 0.0;
-  for (int64_t c = 0; c < max_chunks; ++c) {
-    const double x = part[t * max_chunks + c];
-    acc = l2 ? acc + x : ((isnan(acc) || isnan(x)) ? x + acc : fmax(acc, x));
-  }
+  const double acc = l2 ? partials.combine(t, 0, 0.0, SumOp())
+                        : partials.combine(t, 0, 0.0, NanMaxOp());
   const float norm = static_cast<float>(l2 ? sqrt(acc) : acc);
-  const float old = norms[t];
+  const float old = ld(norms + t);
   const float blended =
       l2 ? fsqrt(fadd(fmul(fmul(beta2, old), old), fmul(fmul(one_minus_beta2, norm), norm)))
          : fadd(fmul(beta2, old), fmul(one_minus_beta2, norm));
-  const float s = *step;
+  const float s = ld(step);
   const float updated = (s == 0.f && !init_zero) ? norm : blended;
   const float bc2 = fsqrt(bias_correction(beta2_d, fadd(s, 1.f), use_bias_correction));
-  norms[t] = updated;
-  denom[t] = fadd(fdiv(updated, bc2), eps);
+  st(norms + t, updated);
+  st(denom + t, fadd(fdiv(updated, bc2), eps));
+}
+
+// Pass 1 over the grads. A function template (not a lambda) so that nvcc names the kernel
+// instantiations by template parameters.
+template <class G>
+void launch_grad_norms(at::TensorList grads, bool l2, const float* found_inf,
+                       const float* grad_scale, const ChunkPartials<1>& partials, Stream stream) {
+  for_each_launch<1>({grads}, [&](int blocks, const TensorListMeta<1>& meta) {
+    if (l2) {
+      launch("novograd_grad_norm", &grad_norm_kernel<G, true>, blocks, kBlockSize, stream, meta,
+             found_inf, grad_scale, partials);
+    } else {
+      launch("novograd_grad_norm", &grad_norm_kernel<G, false>, blocks, kBlockSize, stream, meta,
+             found_inf, grad_scale, partials);
+    }
+  });
 }
 
 void multi_tensor_novograd_cuda(at::TensorList params, at::TensorList grads,
@@ -128,9 +139,7 @@ void multi_tensor_novograd_cuda(at::TensorList params, at::TensorList grads,
   check_one_dtype(op, "model_params", model_params);
   TORCH_CHECK(norm_type == 2 || norm_type == 0, op, ": norm_type=", norm_type,
               "; expected 2 (L2 norm) or 0 (infinity norm)");
-  check_step(op, step, step.device());
-  TORCH_CHECK(params.empty() || step.device() == device, op, ": step is on ", step.device(),
-              " but the tensors are on ", device);
+  check_step(op, step, device, !params.empty());
   TORCH_CHECK(exp_avg_sq_norms.scalar_type() == at::kFloat && exp_avg_sq_norms.is_contiguous() &&
                   exp_avg_sq_norms.numel() == static_cast<int64_t>(params.size()) &&
                   exp_avg_sq_norms.device() == step.device(),
@@ -138,8 +147,8 @@ void multi_tensor_novograd_cuda(at::TensorList params, at::TensorList grads,
               " with one element per param (", params.size(), "), got dtype ",
               exp_avg_sq_norms.scalar_type(), " on ", exp_avg_sq_norms.device(), " with ",
               exp_avg_sq_norms.numel(), " elements");
-  const c10::cuda::CUDAGuard guard(step.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const DeviceGuard guard(step.device());
+  const Stream stream = current_stream();
 
   NovoOp o;
   o.found_inf = optional_ptr(op, "found_inf", found_inf, step.device());
@@ -156,30 +165,21 @@ void multi_tensor_novograd_cuda(at::TensorList params, at::TensorList grads,
 
   if (!params.empty()) {
     const int64_t n_tensors = static_cast<int64_t>(params.size());
-    const int64_t chunks = max_chunks(params);
     const auto f32 = at::TensorOptions().dtype(at::kFloat).device(step.device());
-    const at::Tensor part = at::zeros({n_tensors * chunks}, f32);
+    // One double per chunk of the call; ranges zeroed so that empty tensors have norm 0.
+    const at::Tensor part = at::empty({total_chunks(grads)}, f32.dtype(at::kDouble));
+    const at::Tensor range = at::zeros({2 * n_tensors}, f32.dtype(at::kLong));
+    const ChunkPartials<1> partials{part.data_ptr<double>(), range.data_ptr<int64_t>()};
     const at::Tensor denom = at::empty({n_tensors}, f32);
     dispatch_dtype(grads, [&](auto* g_tag) {
-      using G = std::remove_pointer_t<decltype(g_tag)>;
-      for_each_launch<1>({grads}, [&](int blocks, const TensorListMeta<1>& meta) {
-        if (l2) {
-          grad_norm_kernel<G, true><<<blocks, kBlockSize, 0, stream>>>(
-              meta, o.found_inf, o.grad_scale, part.data_ptr<float>(), chunks);
-        } else {
-          grad_norm_kernel<G, false><<<blocks, kBlockSize, 0, stream>>>(
-              meta, o.found_inf, o.grad_scale, part.data_ptr<float>(), chunks);
-        }
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
+      launch_grad_norms<std::remove_pointer_t<decltype(g_tag)>>(grads, l2, o.found_inf,
+                                                               o.grad_scale, partials, stream);
     });
-    const int threads = 128;
-    novograd_norms_kernel<<<static_cast<int>((n_tensors + threads - 1) / threads), threads, 0,
-                            stream>>>(
-        o.found_inf, o.step, part.data_ptr<float>(), n_tensors, chunks, l2, init_zero, beta2,
-        bias_correction, static_cast<float>(beta2), static_cast<float>(1.0 - beta2),
-        static_cast<float>(eps), exp_avg_sq_norms.data_ptr<float>(), denom.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch("novograd_norms", &novograd_norms_kernel,
+           static_cast<unsigned int>((n_tensors + kPerTensorThreads - 1) / kPerTensorThreads),
+           kPerTensorThreads, stream, o.found_inf, o.step, partials, n_tensors, l2, init_zero,
+           beta2, bias_correction, static_cast<float>(beta2), static_cast<float>(1.0 - beta2),
+           static_cast<float>(eps), exp_avg_sq_norms.data_ptr<float>(), denom.data_ptr<float>());
     o.denom = denom.data_ptr<float>();
     dispatch_dtype(params, [&](auto* p_tag) {
       dispatch_dtype(grads, [&](auto* g_tag) {
@@ -187,7 +187,7 @@ void multi_tensor_novograd_cuda(at::TensorList params, at::TensorList grads,
           using P = std::remove_pointer_t<decltype(p_tag)>;
           using G = std::remove_pointer_t<decltype(g_tag)>;
           using M = std::remove_pointer_t<decltype(m_tag)>;
-          launch_elementwise<NovoOp, P, G, M, 1>({params, grads, exp_avgs, model_params}, o);
+          launch_elementwise<NovoOp, P, G, M, 1>("novograd", {params, grads, exp_avgs, model_params}, o);
         });
       });
     });
@@ -196,9 +196,9 @@ void multi_tensor_novograd_cuda(at::TensorList params, at::TensorList grads,
 }
 
 }  // namespace
-}  // namespace cuda_optim
+}  // namespace cuda
 }  // namespace mp_wrappers
 
-TORCH_LIBRARY_IMPL(mp_wrappers, CUDA, m) {
-  m.impl("multi_tensor_novograd_", &mp_wrappers::cuda_optim::multi_tensor_novograd_cuda);
+MP_WRAPPERS_CUDA_OPS(m) {
+  m.impl("multi_tensor_novograd_", &mp_wrappers::cuda::multi_tensor_novograd_cuda);
 }

@@ -2,10 +2,6 @@
 // and op order: mp_wrappers/ops/reference.py::multi_tensor_sgd_). One element-wise pass; whether
 // this is the first applied update (buffer := direction) is read from step on the device.
 #include <ATen/core/Tensor.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <optional>
 
@@ -13,7 +9,7 @@
 #include "mp_wrappers/cuda/optim_apply.cuh"
 
 namespace mp_wrappers {
-namespace cuda_optim {
+namespace cuda {
 namespace {
 
 // kMomentum: one state list (the buffers) or none (momentum == 0, buffers may be absent).
@@ -31,7 +27,7 @@ struct SgdOp {
     DeviceUnscale unscale;
   };
   __device__ __forceinline__ Ctx begin(int32_t) const {
-    return Ctx{*step == 0.f, DeviceUnscale(grad_scale)};
+    return Ctx{ld(step) == 0.f, make_unscale(grad_scale)};
   }
   template <int K>
   __device__ __forceinline__ float update(const Ctx& c, float p, float g, float (&s)[K]) const {
@@ -64,10 +60,8 @@ void multi_tensor_sgd_cuda(at::TensorList params, at::TensorList grads,
   check_one_dtype(op, "params", params);
   check_one_dtype(op, "grads", grads);
   check_one_dtype(op, "model_params", model_params);
-  check_step(op, step, step.device());
-  TORCH_CHECK(params.empty() || step.device() == device, op, ": step is on ", step.device(),
-              " but the tensors are on ", device);
-  const c10::cuda::CUDAGuard guard(step.device());
+  check_step(op, step, device, !params.empty());
+  const DeviceGuard guard(step.device());
 
   auto run = [&](auto momentum_tag) {
     constexpr bool kMomentum = decltype(momentum_tag)::value;
@@ -91,9 +85,10 @@ void multi_tensor_sgd_cuda(at::TensorList params, at::TensorList grads,
             using M = std::remove_pointer_t<decltype(m_tag)>;
             if constexpr (kMomentum) {
               launch_elementwise<SgdOp<true>, P, G, M, 1>(
-                  {params, grads, momentum_buffers, model_params}, s);
+                  "sgd_momentum", {params, grads, momentum_buffers, model_params}, s);
             } else {
-              launch_elementwise<SgdOp<false>, P, G, M, 0>({params, grads, model_params}, s);
+              launch_elementwise<SgdOp<false>, P, G, M, 0>("sgd",
+                                                           {params, grads, model_params}, s);
             }
           });
         });
@@ -107,9 +102,9 @@ void multi_tensor_sgd_cuda(at::TensorList params, at::TensorList grads,
 }
 
 }  // namespace
-}  // namespace cuda_optim
+}  // namespace cuda
 }  // namespace mp_wrappers
 
-TORCH_LIBRARY_IMPL(mp_wrappers, CUDA, m) {
-  m.impl("multi_tensor_sgd_", &mp_wrappers::cuda_optim::multi_tensor_sgd_cuda);
+MP_WRAPPERS_CUDA_OPS(m) {
+  m.impl("multi_tensor_sgd_", &mp_wrappers::cuda::multi_tensor_sgd_cuda);
 }

@@ -1,117 +1,107 @@
-// Chunked multi-tensor launches for the CUDA kernels (the idea of apex's multi_tensor_apply).
+// Chunked multi-tensor launches for every CUDA kernel of mp_wrappers (the idea of apex's
+// multi_tensor_apply, written anew), and the device helpers the kernels share.
 //
-// A list of up to a few dozen tensors (kDepth parallel lists: e.g. inputs and outputs) is cut into
-// chunks of kChunkSize elements; one CUDA block handles one chunk. Tensor addresses, sizes, dtypes
-// and the block -> (tensor, chunk) map travel in the kernel-argument struct TensorListMeta, so one
-// launch covers many tensors without any host-to-device copy, and a long list becomes a few
-// launches on the current stream (no host synchronisation anywhere).
+// The ONE launch planner (for_each_launch): kDepth parallel lists (e.g. inputs and outputs, or
+// params, grads, moments and model copies) are cut into chunks of kChunkSize elements; one CUDA
+// block handles one chunk. Tensor addresses, sizes, dtypes and the block -> (tensor, chunk) map
+// travel in the kernel-argument struct TensorListMeta, so one launch covers many tensors without any
+// host-to-device copy, and a long list becomes a few launches on the current stream (no host
+// synchronisation anywhere). Blocks are numbered across the launches of one call in (tensor, chunk)
+// order (Chunk::block), which is how reductions lay out their per-chunk partials.
 //
-// A functor does the per-chunk work:
-//   struct MyFunctor {
-//     template <int kDepth> __device__ void operator()(const TensorListMeta<kDepth>& meta,
-//                                                      Args... args) const;
-//   };
-// and finds its chunk with meta.chunk_of_block() (64-bit element offsets throughout).
+// The geometry (chunk, block and launch sizes) comes from geometry.cuh, a compile-time parameter.
+// Every global-memory load and store of a kernel goes through ld/st/load_pack/store_pack/load_one/
+// store_one below, so the host-execution build can count each kernel's bytes.
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #include <array>
 #include <cstdint>
+#include <type_traits>
 
 #include "mp_wrappers/checks.h"
+#include "mp_wrappers/cuda/geometry.cuh"
+#include "mp_wrappers/cuda/runtime.cuh"
 
 namespace mp_wrappers {
 namespace cuda {
 
-constexpr int64_t kChunkSize = 65536;
-constexpr int kBlockSize = 512;
-constexpr int kILP = 4;  // elements per vector load on the aligned fast path
-
-// Tensors per launch for a given list depth, chosen (as apex does) so that TensorListMeta stays
-// within the classic 4 KB kernel-parameter limit.
-constexpr int max_tensors_for_depth(int depth) {
-  return depth == 1 ? 110 : depth == 2 ? 64 : depth == 3 ? 48 : depth == 4 ? 36 : 30;
-}
-constexpr int kMaxBlocksPerLaunch = 320;
-
 template <int kDepth>
 struct TensorListMeta {
-  static constexpr int kMaxTensors = max_tensors_for_depth(kDepth);
-  void* addresses[kDepth][kMaxTensors];
+  static constexpr int kMaxTensors = Geometry::max_tensors(kDepth);
+  void* addresses[kDepth][kMaxTensors];  // nullptr for an absent optional list (model_params)
   int64_t numel[kMaxTensors];
+  int64_t first_block;  // blocks of the earlier launches of this call
   int32_t tensor_index[kMaxTensors];  // position of the slot's tensor in the caller's lists
   uint8_t dtype[kDepth][kMaxTensors];  // StorageDtype, per tensor and list
-  uint8_t block_to_slot[kMaxBlocksPerLaunch];
-  int32_t block_to_chunk[kMaxBlocksPerLaunch];
+  uint8_t block_to_slot[kMaxBlocks];
+  int32_t block_to_chunk[kMaxBlocks];
 
   struct Chunk {
-    int slot;        // tensor slot in this launch
-    int64_t chunk;   // chunk index inside the tensor
-    int64_t begin;   // first element of the chunk
-    int64_t size;    // elements in the chunk (the last one may be short)
+    int slot;              // tensor slot in this launch
+    int32_t tensor_index;  // the tensor's index in the caller's lists
+    int64_t chunk;         // chunk index inside the tensor
+    int64_t begin;         // first element of the chunk
+    int64_t size;          // elements in the chunk (the last one may be short)
+    int64_t block;         // the block's number across the launches of the call
   };
   __device__ __forceinline__ Chunk chunk_of_block() const {
     const int slot = block_to_slot[blockIdx.x];
     const int64_t chunk = block_to_chunk[blockIdx.x];
     const int64_t begin = chunk * kChunkSize;
     const int64_t left = numel[slot] - begin;
-    return {slot, chunk, begin, left < kChunkSize ? left : kChunkSize};
+    return {slot, tensor_index[slot], chunk, begin, left < kChunkSize ? left : kChunkSize,
+            first_block + static_cast<int64_t>(blockIdx.x)};
   }
 };
+static_assert(Geometry::max_tensors(5) < 256, "block_to_slot is a uint8_t");
 
-template <int kDepth, class Functor, class... Args>
-__global__ void __launch_bounds__(kBlockSize)
-    multi_tensor_apply_kernel(const TensorListMeta<kDepth> meta, Functor functor, Args... args) {
-  functor(meta, args...);
+inline int64_t chunks_of(int64_t numel) { return (numel + kChunkSize - 1) / kChunkSize; }
+
+// Chunks of a whole list (the number of blocks of a call over it, and of its partials).
+inline int64_t total_chunks(at::TensorList list) {
+  int64_t n = 0;
+  for (const at::Tensor& t : list) n += chunks_of(t.numel());
+  return n;
 }
 
-// Run `functor` over every chunk of the parallel lists (all already validated with
-// check_tensor_lists: same length, numel, device, contiguous). Launches go to the current stream of
-// the tensors' device.
-template <int kDepth, class Functor, class... Args>
-void multi_tensor_apply(const std::array<at::TensorList, kDepth>& lists, Functor functor,
-                        Args... args) {
+// Calls launch(blocks, meta) once per launch over the parallel `lists` (validated by the caller:
+// same length and numel, contiguous). An empty list in `lists` (an optional list such as
+// model_params) gets nullptr addresses. Empty tensors get no block; an all-empty list no launch.
+template <int kDepth, class Launch>
+void for_each_launch(const std::array<at::TensorList, kDepth>& lists, const Launch& launch) {
   using Meta = TensorListMeta<kDepth>;
   const int64_t n_tensors = static_cast<int64_t>(lists[0].size());
-  if (n_tensors == 0) return;
-  const c10::cuda::CUDAGuard guard(lists[0][0].device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-
   Meta meta;
+  meta.first_block = 0;
   int slots = 0, blocks = 0;
-  auto launch = [&]() {
-    multi_tensor_apply_kernel<kDepth><<<blocks, kBlockSize, 0, stream>>>(meta, functor, args...);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  };
   for (int64_t t = 0; t < n_tensors; ++t) {
     const int64_t numel = lists[0][t].numel();
     if (numel == 0) continue;
     for (int d = 0; d < kDepth; ++d) {
-      meta.addresses[d][slots] = lists[d][t].data_ptr();
-      meta.dtype[d][slots] = static_cast<uint8_t>(storage_dtype(lists[d][t].scalar_type()));
+      const bool absent = lists[d].empty();
+      meta.addresses[d][slots] = absent ? nullptr : lists[d][t].data_ptr();
+      meta.dtype[d][slots] =
+          absent ? 0 : static_cast<uint8_t>(storage_dtype(lists[d][t].scalar_type()));
     }
     meta.numel[slots] = numel;
     meta.tensor_index[slots] = static_cast<int32_t>(t);
     ++slots;
-    const int64_t chunks = (numel + kChunkSize - 1) / kChunkSize;
+    const int64_t chunks = chunks_of(numel);
     for (int64_t c = 0; c < chunks; ++c) {
       meta.block_to_slot[blocks] = static_cast<uint8_t>(slots - 1);
       meta.block_to_chunk[blocks] = static_cast<int32_t>(c);
       ++blocks;
-      const bool blocks_full = blocks == kMaxBlocksPerLaunch;
-      const bool slots_full = slots == Meta::kMaxTensors && c == chunks - 1;
-      const bool last = t == n_tensors - 1 && c == chunks - 1;
-      if (blocks_full || slots_full || last) {
-        launch();
+      const bool last_chunk = c == chunks - 1;
+      if (blocks == kMaxBlocks || (last_chunk && slots == Meta::kMaxTensors)) {
+        launch(blocks, meta);
+        meta.first_block += blocks;
         blocks = 0;
-        if (c == chunks - 1) {
+        if (last_chunk) {
           slots = 0;
         } else {
           // The current tensor continues in the next launch: move it to slot 0.
@@ -126,10 +116,27 @@ void multi_tensor_apply(const std::array<at::TensorList, kDepth>& lists, Functor
       }
     }
   }
-  if (blocks > 0) launch();  // only reachable when trailing tensors were empty
+  if (blocks > 0) launch(blocks, meta);
 }
 
-// ---- device helpers shared by the functors ---------------------------------------------------
+// ---- global memory: every load and store of a kernel goes through these -----------------------
+
+template <class T>
+__device__ __forceinline__ T ld(const T* p) {
+  count_load(sizeof(T));
+  return *p;
+}
+template <class T>
+__device__ __forceinline__ void st(T* p, T v) {
+  count_store(sizeof(T));
+  *p = v;
+}
+// A value every thread of the block reads (a flag, a scale, a step): one transaction per block.
+template <class T>
+__device__ __forceinline__ T ld_uniform(const T* p) {
+  if (threadIdx.x == 0) count_load(sizeof(T));
+  return *p;
+}
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(c10::Half x) { return static_cast<float>(x); }
@@ -137,7 +144,66 @@ __device__ __forceinline__ float to_float(c10::BFloat16 x) { return static_cast<
 
 // Round-to-nearest-even, as torch's .to() does.
 template <class T>
-__device__ __forceinline__ T from_float(float x) { return static_cast<T>(x); }
+__device__ __forceinline__ T from_float(float x) {
+  return static_cast<T>(x);
+}
+
+// Stands in for an absent list (model_params, or the grads of a pass that reads none): loads and
+// stores through it compile away.
+struct NoOut {};
+
+template <class T>
+struct alignas(sizeof(T) * kILP) Pack {
+  T v[kILP];
+};
+
+template <class T>
+__device__ __forceinline__ bool pack_aligned(const T* p) {
+  return reinterpret_cast<uintptr_t>(p) % sizeof(Pack<T>) == 0;
+}
+__device__ __forceinline__ bool pack_aligned(const NoOut*) { return true; }
+
+// Vector path: elements i0..i0+kILP-1 into fp32 (i0 a multiple of kILP, p aligned).
+template <class T>
+__device__ __forceinline__ void load_pack(float (&r)[kILP], const T* p, int64_t i0) {
+  const Pack<T> pk = ld(reinterpret_cast<const Pack<T>*>(p + i0));
+#pragma unroll
+  for (int j = 0; j < kILP; ++j) r[j] = to_float(pk.v[j]);
+}
+template <class T>
+__device__ __forceinline__ void store_pack(T* p, int64_t i0, const float (&r)[kILP]) {
+  if constexpr (!std::is_same<T, NoOut>::value) {
+    Pack<T> pk;
+#pragma unroll
+    for (int j = 0; j < kILP; ++j) pk.v[j] = from_float<T>(r[j]);
+    st(reinterpret_cast<Pack<T>*>(p + i0), pk);
+  }
+}
+
+// Guarded path: element i (any alignment); loads give 0 and stores do nothing when i >= n.
+template <class T>
+__device__ __forceinline__ float load_one(const T* p, int64_t i, int64_t n) {
+  if constexpr (std::is_same<T, NoOut>::value) {
+    return 0.f;
+  } else {
+    return i < n ? to_float(ld(p + i)) : 0.f;
+  }
+}
+template <class T>
+__device__ __forceinline__ void store_one(T* p, int64_t i, int64_t n, float x) {
+  if constexpr (!std::is_same<T, NoOut>::value) {
+    if (i < n) st(p + i, from_float<T>(x));
+  }
+}
+
+template <class T>
+__device__ __forceinline__ T* offset_ptr(void* base, int64_t off) {
+  if constexpr (std::is_same<T, NoOut>::value) {
+    return nullptr;
+  } else {
+    return static_cast<T*>(base) + off;
+  }
+}
 
 // Calls fn(T()) with T the storage type of `dtype` (a block-uniform branch, no divergence).
 template <class Fn>
@@ -149,47 +215,51 @@ __device__ __forceinline__ void with_storage_type(uint8_t dtype, const Fn& fn) {
   }
 }
 
-template <class T>
-struct alignas(sizeof(T) * kILP) VecN {
-  T v[kILP];
-};
-
-template <class T>
-__device__ __forceinline__ bool is_aligned_for_ilp(const T* p) {
-  return reinterpret_cast<uintptr_t>(p) % sizeof(VecN<T>) == 0;
-}
-
-// Loads kILP values at p[i*kILP...] into fp32 (p must be aligned, see is_aligned_for_ilp).
-template <class T>
-__device__ __forceinline__ void load_ilp(float (&dst)[kILP], const T* p, int64_t i) {
-  const VecN<T> v = reinterpret_cast<const VecN<T>*>(p)[i];
-#pragma unroll
-  for (int k = 0; k < kILP; ++k) dst[k] = to_float(v.v[k]);
-}
-
-template <class T>
-__device__ __forceinline__ void store_ilp(T* p, int64_t i, const float (&src)[kILP]) {
-  VecN<T> v;
-#pragma unroll
-  for (int k = 0; k < kILP; ++k) v.v[k] = from_float<T>(src[k]);
-  reinterpret_cast<VecN<T>*>(p)[i] = v;
-}
+// ---- IEEE fp32 arithmetic, immune to --use_fast_math and FMA contraction --------------------------
+__device__ __forceinline__ float fadd(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float fsub(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ float fmul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float fdiv(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ float fsqrt(float a) { return __fsqrt_rn(a); }
 
 __device__ __forceinline__ bool not_finite(float x) { return !(fabsf(x) <= 3.402823466e38f); }
 
-// Block-wide sum; every thread gets the result. `shared` needs kBlockSize / 32 entries.
-template <class T>
-__device__ __forceinline__ T block_reduce_sum(T v, T* shared) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+// The square of an fp32 value, exact in double (24 + 24 bits < 53): sums of squares are accumulated
+// in double, as the CPU kernels do, so finite values up to FLT_MAX never overflow a norm.
+__device__ __forceinline__ double square(float x) {
+  const double d = x;
+  return d * d;
+}
+
+// ---- block reductions ---------------------------------------------------------------------------
+struct SumOp {
+  template <class T>
+  __device__ __forceinline__ T operator()(T a, T b) const {
+    return a + b;
+  }
+};
+// max that propagates NaN (fmax would drop it).
+struct NanMaxOp {
+  template <class T>
+  __device__ __forceinline__ T operator()(T a, T b) const {
+    return (isnan(a) || isnan(b)) ? a + b : (a > b ? a : b);
+  }
+};
+
+// Reduces one value per thread over the block; every thread gets the result. `shared` needs
+// kBlockSize / 32 entries and may be reused right after the call.
+template <class T, class Op>
+__device__ __forceinline__ T block_reduce(T v, T* shared, Op op) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
 #pragma unroll
-  for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(0xffffffffu, v, o);
+  for (int o = kWarp / 2; o > 0; o /= 2) v = op(v, __shfl_down_sync(0xffffffffu, v, o));
   if (lane == 0) shared[warp] = v;
   __syncthreads();
-  const int n_warps = (blockDim.x + 31) / 32;
-  v = threadIdx.x < n_warps ? shared[threadIdx.x] : T(0);
+  const int n_warps = static_cast<int>(blockDim.x) / kWarp;
   if (warp == 0) {
+    v = lane < n_warps ? shared[lane] : T(0);
 #pragma unroll
-    for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(0xffffffffu, v, o);
+    for (int o = kWarp / 2; o > 0; o /= 2) v = op(v, __shfl_down_sync(0xffffffffu, v, o));
     if (lane == 0) shared[0] = v;
   }
   __syncthreads();
@@ -197,6 +267,40 @@ __device__ __forceinline__ T block_reduce_sum(T v, T* shared) {
   __syncthreads();  // shared may be reused right away
   return result;
 }
+
+// ---- per-chunk partial results of a reduction -----------------------------------------------------
+// One slot of kWidth doubles per block of the call (so the buffer is exactly as large as the call
+// needs: total_chunks(list) * kWidth), in (tensor, chunk) order; the block of a tensor's chunk 0 also
+// records where the tensor's partials start and how many there are. A tensor without chunks (empty)
+// keeps the zeroed range {0, 0}. Reading them back in chunk order keeps results deterministic.
+template <int kWidth>
+struct ChunkPartials {
+  double* part;    // [total_chunks * kWidth]
+  int64_t* range;  // [n_tensors * 2], zero-initialised: first block, number of chunks
+
+  template <class Chunk>
+  __device__ __forceinline__ void write(const Chunk& c, int64_t numel,
+                                        const double (&v)[kWidth]) const {
+    if (threadIdx.x != 0) return;
+#pragma unroll
+    for (int k = 0; k < kWidth; ++k) st(part + c.block * kWidth + k, v[k]);
+    if (c.chunk == 0) {
+      st(range + 2 * static_cast<int64_t>(c.tensor_index), c.block);
+      st(range + 2 * static_cast<int64_t>(c.tensor_index) + 1, chunks_of_device(numel));
+    }
+  }
+  // Combines tensor t's partials with `op`, in chunk order, starting from `init`.
+  template <class Op>
+  __device__ __forceinline__ double combine(int64_t t, int k, double init, Op op) const {
+    const int64_t first = ld(range + 2 * t), count = ld(range + 2 * t + 1);
+    double acc = init;
+    for (int64_t c = 0; c < count; ++c) acc = op(acc, ld(part + (first + c) * kWidth + k));
+    return acc;
+  }
+  __device__ __forceinline__ static int64_t chunks_of_device(int64_t numel) {
+    return (numel + kChunkSize - 1) / kChunkSize;
+  }
+};
 
 }  // namespace cuda
 }  // namespace mp_wrappers

@@ -1,0 +1,110 @@
+"""Global-memory traffic of every CUDA kernel, counted by host execution (no GPU needed).
+
+Every global load and store of the kernels goes through the helpers of
+mp_wrappers/csrc/include/mp_wrappers/cuda/multi_tensor_apply.cuh; the host-execution build
+(mp_wrappers/ops/cuda_host.py, real launch geometry) counts the bytes each launch reads and writes.
+For every op this prints bytes per parameter against the minimum (each tensor the op must read read
+once, each tensor it must write written once), and for the fused O2 Adam step (a read-only inf/norm
+pass over the half grads, then one update pass writing the fp32 master, moments and the half model)
+against REFERENCE.md section 7: fp32 Adam 28 B/param, fused O2 ~30, the composed torch pipeline
+~44. The implied step time uses the H100 SXM's *nominal* HBM3 bandwidth (3.35 TB/s), not a
+measurement: a real kernel reaches some fraction of it.
+
+Usage: python benchmarks/bench_cuda_traffic.py [--params N]   (builds the 'real' variant if needed)
+"""
+import argparse
+from collections import defaultdict
+
+import torch
+
+from mp_wrappers.ops import cuda_host
+
+H100_NOMINAL_BYTES_PER_S = 3.35e12
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+def _sizes(total, chunk):
+    """A few tensors of about `total` elements: several chunks, a ragged tail, a small one."""
+    big = max(total // 2 // chunk, 1) * chunk + 100
+    return [big, max(total - big - 1000, 1), 1000]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--params', type=int, default=400_000,
+                        help='parameters per op call (bytes/param does not depend on it)')
+    parser.add_argument('--model-params', type=float, default=25.3e6,
+                        help='model size for the implied H100 step time')
+    args = parser.parse_args()
+    mod = cuda_host.build('real')
+    ops = getattr(torch.ops, mod.namespace)
+    sizes = _sizes(args.params, mod.geometry['chunk_size'])
+    n = sum(sizes)
+
+    def t(dtype, fill=0.5):
+        return [torch.full((s,), fill, dtype=dtype) for s in sizes]
+
+    def step():
+        return torch.zeros(1)
+
+    one, zero = torch.ones(1), torch.zeros(1)
+    cases = [
+        # (name, minimum bytes per param, call)
+        ('scale fp32->fp32', 8, lambda: ops.multi_tensor_scale_(t(F32), t(F32), one, zero)),
+        ('scale fp16->fp32 (unscale)', 6,
+         lambda: ops.multi_tensor_scale_(t(F16), t(F32), one, zero)),
+        ('axpby fp32', 12,
+         lambda: ops.multi_tensor_axpby_(t(F32), t(F32), t(F32), 1.0, 2.0, -1, zero)),
+        ('l2norm fp32', 4, lambda: ops.multi_tensor_l2norm(t(F32), True)),
+        ('unscale_l2norm fp16', 2,
+         lambda: ops.multi_tensor_unscale_l2norm(t(F16), one, zero, True)),
+        ('adam fp32', 28,
+         lambda: ops.multi_tensor_adam_(t(F32), t(F32), t(F32), t(F32), [], step(), 1e-3, 0.9,
+                                        0.999, 1e-8, 0.01, True, True, one, zero)),
+        ('adam O2 update (bf16 grad, bf16 model)', 28,
+         lambda: ops.multi_tensor_adam_(t(F32), t(BF16), t(F32), t(F32), t(BF16), step(), 1e-3,
+                                        0.9, 0.999, 1e-8, 0.01, True, True, one, zero)),
+        ('sgd momentum fp32', 20,
+         lambda: ops.multi_tensor_sgd_(t(F32), t(F32), t(F32), [], step(), 0.1, 0.9, 0.0, 0.0,
+                                       False, False, one, zero)),
+        ('adagrad fp32', 20,
+         lambda: ops.multi_tensor_adagrad_(t(F32), t(F32), t(F32), [], step(), 0.01, 1e-10, 0.0,
+                                           False, one, zero)),
+        # Two-pass ops: the trust ratio / running grad norm needs a whole tensor before any
+        # update, so their minimum is that of the two passes (pass 1 writes the moments, pass 2
+        # reads them back); the one-pass bound would be 28 / 20.
+        ('lamb fp32 (trust ratio, 2 passes)', 40,
+         lambda: ops.multi_tensor_lamb_(t(F32), t(F32), t(F32), t(F32), [], step(), 1e-3, 0.9,
+                                        0.999, 1e-6, 0.01, True, True, True, 1.0, False, one,
+                                        one, zero)),
+        ('novograd fp32 (2 passes)', 24,
+         lambda: ops.multi_tensor_novograd_(t(F32), t(F32), t(F32), torch.zeros(len(sizes)), [],
+                                            step(), 1e-3, 0.95, 0.98, 1e-8, 0.0, True, True,
+                                            False, 2, False, one, zero)),
+    ]
+    print(f'host-execution traffic count, real geometry, {n} params in {len(sizes)} tensors')
+    print(f'{"op":44s} {"B/param":>8s} {"minimum":>8s} {"ratio":>6s}  kernels (B/param)')
+    results = {}
+    for name, minimum, call in cases:
+        mod.traffic_reset()
+        call()
+        per_kernel = defaultdict(int)
+        for kernel, _, _, read, written in mod.traffic_log():
+            per_kernel[kernel] += read + written
+        total = sum(per_kernel.values()) / n
+        results[name] = total
+        detail = ', '.join(f'{k} {v / n:.2f}' for k, v in per_kernel.items())
+        print(f'{name:44s} {total:8.2f} {minimum:8d} {total / minimum:6.3f}  {detail}')
+    o2 = results['unscale_l2norm fp16'] + results['adam O2 update (bf16 grad, bf16 model)']
+    print()
+    print('fused O2 Adam step (unscale_l2norm over fp16 grads + one update pass):')
+    print(f'  {o2:.2f} B/param; REFERENCE.md section 7: minimum ~30, composed torch pipeline ~44')
+    for label, bpp in (('fp32 Adam', results['adam fp32']), ('fused O2 Adam', o2),
+                       ('composed torch O2 (REFERENCE.md)', 44.0)):
+        ms = bpp * args.model_params / H100_NOMINAL_BYTES_PER_S * 1e3
+        print(f'  implied H100 time, {args.model_params / 1e6:.1f}M params, {label}: {ms:.3f} ms '
+              '(nominal 3.35 TB/s HBM3, not measured)')
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,45 @@
+// The Python module of the host-execution build (docs/cuda.md "Host execution"): importing it
+// registers the CUDA entry points of mp_wrappers/csrc/cuda/*.cu, compiled for the host, as CPU
+// kernels of the op namespace MP_WRAPPERS_CUDA_HOST_NS (defined from mp_wrappers' own schemas by
+// mp_wrappers/ops/cuda_host.py before the import). This module adds the build facts and the traffic
+// log of the emulated launches. Never part of the installed package's extension.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "mp_wrappers/cuda/geometry.cuh"
+#include "mp_wrappers/cuda_host/emulation.h"
+
+#define MPW_STR2(x) #x
+#define MPW_STR(x) MPW_STR2(x)
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace mc = mp_wrappers::cuda;
+  namespace host = mp_wrappers::cuda_host;
+  m.doc() = "mp_wrappers CUDA kernels executed on the host (test build)";
+  m.attr("namespace") = MPW_STR(MP_WRAPPERS_CUDA_HOST_NS);
+  pybind11::dict g;
+  g["name"] = MPW_STR(MP_WRAPPERS_CUDA_GEOMETRY);
+  g["chunk_size"] = mc::kChunkSize;
+  g["block_size"] = mc::kBlockSize;
+  g["max_blocks"] = mc::kMaxBlocks;
+  g["per_tensor_threads"] = mc::kPerTensorThreads;
+  std::vector<int> max_tensors;
+  for (int depth = 1; depth <= 5; ++depth) max_tensors.push_back(mc::Geometry::max_tensors(depth));
+  g["max_tensors"] = max_tensors;  // by list depth 1..5
+  m.attr("geometry") = g;
+  m.def("traffic_reset", &host::traffic_reset, "Forget the recorded launches.");
+  m.def(
+      "traffic_log",
+      [] {
+        std::vector<std::tuple<std::string, unsigned, unsigned, uint64_t, uint64_t>> out;
+        for (const host::LaunchRecord& r : host::traffic_log())
+          out.emplace_back(r.kernel, r.grid, r.block, r.bytes_read, r.bytes_written);
+        return out;
+      },
+      "The launches since traffic_reset(): (kernel, blocks, threads per block, bytes read, "
+      "bytes written).");
+}

@@ -1,0 +1,89 @@
+// The one place where the CUDA kernels meet either the CUDA runtime (nvcc, the real build) or the
+// host emulation (the host-execution test build, MP_WRAPPERS_CUDA_HOST; see
+// mp_wrappers/cuda_host/emulation.h and docs/cuda.md "Host execution").
+//
+// Kernel files (mp_wrappers/csrc/cuda/*.cu) include no CUDA header themselves: they use
+//   DeviceGuard / current_stream()      the device guard and stream of an entry point;
+//   launch("name", kernel, grid, block, stream, args...)   instead of kernel<<<...>>>(args...);
+//   MP_WRAPPERS_CUDA_OPS(m) { m.impl(...); }               instead of TORCH_LIBRARY_IMPL(..., CUDA, m).
+// so nvcc and the host compiler compile the very same lines. Convention for new kernels: every
+// .cu file in mp_wrappers/csrc/cuda is built by setup.py (CUDA builds) and by the host-execution
+// build (mp_wrappers/ops/cuda_host.py), with no list to update.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <torch/library.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#ifdef MP_WRAPPERS_CUDA_HOST
+#include "mp_wrappers/cuda_host/emulation.h"
+#else
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace mp_wrappers {
+namespace cuda {
+
+// Size of a kernel's parameter buffer: each argument at its alignment, in order.
+template <class... Ts>
+constexpr size_t param_buffer_size() {
+  size_t size = 0;
+  ((size = (size + alignof(Ts) - 1) / alignof(Ts) * alignof(Ts) + sizeof(Ts)), ...);
+  return size;
+}
+// The classic kernel-parameter limit (raised to 32 KB only from CUDA 12.1 on Volta+ with a
+// toolkit-and-driver pair we do not require).
+constexpr size_t kMaxParamBytes = 4096;
+
+#ifdef MP_WRAPPERS_CUDA_HOST
+
+using Stream = int;
+struct DeviceGuard {
+  explicit DeviceGuard(const at::Device&) {}
+};
+inline Stream current_stream() { return 0; }
+
+template <class... KArgs, class... Args>
+inline void launch(const char* name, void (*kernel)(KArgs...), unsigned int grid,
+                   unsigned int block, Stream, Args&&... args) {
+  static_assert(param_buffer_size<std::decay_t<KArgs>...>() <= kMaxParamBytes,
+                "kernel arguments exceed the 4 KB parameter limit");
+  cuda_host::launch(name, kernel, dim3(grid), dim3(block), std::forward<Args>(args)...);
+}
+
+// Traffic counting hooks of the load/store helpers (multi_tensor_apply.cuh).
+__device__ __forceinline__ void count_load(uint64_t bytes) { cuda_host::count_load(bytes); }
+__device__ __forceinline__ void count_store(uint64_t bytes) { cuda_host::count_store(bytes); }
+
+#define MP_WRAPPERS_CUDA_OPS(m) TORCH_LIBRARY_IMPL(MP_WRAPPERS_CUDA_HOST_NS, CPU, m)
+
+#else  // nvcc
+
+using Stream = cudaStream_t;
+using DeviceGuard = c10::cuda::CUDAGuard;
+inline Stream current_stream() { return c10::cuda::getCurrentCUDAStream(); }
+
+template <class... KArgs, class... Args>
+inline void launch(const char*, void (*kernel)(KArgs...), unsigned int grid, unsigned int block,
+                   Stream stream, Args&&... args) {
+  static_assert(param_buffer_size<std::decay_t<KArgs>...>() <= kMaxParamBytes,
+                "kernel arguments exceed the 4 KB parameter limit");
+  kernel<<<grid, block, 0, stream>>>(std::forward<Args>(args)...);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+__device__ __forceinline__ void count_load(uint64_t) {}
+__device__ __forceinline__ void count_store(uint64_t) {}
+
+#define MP_WRAPPERS_CUDA_OPS(m) TORCH_LIBRARY_IMPL(mp_wrappers, CUDA, m)
+
+#endif
+
+}  // namespace cuda
+}  // namespace mp_wrappers

@@ -1,0 +1,164 @@
+"""Host execution of the CUDA kernels: a test build of the same ``.cu`` sources for the CPU.
+
+The CUDA entry points in ``mp_wrappers/csrc/cuda/*.cu`` (every ``.cu`` file there, no list to keep)
+are compiled by the host compiler against a small emulation of the CUDA programming model
+(``csrc/include/mp_wrappers/cuda_host/emulation.h``: a block's threads are OS threads with real
+barriers, warp shuffles, atomics, IEEE intrinsics) and registered as CPU kernels of their own op
+namespace, ``torch.ops.mp_wrappers_cuda_host_<variant>``, with exactly the schemas of
+``torch.ops.mp_wrappers``. Calling one runs the real entry-point logic (checks, launch planning, dtype
+dispatch, launches) on CPU tensors, so tests can compare it with the references.
+
+Never loaded in normal use: only ``tools/cuda_host_check.sh``, the ``tests/test_cuda_host*.py``
+tests (which skip unless a variant is built, or ``MP_WRAPPERS_CUDA_ON_HOST=1`` lets them build it)
+and ``benchmarks/bench_cuda_traffic.py`` import it. Variants:
+
+* ``real``: the production launch geometry (64K chunks, 512 threads, 320 blocks per launch);
+* ``tiny``: ``TinyGeometry`` (448-element chunks, 64 threads, 7 blocks per launch), so that small
+  lists already need many chunks and launches;
+* ``asan``: ``tiny`` built with AddressSanitizer and UndefinedBehaviorSanitizer; the Python process
+  must start with ``LD_PRELOAD`` of libasan (``sanitizer_preload()``).
+
+``real`` and ``tiny`` are built with ``--coverage`` (gcov data next to the objects in
+``build/cuda_host/<variant>``, read by ``tools/cuda_host_coverage.py``).
+"""
+import glob
+import os
+import subprocess
+from types import ModuleType
+from typing import Dict, List, Optional
+
+import torch
+
+__all__ = ['VARIANTS', 'build', 'build_dir', 'is_built', 'load', 'sanitizer_preload',
+           'schema_names']
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_CSRC = os.path.join(_ROOT, 'mp_wrappers', 'csrc')
+
+VARIANTS: Dict[str, Dict[str, object]] = {
+    'real': dict(geometry='RealGeometry', coverage=True, sanitize=False),
+    'tiny': dict(geometry='TinyGeometry', coverage=True, sanitize=False),
+    'asan': dict(geometry='TinyGeometry', coverage=False, sanitize=True),
+}
+
+_loaded: Dict[str, ModuleType] = {}
+_libraries: Dict[str, torch.library.Library] = {}
+
+
+def _check_variant(variant: str) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f'cuda_host: variant={variant!r}; allowed: {sorted(VARIANTS)}')
+
+
+def build_dir(variant: str) -> str:
+    """The build folder of ``variant`` (objects, gcov notes and data, the module)."""
+    _check_variant(variant)
+    return os.path.join(_ROOT, 'build', 'cuda_host', variant)
+
+
+def module_name(variant: str) -> str:
+    """The module and op-namespace name of ``variant``."""
+    _check_variant(variant)
+    return f'mp_wrappers_cuda_host_{variant}'
+
+
+def is_built(variant: str) -> bool:
+    """Whether the module of ``variant`` exists in its build folder."""
+    return bool(glob.glob(os.path.join(build_dir(variant), module_name(variant) + '*.so')))
+
+
+def sanitizer_preload() -> str:
+    """The ``LD_PRELOAD`` value a Python process needs to import the ``asan`` variant."""
+    out = subprocess.run(['g++', '-print-file-name=libasan.so'], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    return os.path.realpath(out)
+
+
+def kernel_sources() -> List[str]:
+    """Every CUDA kernel file: the convention is simply ``mp_wrappers/csrc/cuda/*.cu``."""
+    return sorted(glob.glob(os.path.join(_CSRC, 'cuda', '*.cu')))
+
+
+def schema_names() -> List[str]:
+    """Names of the ``torch.ops.mp_wrappers`` ops (their schemas come from ``mp_wrappers._C``)."""
+    return sorted(name.split('::', 1)[1] for name in torch._C._dispatch_get_all_op_names()
+                  if name.startswith('mp_wrappers::'))
+
+
+def _define_namespace(ns: str) -> None:
+    """Define every mp_wrappers schema again in namespace ``ns`` (once per process)."""
+    if ns in _libraries:
+        return
+    from . import _extension
+    if _extension.extension() is None:
+        raise RuntimeError('cuda_host: mp_wrappers._C is not built, so the op schemas are unknown; '
+                           'build it first (pip install --no-build-isolation -e .)')
+    lib = torch.library.Library(ns, 'DEF')
+    for name in schema_names():
+        schema = torch._C._get_schema('mp_wrappers::' + name, '')
+        lib.define(str(schema).split('::', 1)[1])
+    _libraries[ns] = lib
+
+
+def _wrapper_sources(variant: str) -> List[str]:
+    """One C++ file per kernel file, each ``#include``-ing the ``.cu`` (same lines, and gcov
+    reports them against the ``.cu`` path)."""
+    src_dir = os.path.join(build_dir(variant), 'src')
+    os.makedirs(src_dir, exist_ok=True)
+    out = []
+    for cu in kernel_sources():
+        path = os.path.join(src_dir, os.path.splitext(os.path.basename(cu))[0] + '.cpp')
+        text = f'// generated by mp_wrappers/ops/cuda_host.py\n#include "{cu}"\n'
+        if not os.path.exists(path) or open(path).read() != text:
+            with open(path, 'w') as f:
+                f.write(text)
+        out.append(path)
+    # Files of kernels that were removed must not stay in the build.
+    for stale in set(glob.glob(os.path.join(src_dir, '*.cpp'))) - set(out):
+        os.remove(stale)
+    return out
+
+
+def build(variant: str, verbose: bool = False) -> ModuleType:
+    """Build (incrementally) and import the module of ``variant``; returns it.
+
+    Its ops are ``getattr(torch.ops, module.namespace)``.
+    """
+    _check_variant(variant)
+    if variant in _loaded:
+        return _loaded[variant]
+    from torch.utils import cpp_extension
+    cfg = VARIANTS[variant]
+    name = module_name(variant)
+    _define_namespace(name)
+    flags = ['-DMP_WRAPPERS_CUDA_HOST=1', f'-DMP_WRAPPERS_CUDA_HOST_NS={name}',
+             f'-DMP_WRAPPERS_CUDA_GEOMETRY={cfg["geometry"]}',
+             # IEEE arithmetic as in the kernels' __*_rn intrinsics: no contraction into FMAs.
+             '-ffp-contract=off', '-g', '-Wno-unused-function']
+    ldflags = ['-lpthread']
+    if cfg['coverage']:
+        flags += ['-O0', '--coverage', '-fprofile-update=atomic']
+        ldflags += ['--coverage']
+    if cfg['sanitize']:
+        san = ['-fsanitize=address,undefined', '-fno-sanitize-recover=undefined',
+               '-fno-omit-frame-pointer']
+        flags += ['-O1'] + san
+        ldflags += san
+    sources = [os.path.join(_CSRC, 'cuda_host', 'module.cpp')] + _wrapper_sources(variant)
+    os.makedirs(build_dir(variant), exist_ok=True)
+    module = cpp_extension.load(
+        name=name, sources=sources, extra_cflags=flags, extra_ldflags=ldflags,
+        extra_include_paths=[os.path.join(_CSRC, 'include')], build_directory=build_dir(variant),
+        verbose=verbose, is_python_module=True)
+    _loaded[variant] = module
+    return module
+
+
+def load(variant: str) -> Optional[ModuleType]:
+    """The module of ``variant`` when it is built (or may be built: ``MP_WRAPPERS_CUDA_ON_HOST=1``),
+    else None."""
+    if variant in _loaded:
+        return _loaded[variant]
+    if not (is_built(variant) or os.environ.get('MP_WRAPPERS_CUDA_ON_HOST', '0') == '1'):
+        return None
+    return build(variant)

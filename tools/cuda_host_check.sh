@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Host execution of the CUDA kernels (docs/cuda.md "Host execution"): builds the host-execution
+# modules of the same .cu sources (real and tiny launch geometry, with gcov; and the tiny geometry
+# with AddressSanitizer + UndefinedBehaviorSanitizer), runs tests/test_cuda_host*.py on each, and
+# prints `cuda host coverage: NN.N%` for the kernel sources. Exits non-zero on any failure or when
+# coverage is below CUDA_HOST_MIN_COVERAGE (default 95). Needs no GPU and no nvcc.
+#
+# Usage: bash tools/cuda_host_check.sh            (everything)
+#        CUDA_HOST_SANITIZE=0 bash tools/cuda_host_check.sh   (skip the sanitizer pass)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export MAX_JOBS=${MAX_JOBS:-2}
+MIN=${CUDA_HOST_MIN_COVERAGE:-95}
+TESTS=(tests/test_cuda_host.py tests/test_cuda_host_planner.py)
+
+echo "== cuda host: building real, tiny (gcov)"
+python - <<'PY'
+from mp_wrappers.ops import cuda_host
+for variant in ('real', 'tiny'):
+    cuda_host.build(variant)
+    print(f'built {variant}: {cuda_host.build_dir(variant)}')
+PY
+# Fresh counters: coverage is that of this run's tests only.
+find build/cuda_host/real build/cuda_host/tiny -name '*.gcda' -delete
+
+echo "== cuda host: tests, real and tiny geometry"
+MP_WRAPPERS_CUDA_HOST_VARIANTS=real,tiny python -m pytest -q -p no:cacheprovider "${TESTS[@]}"
+
+echo "== cuda host: coverage of the kernel sources"
+python tools/cuda_host_coverage.py --variants real,tiny --min "$MIN"
+
+if [ "${CUDA_HOST_SANITIZE:-1}" = 1 ]; then
+  echo "== cuda host: AddressSanitizer + UndefinedBehaviorSanitizer (tiny geometry)"
+  python -c 'from mp_wrappers.ops import cuda_host; cuda_host.build("asan")'
+  PRELOAD=$(python -c 'from mp_wrappers.ops import cuda_host; print(cuda_host.sanitizer_preload())')
+  # Python itself is not instrumented: leak checking would report the interpreter's arenas.
+  LD_PRELOAD="$PRELOAD" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 MP_WRAPPERS_CUDA_HOST_VARIANTS=asan \
+    python -m pytest -q -p no:cacheprovider "${TESTS[@]}"
+fi
+echo "cuda host check: passed"
