@@ -43,6 +43,8 @@ class LeanMasterParams(MasterParams):
         optimizer (Optimizer): An mp_wrappers ``FusedAdam`` or ``FusedSGD`` (the optimizers with
             ``bf16_storage``) over the model's parameters.
         mode (str): ``'split'``, ``'kahan'`` or ``'stochastic'``.
+        initial_values (dict, optional): ``id(bf16 param) -> fp32 weight`` it was cast from
+            ('split' starts from them exactly, see :meth:`_start_from`).
 
     Raises:
         TypeError: the optimizer has no lean bf16 update.
@@ -51,9 +53,6 @@ class LeanMasterParams(MasterParams):
 
     def __init__(self, optimizer: Optimizer, mode: str,
                  initial_values: Optional[Dict[int, Tensor]] = None) -> None:
-        # ``initial_values`` (the fp32 weights an O2 cast rounded) are not used: the lean modes start
-        # from the model's bf16 weights (a zero low half / compensation), as the optimizer creates
-        # its per-element state at the first step. Accepted for MasterParams' interface.
         if mode not in LEAN_MODES:
             raise ValueError(f'master_weights={mode!r} is not a lean storage; expected one of '
                              f'{LEAN_MODES}')
@@ -68,6 +67,26 @@ class LeanMasterParams(MasterParams):
         super().__init__(optimizer, create_masters=False)
         optimizer.set_bf16_storage(mode)
         self.mode = mode
+        if mode == 'split' and initial_values:
+            self._start_from(initial_values)
+
+    @torch.no_grad()
+    def _start_from(self, values: Dict[int, Tensor]) -> None:
+        """'split': make each bf16 param and its low half the exact fp32 weight it was cast from.
+
+        O2's masters start from the fp32 weights the cast rounded (Note [masters lifecycle]);
+        splitting the same values keeps 'split' bit-identical to O2 from the first step. The bf16
+        param becomes the high half (rounded toward zero, the storage's forward weights).
+        'kahan' and 'stochastic' keep no full-precision state: they start from the bf16 weights.
+        """
+        for row in self.lean_params():
+            for p in row:
+                value = values.get(id(p))
+                if value is None or value.shape != p.shape or not value.is_floating_point():
+                    continue
+                hi, lo = bf16_split(value.to(device=p.device, dtype=torch.float32))
+                p.copy_(hi)
+                self.optimizer.lean_aux(p).copy_(lo)
 
     def lean_params(self) -> List[List[Tensor]]:
         """The bf16 params per group, in slot order (what the storage applies to)."""

@@ -138,7 +138,9 @@ class FP16OptimWrapper(MixedPrecisionOptimWrapper):
                          accumulative_counts=accumulative_counts, clip_grad=clip_grad, **kwargs)
         self.dynamic_loss_scale = dynamic_loss_scale
         self._master_params()  # create masters now, as FP16_Optimizer does at construction
-        if not self._masters.has_half:
+        # An fp32 model is only a surprise when no dtype says so: dtype='float32', or 'auto' on a
+        # device without native half formats, asks for fp32 compute on purpose.
+        if not self._masters.has_half and self.dtype != torch.float32:
             _warn_fp32_model()
 
     # ---- apex FP16_Optimizer API -------------------------------------------------------------------
