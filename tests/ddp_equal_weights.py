@@ -38,6 +38,8 @@ def main() -> None:
         diff = max(float((g - gathered[0]).abs().max()) for g in gathered)
         with open(result, 'w') as f:
             json.dump({'world_size': dist.get_world_size(), 'max_abs_diff': diff, 'iters': runner.iter}, f)
+    dist.barrier()  # leave the group cleanly (exiting with live gloo threads can abort a rank)
+    dist.destroy_process_group()
 
 
 if __name__ == '__main__':

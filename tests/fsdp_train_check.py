@@ -55,6 +55,9 @@ def main() -> None:
                         skipped=sum(s.skipped_steps for s in wrapper.loss_scalers),
                         opt_numel=[int(g) for g in gathered],
                         total=sum(p.numel() for p in params)), result)
+    # Leave the group cleanly: exiting with live gloo threads has aborted a rank at exit.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == '__main__':

@@ -113,6 +113,16 @@ def main(argv=None) -> None:
     runner = Runner.from_cfg(cfg) if 'runner_type' not in cfg else RUNNERS.build(cfg)
     print_log(backend_summary(), logger='current')
     runner.train()
+    _close_process_group()
+
+
+def _close_process_group() -> None:
+    """Leave the process group cleanly: exiting with a live gloo group (its threads still running)
+    has aborted a rank at exit ("terminate called without an active exception") after a good run."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == '__main__':
