@@ -94,6 +94,25 @@ class _EvaluationPrecision:
         self.fp16 = fp16
         self.dtype = parse_dtype(dtype, f'{type(self).__name__}(dtype)')
 
+    def __init__(self, runner, dataloader: Union[DataLoader, Dict],
+                 evaluator: Union[Evaluator, Dict, List], fp16: bool = False,
+                 dtype: Optional[str] = None) -> None:
+        # mmengine's loop (next in the MRO) with its own autocast off: ours replaces it.
+        super().__init__(runner, dataloader, evaluator, fp16=False)
+        self._setup_precision(fp16, dtype)
+
+    def _run_eval_iter(self, idx: int, data_batch: Sequence[dict], stage: str) -> None:
+        """mmengine's ``ValLoop``/``TestLoop.run_iter`` (``stage`` 'val'/'test') with our precision
+        context instead of its autocast."""
+        self.runner.call_hook(f'before_{stage}_iter', batch_idx=idx, data_batch=data_batch)
+        with self.precision_context():
+            outputs = getattr(self.runner.model, f'{stage}_step')(data_batch)
+        outputs, losses = _update_losses(outputs, getattr(self, f'{stage}_loss'))
+        setattr(self, f'{stage}_loss', losses)
+        self.evaluator.process(data_samples=outputs, data_batch=data_batch)
+        self.runner.call_hook(f'after_{stage}_iter', batch_idx=idx, data_batch=data_batch,
+                              outputs=outputs)
+
     @contextlib.contextmanager
     def precision_context(self) -> Iterator[None]:
         """``torch.autocast`` with the evaluation dtype when ``fp16``, else nothing."""
@@ -123,22 +142,9 @@ class MixedPrecisionValLoop(_EvaluationPrecision, ValLoop):
         >>> val_cfg = dict(type='mp_wrappers.MixedPrecisionValLoop', fp16=True)
     """
 
-    def __init__(self, runner, dataloader: Union[DataLoader, Dict],
-                 evaluator: Union[Evaluator, Dict, List], fp16: bool = False,
-                 dtype: Optional[str] = None) -> None:
-        super().__init__(runner, dataloader, evaluator, fp16=False)
-        self._setup_precision(fp16, dtype)
-
     @torch.no_grad()
     def run_iter(self, idx: int, data_batch: Sequence[dict]) -> None:
-        """mmengine's ``ValLoop.run_iter`` with our precision context instead of its autocast."""
-        self.runner.call_hook('before_val_iter', batch_idx=idx, data_batch=data_batch)
-        with self.precision_context():
-            outputs = self.runner.model.val_step(data_batch)
-        outputs, self.val_loss = _update_losses(outputs, self.val_loss)
-        self.evaluator.process(data_samples=outputs, data_batch=data_batch)
-        self.runner.call_hook('after_val_iter', batch_idx=idx, data_batch=data_batch,
-                              outputs=outputs)
+        self._run_eval_iter(idx, data_batch, 'val')
 
 
 @LOOPS.register_module()
@@ -151,22 +157,9 @@ class MixedPrecisionTestLoop(_EvaluationPrecision, TestLoop):
         >>> test_cfg = dict(type='mp_wrappers.MixedPrecisionTestLoop', fp16=True)
     """
 
-    def __init__(self, runner, dataloader: Union[DataLoader, Dict],
-                 evaluator: Union[Evaluator, Dict, List], fp16: bool = False,
-                 dtype: Optional[str] = None) -> None:
-        super().__init__(runner, dataloader, evaluator, fp16=False)
-        self._setup_precision(fp16, dtype)
-
     @torch.no_grad()
     def run_iter(self, idx: int, data_batch: Sequence[dict]) -> None:
-        """mmengine's ``TestLoop.run_iter`` with our precision context instead of its autocast."""
-        self.runner.call_hook('before_test_iter', batch_idx=idx, data_batch=data_batch)
-        with self.precision_context():
-            outputs = self.runner.model.test_step(data_batch)
-        outputs, self.test_loss = _update_losses(outputs, self.test_loss)
-        self.evaluator.process(data_samples=outputs, data_batch=data_batch)
-        self.runner.call_hook('after_test_iter', batch_idx=idx, data_batch=data_batch,
-                              outputs=outputs)
+        self._run_eval_iter(idx, data_batch, 'test')
 
 
 _OURS = {'val_cfg': 'mp_wrappers.MixedPrecisionValLoop',
