@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MAX_JOBS=${MAX_JOBS:-2}
 MIN=${CUDA_HOST_MIN_COVERAGE:-95}
-TESTS=(tests/test_cuda_host.py tests/test_cuda_host_planner.py)
+TESTS=(tests/test_cuda_host.py tests/test_cuda_host_planner.py tests/test_cuda_host_lean.py)
 
 echo "== cuda host: building real, tiny (gcov)"
 python - <<'PY'
