@@ -32,8 +32,10 @@ python tools/cuda_host_coverage.py --variants real,tiny --min "$MIN"
 
 if [ "${CUDA_HOST_SANITIZE:-1}" = 1 ]; then
   echo "== cuda host: AddressSanitizer + UndefinedBehaviorSanitizer (tiny geometry)"
-  python -c 'from mp_wrappers.ops import cuda_host; cuda_host.build("asan")'
   PRELOAD=$(python -c 'from mp_wrappers.ops import cuda_host; print(cuda_host.sanitizer_preload())')
+  # build() imports the module, so the building process needs the ASan runtime first too.
+  LD_PRELOAD="$PRELOAD" ASAN_OPTIONS=detect_leaks=0 \
+    python -c 'from mp_wrappers.ops import cuda_host; cuda_host.build("asan")'
   # Python itself is not instrumented: leak checking would report the interpreter's arenas.
   LD_PRELOAD="$PRELOAD" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
     UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 MP_WRAPPERS_CUDA_HOST_VARIANTS=asan \
