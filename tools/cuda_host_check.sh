@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MAX_JOBS=${MAX_JOBS:-2}
 MIN=${CUDA_HOST_MIN_COVERAGE:-95}
-TESTS=(tests/test_cuda_host.py tests/test_cuda_host_planner.py)
+TESTS=(tests/test_cuda_host.py tests/test_cuda_host_planner.py tests/test_cuda_host_lean.py)
 
 echo "== cuda host: building real, tiny (gcov)"
 python - <<'PY'
@@ -32,8 +32,10 @@ python tools/cuda_host_coverage.py --variants real,tiny --min "$MIN"
 
 if [ "${CUDA_HOST_SANITIZE:-1}" = 1 ]; then
   echo "== cuda host: AddressSanitizer + UndefinedBehaviorSanitizer (tiny geometry)"
-  python -c 'from mp_wrappers.ops import cuda_host; cuda_host.build("asan")'
   PRELOAD=$(python -c 'from mp_wrappers.ops import cuda_host; print(cuda_host.sanitizer_preload())')
+  # build() imports the module, so the building process needs the ASan runtime first too.
+  LD_PRELOAD="$PRELOAD" ASAN_OPTIONS=detect_leaks=0 \
+    python -c 'from mp_wrappers.ops import cuda_host; cuda_host.build("asan")'
   # Python itself is not instrumented: leak checking would report the interpreter's arenas.
   # The error-path tests (-k rejects) are left out here: a c10::Error thrown out of the sanitized
   # module aborts the process (not yet diagnosed); they run in the real and tiny passes above.

@@ -1,26 +1,24 @@
 // CUDA kernels of multi_tensor_adam_lean_ and multi_tensor_sgd_lean_ (Note [lean bf16 storage] in
-// mp_wrappers/ops/reference_lean.py; the CPU twins are cpu/multi_tensor_lean.cpp). Written on
-// today's optim_apply.cuh pattern: its launch planner (for_each_launch, BlockChunk), its IEEE
-// round-to-nearest arithmetic (immune to --use_fast_math) and its device-side skip, unscale, bias
-// correction and step increment. One thread per element of a 64K-element chunk (guarded, no vector
-// path): the aux and state lists mix 2- and 4-byte types. found_inf, grad_scale and step are read on
+// mp_wrappers/ops/reference_lean.py; the CPU twins are cpu/multi_tensor_lean.cpp). Same structure as
+// the other fused optimizers (cuda/optim_apply.cuh): the one launch planner (for_each_launch), the
+// IEEE round-to-nearest arithmetic (immune to --use_fast_math), the device-side skip, unscale, bias
+// correction and step increment, per-block constants computed once by thread 0, every global access
+// through ld/st (so the host-execution build runs and counts it). One guarded element per thread
+// (no vector path): the lists mix 2- and 4-byte types. found_inf, grad_scale and step are read on
 // the device; the stochastic key uses the update number read there too, so no host sync.
 #include <ATen/core/Tensor.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "mp_wrappers/checks.h"
 #include "mp_wrappers/cuda/optim_apply.cuh"
 
 namespace mp_wrappers {
-namespace cuda_optim {
+namespace cuda {
 namespace {
 
 enum Storage : int { kSplit = 0, kKahan = 1, kStochastic = 2 };
@@ -34,16 +32,58 @@ __device__ __forceinline__ uint32_t mix32(uint32_t x) {
   return x ^ (x >> 16);
 }
 
-__device__ __forceinline__ float bf16_bits_to_float(uint16_t h) {
-  return __uint_as_float(static_cast<uint32_t>(h) << 16);
+__device__ __forceinline__ float bits_to_float(uint32_t b) {
+  return __int_as_float(static_cast<int>(b));
 }
-
+__device__ __forceinline__ uint32_t float_to_bits(float x) {
+  return static_cast<uint32_t>(__float_as_int(x));
+}
+__device__ __forceinline__ float bf16_bits_to_float(uint16_t h) {
+  return bits_to_float(static_cast<uint32_t>(h) << 16);
+}
 // Round to nearest even, NaN -> 0x7FC0 (c10::BFloat16's conversion, as the CPU kernels store).
 __device__ __forceinline__ uint16_t float_to_bf16_bits(float x) {
-  return c10::BFloat16(x).x;
+  return from_float<c10::BFloat16>(x).x;
 }
 
-struct LeanParams {
+// Per-tensor key of the stochastic rounding: reference_lean.stochastic_bits.
+__device__ __forceinline__ uint32_t lean_key(uint32_t seed, float count, int32_t index) {
+  const uint32_t c = static_cast<uint32_t>(static_cast<int64_t>(count));
+  return mix32(mix32(seed ^ mix32(c)) ^ (static_cast<uint32_t>(index) * 0x9E3779B1u));
+}
+
+// The fp32 value of element i of a lean bf16 param (p: bf16 bits; aux: low halves for split).
+__device__ __forceinline__ float lean_load(int storage, const uint16_t* p, const uint16_t* aux,
+                                           int64_t i) {
+  const uint32_t hi = static_cast<uint32_t>(ld(p + i)) << 16;
+  if (storage == kSplit) return bits_to_float(hi | ld(aux + i));
+  return bits_to_float(hi);
+}
+
+// Writes p32 - delta into element i the storage's way (Note [lean bf16 storage]).
+__device__ __forceinline__ void lean_store(int storage, uint16_t* p, uint16_t* aux, int64_t i,
+                                           float p32, float delta, uint32_t key) {
+  if (storage == kKahan) {
+    const float c = fsub(bf16_bits_to_float(ld(aux + i)), delta);
+    const uint16_t rounded = float_to_bf16_bits(fadd(p32, c));
+    st(p + i, rounded);
+    st(aux + i, float_to_bf16_bits(fsub(c, fsub(bf16_bits_to_float(rounded), p32))));
+    return;
+  }
+  const float x = fsub(p32, delta);
+  const uint32_t bits = float_to_bits(x);
+  if (storage == kSplit) {
+    st(p + i, static_cast<uint16_t>(bits >> 16));
+    st(aux + i, static_cast<uint16_t>(bits & 0xFFFFu));
+  } else {
+    const uint32_t r = mix32(static_cast<uint32_t>(i) ^ key);
+    st(p + i, isnan(x) ? static_cast<uint16_t>(0x7FC0u)
+                       : static_cast<uint16_t>((bits + (r & 0xFFFFu)) >> 16));
+  }
+}
+
+// What both lean ops share: the device flag and scale, the step counter, the storage and seed.
+struct LeanCommon {
   const float* found_inf;
   const float* grad_scale;
   const float* step;
@@ -51,126 +91,127 @@ struct LeanParams {
   uint32_t seed;
 };
 
-// Reads the fp32 value of element i of a lean bf16 param.
-__device__ __forceinline__ float lean_load(int storage, const uint16_t* p, const void* aux,
-                                           int64_t i) {
-  if (storage == kSplit)
-    return __uint_as_float((static_cast<uint32_t>(p[i]) << 16) |
-                           static_cast<const uint16_t*>(aux)[i]);
-  return bf16_bits_to_float(p[i]);
-}
+// ---- the lean update kernel --------------------------------------------------------------------
+//
+// Lists, in order: params (bf16 bits), aux (uint16 low halves, bf16 compensation, or absent for
+// stochastic), grads (G), K state lists (S: float or bfloat16). Op provides
+//   LeanCommon c;
+//   struct Ctx (trivial, with a member `key`);  __device__ Ctx begin(int32_t tensor_index) const;
+//   __device__ float delta(const Ctx&, float p32, float g, float (&s)[K + 1]) const;  -> lr * update
+template <class Op, class G, class S, int K>
+struct LeanFunctor {
+  static constexpr int N = 3 + K;
+  using Ctx = typename Op::Ctx;
+  static_assert(std::is_trivial<Ctx>::value, "Ctx lives in shared memory: it must be trivial");
 
-// Writes p32 - step into element i the storage's way (Note [lean bf16 storage]).
-__device__ __forceinline__ void lean_store(int storage, uint16_t* p, void* aux, int64_t i,
-                                           float p32, float step, uint32_t key) {
-  if (storage == kKahan) {
-    uint16_t* comp = static_cast<uint16_t*>(aux);
-    const float c = fsub(bf16_bits_to_float(comp[i]), step);
-    const uint16_t rounded = float_to_bf16_bits(fadd(p32, c));
-    p[i] = rounded;
-    comp[i] = float_to_bf16_bits(fsub(c, fsub(bf16_bits_to_float(rounded), p32)));
-    return;
+  __device__ __forceinline__ void operator()(const TensorListMeta<N>& meta, const Op& op) const {
+    const auto ch = meta.chunk_of_block();
+    __shared__ Ctx shared_ctx;
+    __shared__ bool shared_skip;
+    if (threadIdx.x == 0) {
+      shared_skip = skip_update(op.c.found_inf);
+      if (!shared_skip) shared_ctx = op.begin(ch.tensor_index);
+    }
+    __syncthreads();
+    if (shared_skip) return;
+    const Ctx ctx = shared_ctx;
+    const int slot = ch.slot;
+    uint16_t* p = static_cast<uint16_t*>(meta.addresses[0][slot]);
+    uint16_t* aux = static_cast<uint16_t*>(meta.addresses[1][slot]);  // nullptr for stochastic
+    const G* g = static_cast<const G*>(meta.addresses[2][slot]);
+    S* state[K + 1];
+#pragma unroll
+    for (int k = 0; k < K; ++k) state[k] = static_cast<S*>(meta.addresses[3 + k][slot]);
+    for (int64_t j = threadIdx.x; j < ch.size; j += blockDim.x) {
+      const int64_t i = ch.begin + j;  // element index in the tensor (the stochastic hash input)
+      const float p32 = lean_load(op.c.storage, p, aux, i);
+      float s[K + 1];
+#pragma unroll
+      for (int k = 0; k < K; ++k) s[k] = to_float(ld(state[k] + i));
+      const float d = op.delta(ctx, p32, to_float(ld(g + i)), s);
+#pragma unroll
+      for (int k = 0; k < K; ++k) st(state[k] + i, from_float<S>(s[k]));
+      lean_store(op.c.storage, p, aux, i, p32, d, ctx.key);
+    }
   }
-  const float x = fsub(p32, step);
-  const uint32_t bits = __float_as_uint(x);
-  if (storage == kSplit) {
-    p[i] = static_cast<uint16_t>(bits >> 16);
-    static_cast<uint16_t*>(aux)[i] = static_cast<uint16_t>(bits & 0xFFFFu);
-  } else {
-    const uint32_t r = mix32(static_cast<uint32_t>(i) ^ key);
-    p[i] = isnan(x) ? static_cast<uint16_t>(0x7FC0u)
-                    : static_cast<uint16_t>((bits + (r & 0xFFFFu)) >> 16);
-  }
+};
+
+template <class Functor, int N, class Op>
+__global__ void __launch_bounds__(kBlockSize) lean_kernel(TensorListMeta<N> meta, Op op) {
+  Functor()(meta, op);
 }
 
-__device__ __forceinline__ uint32_t lean_key(const LeanParams& lp, float count, int32_t index) {
-  const uint32_t c = static_cast<uint32_t>(static_cast<int64_t>(count));
-  return mix32(mix32(lp.seed ^ mix32(c)) ^ (static_cast<uint32_t>(index) * 0x9E3779B1u));
-}
-
-template <class T>
-__device__ __forceinline__ float ld(const T* p, int64_t i) {
-  return static_cast<float>(p[i]);
-}
-template <class T>
-__device__ __forceinline__ void st(T* p, int64_t i, float x) {
-  p[i] = static_cast<T>(x);
+template <class Op, class G, class S, int K>
+void launch_lean(const char* name, const std::array<at::TensorList, 3 + K>& lists, const Op& op) {
+  using Fn = LeanFunctor<Op, G, S, K>;
+  const Stream stream = current_stream();
+  for_each_launch<Fn::N>(lists, [&](int blocks, const TensorListMeta<Fn::N>& meta) {
+    launch(name, &lean_kernel<Fn, Fn::N, Op>, blocks, kBlockSize, stream, meta, op);
+  });
 }
 
 // ---- Adam: lists [params, aux, grads, exp_avgs, exp_avg_sqs] ------------------------------------
-struct AdamLeanArgs {
-  LeanParams lp;
+struct AdamLeanOp {
+  LeanCommon c;
   double beta1_d, beta2_d;
   float lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay;
   bool l2, decoupled, use_bias_correction;
+
+  struct Ctx {
+    float bc1, bc2;
+    DeviceUnscale unscale;
+    uint32_t key;
+  };
+  __device__ __forceinline__ Ctx begin(int32_t tensor_index) const {
+    const float count = fadd(ld(c.step), 1.f);  // the number of this update
+    return Ctx{bias_correction(beta1_d, count, use_bias_correction),
+               bias_correction(beta2_d, count, use_bias_correction), make_unscale(c.grad_scale),
+               lean_key(c.seed, count, tensor_index)};
+  }
+  __device__ __forceinline__ float delta(const Ctx& x, float p, float g, float (&s)[3]) const {
+    g = x.unscale(g);
+    if (l2) g = fadd(g, fmul(weight_decay, p));
+    const float m = fadd(fmul(beta1, s[0]), fmul(one_minus_beta1, g));
+    const float v = fadd(fmul(beta2, s[1]), fmul(fmul(one_minus_beta2, g), g));
+    float u = fdiv(fdiv(m, x.bc1), fadd(fsqrt(fdiv(v, x.bc2)), eps));
+    if (decoupled) u = fadd(u, fmul(weight_decay, p));
+    s[0] = m;
+    s[1] = v;
+    return fmul(lr, u);
+  }
 };
 
-template <class G, class S>
-__global__ void __launch_bounds__(kBlockSize)
-    adam_lean_kernel(TensorListMeta<5> meta, AdamLeanArgs a) {
-  if (skip_update(a.lp.found_inf)) return;
-  const BlockChunk<5> ch(meta);
-  const float count = fadd(*a.lp.step, 1.f);
-  const float bc1 = bias_correction(a.beta1_d, count, a.use_bias_correction);
-  const float bc2 = bias_correction(a.beta2_d, count, a.use_bias_correction);
-  const DeviceUnscale unscale(a.lp.grad_scale);
-  const uint32_t key = lean_key(a.lp, count, ch.tensor_index);
-  const int loc = ch.tensor_loc;
-  uint16_t* p = static_cast<uint16_t*>(meta.addresses[0][loc]);
-  void* aux = meta.addresses[1][loc];
-  const G* g = static_cast<const G*>(meta.addresses[2][loc]);
-  S* m = static_cast<S*>(meta.addresses[3][loc]);
-  S* v = static_cast<S*>(meta.addresses[4][loc]);
-  for (int64_t j = threadIdx.x; j < ch.n; j += blockDim.x) {
-    const int64_t i = ch.offset + j;  // element index in the tensor (the stochastic hash input)
-    const float p32 = lean_load(a.lp.storage, p, aux, i);
-    float gr = unscale(ld(g, i));
-    if (a.l2) gr = fadd(gr, fmul(a.weight_decay, p32));
-    const float mn = fadd(fmul(a.beta1, ld(m, i)), fmul(a.one_minus_beta1, gr));
-    const float vn = fadd(fmul(a.beta2, ld(v, i)), fmul(fmul(a.one_minus_beta2, gr), gr));
-    float u = fdiv(fdiv(mn, bc1), fadd(fsqrt(fdiv(vn, bc2)), a.eps));
-    if (a.decoupled) u = fadd(u, fmul(a.weight_decay, p32));
-    st(m, i, mn);
-    st(v, i, vn);
-    lean_store(a.lp.storage, p, aux, i, p32, fmul(a.lr, u), key);
-  }
-}
-
-// ---- SGD: lists [params, aux, grads, momentum_buffers] ------------------------------------------
-struct SgdLeanArgs {
-  LeanParams lp;
+// ---- SGD: lists [params, aux, grads, momentum_buffers?] -----------------------------------------
+// kMomentum: one state list (the buffers) or none (momentum == 0, buffers may be absent).
+template <bool kMomentum>
+struct SgdLeanOp {
+  LeanCommon c;
   float lr, momentum, one_minus_dampening, weight_decay;
-  bool nesterov, wd_before, wd_after, has_momentum;
-};
+  bool nesterov, wd_before, wd_after;
 
-template <class G, class S>
-__global__ void __launch_bounds__(kBlockSize)
-    sgd_lean_kernel(TensorListMeta<4> meta, SgdLeanArgs a) {
-  if (skip_update(a.lp.found_inf)) return;
-  const BlockChunk<4> ch(meta);
-  const float count = fadd(*a.lp.step, 1.f);
-  const bool first = *a.lp.step == 0.f;
-  const DeviceUnscale unscale(a.lp.grad_scale);
-  const uint32_t key = lean_key(a.lp, count, ch.tensor_index);
-  const int loc = ch.tensor_loc;
-  uint16_t* p = static_cast<uint16_t*>(meta.addresses[0][loc]);
-  void* aux = meta.addresses[1][loc];
-  const G* g = static_cast<const G*>(meta.addresses[2][loc]);
-  S* buf = static_cast<S*>(meta.addresses[3][loc]);
-  for (int64_t j = threadIdx.x; j < ch.n; j += blockDim.x) {
-    const int64_t i = ch.offset + j;
-    const float p32 = lean_load(a.lp.storage, p, aux, i);
-    float d = unscale(ld(g, i));
-    if (a.wd_before) d = fadd(d, fmul(a.weight_decay, p32));
-    if (a.has_momentum) {
-      const float b = first ? d : fadd(fmul(a.momentum, ld(buf, i)), fmul(a.one_minus_dampening, d));
-      d = a.nesterov ? fadd(d, fmul(a.momentum, b)) : b;
-      st(buf, i, b);
-    }
-    if (a.wd_after) d = fadd(d, fmul(a.weight_decay, p32));
-    lean_store(a.lp.storage, p, aux, i, p32, fmul(a.lr, d), key);
+  struct Ctx {
+    bool first;
+    DeviceUnscale unscale;
+    uint32_t key;
+  };
+  __device__ __forceinline__ Ctx begin(int32_t tensor_index) const {
+    const float step = ld(c.step);
+    return Ctx{step == 0.f, make_unscale(c.grad_scale),
+               lean_key(c.seed, fadd(step, 1.f), tensor_index)};
   }
-}
+  template <int K>
+  __device__ __forceinline__ float delta(const Ctx& x, float p, float g, float (&s)[K]) const {
+    float d = x.unscale(g);
+    if (wd_before) d = fadd(d, fmul(weight_decay, p));
+    if constexpr (kMomentum) {
+      const float b = x.first ? d : fadd(fmul(momentum, s[0]), fmul(one_minus_dampening, d));
+      d = nesterov ? fadd(d, fmul(momentum, b)) : b;
+      s[0] = b;
+    }
+    if (wd_after) d = fadd(d, fmul(weight_decay, p));
+    return fmul(lr, d);
+  }
+};
 
 // ---- host side ------------------------------------------------------------------------------------
 int parse_storage(const char* op, const std::string& s) {
@@ -206,10 +247,10 @@ void check_lean(const char* op, int storage, at::TensorList params, at::TensorLi
                 state[i].scalar_type(), " at index ", i);
 }
 
-LeanParams lean_params(const char* op, int storage, int64_t seed, const at::Tensor& step,
+LeanCommon lean_common(const char* op, int storage, int64_t seed, const at::Tensor& step,
                        const std::optional<at::Tensor>& grad_scale,
                        const std::optional<at::Tensor>& found_inf) {
-  return LeanParams{optional_ptr(op, "found_inf", found_inf, step.device()),
+  return LeanCommon{optional_ptr(op, "found_inf", found_inf, step.device()),
                     optional_ptr(op, "grad_scale", grad_scale, step.device()),
                     step.data_ptr<float>(), storage, static_cast<uint32_t>(seed)};
 }
@@ -239,13 +280,11 @@ void multi_tensor_adam_lean_cuda(at::TensorList params, at::TensorList aux, at::
   TORCH_CHECK(exp_avgs.empty() || exp_avgs[0].scalar_type() == exp_avg_sqs[0].scalar_type(), op,
               ": exp_avgs and exp_avg_sqs must share one dtype");
   check_one_dtype(op, "grads", grads);
-  check_step(op, step, step.device());
-  TORCH_CHECK(params.empty() || step.device() == device, op, ": step is on ", step.device(),
-              " but the tensors are on ", device);
-  const c10::cuda::CUDAGuard guard(step.device());
+  check_step(op, step, device, !params.empty());
+  const DeviceGuard guard(step.device());
 
-  AdamLeanArgs a;
-  a.lp = lean_params(op, storage, seed, step, grad_scale, found_inf);
+  AdamLeanOp a;
+  a.c = lean_common(op, storage, seed, step, grad_scale, found_inf);
   a.beta1_d = beta1;
   a.beta2_d = beta2;
   a.lr = static_cast<float>(lr);
@@ -259,20 +298,17 @@ void multi_tensor_adam_lean_cuda(at::TensorList params, at::TensorList aux, at::
   a.decoupled = adam_w_mode && weight_decay != 0.0;
   a.use_bias_correction = bias_correction;
   if (!params.empty()) {
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     dispatch_dtype(grads, [&](auto* g_tag) {
       dispatch_state(exp_avgs, [&](auto* s_tag) {
         using G = std::remove_pointer_t<decltype(g_tag)>;
         using S = std::remove_pointer_t<decltype(s_tag)>;
-        for_each_launch<5>({params, aux, grads, exp_avgs, exp_avg_sqs},
-                           [&](int blocks, const TensorListMeta<5>& meta) {
-                             adam_lean_kernel<G, S><<<blocks, kBlockSize, 0, stream>>>(meta, a);
-                             C10_CUDA_KERNEL_LAUNCH_CHECK();
-                           });
+        launch_lean<AdamLeanOp, G, S, 2>("adam_lean", {params, aux, grads, exp_avgs, exp_avg_sqs},
+                                         a);
       });
     });
   }
-  launch_increment_step(step, a.lp.found_inf);
+  // After the update kernels: they read step for the bias corrections and the stochastic key.
+  launch_increment_step(step, a.c.found_inf);
 }
 
 void multi_tensor_sgd_lean_cuda(at::TensorList params, at::TensorList aux, at::TensorList grads,
@@ -292,44 +328,46 @@ void multi_tensor_sgd_lean_cuda(at::TensorList params, at::TensorList aux, at::T
               ": momentum_buffers is empty but momentum=", momentum, " needs one per param");
   check_lean(op, storage, params, aux, device, momentum_buffers);
   check_one_dtype(op, "grads", grads);
-  check_step(op, step, step.device());
-  TORCH_CHECK(params.empty() || step.device() == device, op, ": step is on ", step.device(),
-              " but the tensors are on ", device);
-  const c10::cuda::CUDAGuard guard(step.device());
+  check_step(op, step, device, !params.empty());
+  const DeviceGuard guard(step.device());
 
-  SgdLeanArgs a;
-  a.lp = lean_params(op, storage, seed, step, grad_scale, found_inf);
-  a.lr = static_cast<float>(lr);
-  a.momentum = static_cast<float>(momentum);
-  a.one_minus_dampening = static_cast<float>(1.0 - dampening);
-  a.weight_decay = static_cast<float>(weight_decay);
-  a.nesterov = nesterov;
-  a.wd_before = weight_decay != 0.0 && !wd_after_momentum;
-  a.wd_after = weight_decay != 0.0 && wd_after_momentum;
-  a.has_momentum = has_momentum;
-  if (!params.empty()) {
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    const at::TensorList bufs = has_momentum ? momentum_buffers : at::TensorList();
-    dispatch_dtype(grads, [&](auto* g_tag) {
-      dispatch_state(bufs, [&](auto* s_tag) {
+  auto run = [&](auto momentum_tag) {
+    constexpr bool kMomentum = decltype(momentum_tag)::value;
+    SgdLeanOp<kMomentum> a;
+    a.c = lean_common(op, storage, seed, step, grad_scale, found_inf);
+    a.lr = static_cast<float>(lr);
+    a.momentum = static_cast<float>(momentum);
+    a.one_minus_dampening = static_cast<float>(1.0 - dampening);
+    a.weight_decay = static_cast<float>(weight_decay);
+    a.nesterov = nesterov;
+    a.wd_before = weight_decay != 0.0 && !wd_after_momentum;
+    a.wd_after = weight_decay != 0.0 && wd_after_momentum;
+    if (!params.empty()) {
+      dispatch_dtype(grads, [&](auto* g_tag) {
         using G = std::remove_pointer_t<decltype(g_tag)>;
-        using S = std::remove_pointer_t<decltype(s_tag)>;
-        for_each_launch<4>({params, aux, grads, bufs},
-                           [&](int blocks, const TensorListMeta<4>& meta) {
-                             sgd_lean_kernel<G, S><<<blocks, kBlockSize, 0, stream>>>(meta, a);
-                             C10_CUDA_KERNEL_LAUNCH_CHECK();
-                           });
+        if constexpr (kMomentum) {
+          dispatch_state(momentum_buffers, [&](auto* s_tag) {
+            using S = std::remove_pointer_t<decltype(s_tag)>;
+            launch_lean<SgdLeanOp<true>, G, S, 1>("sgd_lean_momentum",
+                                                  {params, aux, grads, momentum_buffers}, a);
+          });
+        } else {
+          launch_lean<SgdLeanOp<false>, G, float, 0>("sgd_lean", {params, aux, grads}, a);
+        }
       });
-    });
-  }
-  launch_increment_step(step, a.lp.found_inf);
+    }
+    // After the update kernels: they read step to tell the first update.
+    launch_increment_step(step, a.c.found_inf);
+  };
+  if (has_momentum) run(std::true_type{});
+  else run(std::false_type{});
 }
 
 }  // namespace
-}  // namespace cuda_optim
+}  // namespace cuda
 }  // namespace mp_wrappers
 
-TORCH_LIBRARY_IMPL(mp_wrappers, CUDA, m) {
-  m.impl("multi_tensor_adam_lean_", &mp_wrappers::cuda_optim::multi_tensor_adam_lean_cuda);
-  m.impl("multi_tensor_sgd_lean_", &mp_wrappers::cuda_optim::multi_tensor_sgd_lean_cuda);
+MP_WRAPPERS_CUDA_OPS(m) {
+  m.impl("multi_tensor_adam_lean_", &mp_wrappers::cuda::multi_tensor_adam_lean_cuda);
+  m.impl("multi_tensor_sgd_lean_", &mp_wrappers::cuda::multi_tensor_sgd_lean_cuda);
 }
