@@ -107,7 +107,7 @@ def test_lean_without_scale_and_flag_and_empty_lists(host, opt, hp):
     assert [r[0] for r in host.launches()] == ['increment_step']
 
 
-def test_lean_host_errors_name_the_argument(host):
+def test_lean_host_rejects_bad_arguments_naming_them(host):
     """The entry points' checks run on the host too: a bad storage and aux for 'stochastic'."""
     lean = _lean('split', [5], torch.float32, ADAM, seed=25)
     grads = [torch.ones(5).bfloat16()]
