@@ -33,8 +33,19 @@ def _torchrun(nproc, work_dir, result, extra=(), accumulate=2, config=CONFIG, op
            '--work-dir', str(work_dir), *extra, '--cfg-options',
            *(OPTIONS if options is None else options), f'optim_wrapper.accumulative_counts={accumulate}']
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0 and _aborted_after_done(proc, nproc):
+        # A rank aborted at interpreter exit ("terminate called without an active exception")
+        # after finishing and leaving the process group: seen now and then on a loaded 2-core
+        # machine, in torch's teardown, not in training. Run once more; a second failure fails.
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(result, weights_only=True), proc.stdout + proc.stderr
+
+
+def _aborted_after_done(proc, nproc) -> bool:
+    out = proc.stdout + proc.stderr
+    return ('terminate called without an active exception' in out
+            and all(f'fsdp_train_check: rank {r} done' in out for r in range(nproc)))
 
 
 @pytest.fixture(scope='module')
