@@ -39,13 +39,14 @@ class WorkflowMLP(BaseModel):
     """fc1 -> BN -> ReLU -> fc2, plus two heads for the unused-parameter tests.
 
     ``late`` is used only at the iterations in ``late_iters`` (a branch the graph stops using);
-    ``unused`` never. ``zero_kwargs`` are passed to ``update_params`` (``set_to_none`` and apex's
-    ``set_grads_to_None``).
+    ``unused`` never. At the iterations in ``nan_loss_iters`` the loss is NaN. ``zero_kwargs``
+    are passed to ``update_params`` (``set_to_none`` and apex's ``set_grads_to_None``).
     """
 
     def __init__(self, dtype: Optional[str] = None, late_iters=(), zero_kwargs=None,
-                 init_cfg=None) -> None:
+                 init_cfg=None, nan_loss_iters=()) -> None:
         super().__init__(init_cfg=init_cfg)
+        self.nan_loss_iters = tuple(nan_loss_iters)
         self.fc1 = nn.Linear(8, 16)
         self.bn = nn.BatchNorm1d(16)
         self.fc2 = nn.Linear(16, 4)
@@ -62,7 +63,10 @@ class WorkflowMLP(BaseModel):
         if self.training and self._iter() in self.late_iters:
             out = out + self.late(h)
         if mode == 'loss':
-            return {'loss': F.cross_entropy(out.float(), labels)}
+            loss = F.cross_entropy(out.float(), labels)
+            if self.training and self._iter() in self.nan_loss_iters:
+                loss = loss * float('nan')  # a diverged batch: the loss itself is not finite
+            return {'loss': loss}
         return out
 
     @staticmethod

@@ -124,7 +124,9 @@ def _model() -> nn.Module:
 
 def _build(case: WrapperCase, optimizer: str) -> Tuple[nn.Module, mp_wrappers.MixedPrecisionOptimWrapper]:
     model = _model()
-    common = dict(on_scale_collapse='ignore')
+    # grad_check='always': at a static 1.0 the default checks only the loss, and the faults here are
+    # injected into gradients (tests/test_grad_check.py covers the default).
+    common = dict(on_scale_collapse='ignore', grad_check='always')
     if case.kind.startswith('fp16'):
         if case.dtype != torch.float32:
             cast_model(model, case.dtype, keep_norm_fp32=True)

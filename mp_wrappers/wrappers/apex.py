@@ -45,9 +45,9 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
     :meth:`optim_context` the model is prepared like ``amp.initialize`` did: O1 runs the forward under
     ``torch.autocast``; O2/O3 cast the model to the half dtype (affine BatchNorm kept fp32 with
     ``keep_batchnorm_fp32``), cast inputs to it and outputs back to fp32; O2 steps fp32 master
-    weights. Unlike apex, every level skips steps whose gradients are not finite (static scales of 1.0
-    included), ``num_losses`` works with accumulation without ``delay_unscale``, nothing global is
-    patched, and bf16 is supported.
+    weights. Unlike apex, every level skips steps that are not finite (at a static scale of 1.0, by
+    default, steps whose loss is not finite: see ``grad_check``), ``num_losses`` works with
+    accumulation without ``delay_unscale``, nothing global is patched, and bf16 is supported.
 
     Args:
         optimizer (Optimizer): The optimizer over the model's fp32 parameters.
@@ -81,7 +81,7 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
         accumulative_counts (int): mmengine gradient accumulation. Defaults to 1.
         clip_grad (dict, optional): mmengine's ``clip_grad``, applied to unscaled fp32 gradients.
         **kwargs: Options shared by all our wrappers (``overflow_report``, ``on_scale_collapse``,
-            ``collapse_patience``, ``sync_found_inf``, ``log_interval``): see
+            ``collapse_patience``, ``sync_found_inf``, ``log_interval``, ``grad_check``): see
             :class:`~mp_wrappers.wrappers.base.MixedPrecisionOptimWrapper`.
 
     Examples:

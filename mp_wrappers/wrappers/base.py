@@ -83,10 +83,22 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             and the model is not DDP-wrapped (DDP already all-reduces the gradients, so every rank
             sees the same inf); sharded setups need it.
         log_interval (int, optional): Iterations between publications of the ``amp_*`` scalars
-            to the MessageHub (each costs a host sync on GPU). None: every iteration on CPU
-            (free), every 10 on other devices; ``mp_wrappers.MixedPrecisionHook`` sets it to the
-            LoggerHook's interval. ``publish_now`` (True/False, set per iteration by that hook)
-            overrides it; None (the default) uses ``log_interval``.
+            to the MessageHub during training (each costs a host sync on GPU, and, at a static
+            scale of 1.0, one read of the gradients for ``amp_gnorm``). None: every 10, the
+            LoggerHook's default; ``mp_wrappers.MixedPrecisionHook`` sets it to the LoggerHook's
+            interval. ``publish_now`` (True/False, set per iteration by that hook) overrides it;
+            None (the default) uses ``log_interval``. Outside a training loop (no ``iter`` in the
+            MessageHub) every step publishes.
+        grad_check (str): Which steps read every gradient for inf/nan. ``'auto'`` (default): every
+            step whose loss is scaled (dynamic, or a static scale other than 1.0: the unscaling
+            pass checks for free) or whose gradients pass through fp32 master copies anyway (O2,
+            ``FP16OptimWrapper`` over a half model); at a static scale of 1.0 with the gradients in
+            place (O1/O3 in bf16, O0, ``FP16OptimWrapper`` over fp32 weights) only the loss is
+            checked, a step whose loss is not finite being skipped, as apex does nothing there and
+            mmengine's ``AmpOptimWrapper`` checks nothing on CPU: one read of every gradient per
+            step would cost 1-2% of a ResNet-18 step (Note [unit-scale check]). ``'always'``:
+            read every gradient on every step, so a finite loss with non-finite gradients is
+            skipped too.
 
     The MessageHub scalars (names without ``loss``/``grad_norm``, which mmengine would print as
     10-iteration means): ``amp_scale`` (``amp_scale_<k>`` for loss ``k`` > 0), ``amp_skipped``
@@ -95,13 +107,14 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
     """
 
     _COLLAPSE_POLICIES = ('warn', 'raise', 'ignore')
+    _GRAD_CHECKS = ('auto', 'always')
 
     def __init__(self, optimizer: Optimizer, loss_scalers: Sequence[LossScaler],
                  master_weights: bool = True, verbose: bool = True, accumulative_counts: int = 1,
                  clip_grad: Optional[dict] = None, overflow_report: bool = False,
                  on_scale_collapse: str = 'warn', collapse_patience: int = 10,
                  sync_found_inf: Optional[bool] = None,
-                 log_interval: Optional[int] = None) -> None:
+                 log_interval: Optional[int] = None, grad_check: str = 'auto') -> None:
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f'optimizer must be a torch.optim.Optimizer, got '
                             f'{type(optimizer).__name__}')
@@ -120,6 +133,9 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise ValueError(f'{name} must be an integer >= 1, got {value!r}')
+        if grad_check not in self._GRAD_CHECKS:
+            raise ValueError(f'grad_check={grad_check!r} is not allowed; expected one of '
+                             f'{self._GRAD_CHECKS}')
         if sync_found_inf is not None and not isinstance(sync_found_inf, bool):
             raise ValueError(f'sync_found_inf must be True, False or None, got {sync_found_inf!r}')
         _check_params(optimizer)
@@ -142,6 +158,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self.collapse_patience = collapse_patience
         self.sync_found_inf = sync_found_inf
         self.log_interval = log_interval
+        self.grad_check = grad_check
         # Set per iteration by MixedPrecisionHook (True/False) so publications follow the LoggerHook
         # exactly: in epoch-based loops it counts iterations within the epoch and logs the last one
         # of each epoch, which ``log_interval`` arithmetic on the global iteration cannot match.
@@ -286,14 +303,21 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         if self._pending_scaler is not None and self._pending_scaler != loss_id:
             # The model grads were scaled by another scaler: move them to the fp32 stash first.
             self._unscale_pending()
-        if self.overflow_report:
+        scaler = self.loss_scalers[loss_id]
+        if self.overflow_report or scaler.is_unit:
             bad = ~torch.isfinite(loss.detach()).all()
-            self._loss_nonfinite = bad if self._loss_nonfinite is None else \
-                self._loss_nonfinite | bad
+            if self.overflow_report:
+                self._loss_nonfinite = bad if self._loss_nonfinite is None else \
+                    self._loss_nonfinite | bad
+            if scaler.is_unit:
+                # A non-finite loss skips the step at a static 1.0 whether or not the gradients
+                # are read (Note [unit-scale check]); on the device, so no host sync here.
+                flag = self._flag(loss_id)
+                torch.maximum(flag, bad.to(flag.dtype).reshape(1), out=flag)
         # FSDP reads its gradient-sync flag during backward, not in the forward like DDP.
         sync = self.should_sync()
         with _sharding.no_sync_for_backward(self._sharding, sync):
-            self.loss_scalers[loss_id].scale_loss(loss).backward(**kwargs)
+            scaler.scale_loss(loss).backward(**kwargs)
         # Under FSDP no_sync the grads are unsharded partial sums until the synced backward.
         self._grads_unsynced = self._sharding is not None and not sync
         self._pending_scaler = loss_id
@@ -335,12 +359,16 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self._stash.absorb(self._master_params(), self.loss_scalers[k].inv_scale(), self._flag(k))
         self._pending_scaler = None
 
-    def _sync_flags(self) -> None:
-        """All-reduce (MAX) this step's overflow flags across ranks when gradients are not."""
+    def _sync_flags(self, loss_only: bool = False) -> None:
+        """All-reduce (MAX) this step's overflow flags across ranks when gradients are not.
+
+        ``loss_only``: the flags come from each rank's own loss (Note [unit-scale check]), which
+        DDP does not all-reduce, so they are synchronised under DDP too.
+        """
         want = self.sync_found_inf
         if want is None:
             want = (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-                    and not self._model_is_ddp)
+                    and (loss_only or not self._model_is_ddp))
         if want and self._used_scalers:
             flags = torch.cat([self._flag(k) for k in self._used_scalers])
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
@@ -507,10 +535,18 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
 
     # Note [in-place unscale]: when every optimizer slot is the model parameter itself (O0, O1, O3,
     # FP16OptimWrapper over fp32 weights) and one scaler produced the step's gradients, there is no
-    # fp32 stash to fill: the gradients are checked (and unscaled, unless the scale is a static
-    # 1.0) where they are, as torch's GradScaler does. With a unit scale the check is one read-only
-    # pass that also yields the norm logged as amp_gnorm, so O1 bf16 costs what mmengine's
-    # AmpOptimWrapper costs plus that pass (benchmarks/bench_o1_overhead.py).
+    # fp32 stash to fill: the gradients are checked and unscaled where they are, as torch's
+    # GradScaler does.
+    #
+    # Note [unit-scale check]: at a static scale of 1.0 nothing needs unscaling, so checking the
+    # gradients would be a read pass of its own: 45 MB for ResNet-18, ~5 ms of a 0.69 s step on
+    # one core of a Xeon VM, 1% (2% on two threads), the whole gap to mmengine's AmpOptimWrapper,
+    # which checks nothing on CPU (its GradScaler disables itself there). apex does no check at a
+    # static 1.0 either. By default ('auto') the step then only checks the loss, in backward (a
+    # scalar, on the device): a non-finite loss is the usual way non-finite gradients arise, and
+    # bf16 autocast's gradients are fp32 gradients of fp32 weights, which overflow only where fp32
+    # training would. amp_gnorm is computed at publications only. grad_check='always' restores the
+    # pass (it also yields the norm). benchmarks/bench_o1_overhead.py measures both.
     def _unscales_in_place(self, masters: MasterParams) -> bool:
         return (self._pending_scaler is not None and len(self._used_scalers) == 1
                 and not self._stash.holds_grads and not masters.has_half)
@@ -530,7 +566,10 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
                                    f'(parameter of shape {tuple(slot.shape)})')
             by_dtype.setdefault(g.dtype, []).append(_sharding.local_tensor(g, 'a gradient'))
         norm = None
-        if scaler.is_unit:
+        loss_only = scaler.is_unit and self.grad_check == 'auto'
+        if loss_only:
+            pass  # the loss was checked in backward (Note [unit-scale check])
+        elif scaler.is_unit:
             norms = [multi_tensor_unscale_l2norm(gs, 1.0, found_inf=flag)[0]
                      for gs in by_dtype.values()]
             # Local norms under FSDP: the whole model's norm is taken below when it is needed.
@@ -541,7 +580,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             for gs in by_dtype.values():
                 multi_tensor_scale(gs, gs, inv_scale, flag)
         self._pending_scaler = None
-        self._sync_flags()
+        self._sync_flags(loss_only)
         skipped = self._overflowed()
         if not skipped:
             if self.clip_grad_kwargs:
@@ -657,9 +696,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         it = self.message_hub.get_info('iter')
         if it is None:
             return True
-        interval = self.log_interval
-        if interval is None:
-            interval = 1 if self.loss_scalers[0].device.type == 'cpu' else 10
+        interval = 10 if self.log_interval is None else self.log_interval
         return (it + 1) % interval == 0
 
     def publish_scalars(self) -> None:

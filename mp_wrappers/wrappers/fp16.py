@@ -110,7 +110,7 @@ class FP16OptimWrapper(MixedPrecisionOptimWrapper):
         dtype (str, optional): The precision the model was built in: ``'float16'``, ``'bfloat16'``,
             ``'float32'`` or ``'auto'`` (see above). None (default, apex) checks nothing.
         **kwargs: Options shared by all our wrappers (``overflow_report``, ``on_scale_collapse``,
-            ``collapse_patience``, ``sync_found_inf``, ``log_interval``): see
+            ``collapse_patience``, ``sync_found_inf``, ``log_interval``, ``grad_check``): see
             :class:`~mp_wrappers.wrappers.base.MixedPrecisionOptimWrapper`.
 
     Examples:
