@@ -270,7 +270,7 @@ def check_o2(sizes, device, half) -> float:
     for a, b in zip(composed.masters, exact):
         torch.testing.assert_close(a, b, rtol=0, atol=2 * LR,
                                    msg=lambda m: f'(b) composed masters disagree: {m}')
-        worst = max(worst, float((a.detach() - b).abs().max()))
+        worst = max(worst, float((a - b).detach().abs().max()))
     return worst
 
 
