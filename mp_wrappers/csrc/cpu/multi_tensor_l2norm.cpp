@@ -39,8 +39,9 @@ enum class Check {
 // Software prefetch distance of the read-only pass, in bytes. With none, one core read the half
 // grads of the O2 step at ~6 GB/s from DRAM (the hardware prefetcher alone does not keep enough
 // lines in flight for a single stream while the core converts to double); 4 KB ahead took it to
-// ~10 GB/s on one thread and the check pass from 4.4 to 2.9 ms on two (25M bf16, 2026-11-23, Intel
-// VM). 2 KB was ~5% slower, 8 KB the same as 4 KB. A prefetch never faults past the end.
+// 8-10 GB/s on one thread and the check pass from 4.4 to 2.9 ms on two (25M bf16, 2026-11-23, Intel
+// VM, benchmarks/RESULTS.md). 2 KB was ~5% slower, 8 KB the same as 4 KB. A prefetch never faults
+// past the end.
 constexpr uintptr_t kPrefetchBytes = 4096;
 
 // Sum of squares of (p[i] * inv_scale, rounded to fp32) for n elements.
