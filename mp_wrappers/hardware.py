@@ -13,6 +13,8 @@ The probe reads what the hardware and the libraries say, never times anything:
 * **CUDA**: the compute capability: fp16 on every GPU we build for, bf16 from sm_80, fp8 from sm_89.
 * **Our extension**: whether it loaded, the CPU kernel flavour it selected and the widest the CPU
   can run, and whether CUDA kernels were built.
+* **The last-level cache** (:func:`last_level_cache_bytes`, Linux sysfs): benchmarks size their
+  memory-bandwidth samples beyond it.
 
 :func:`auto_dtype` is what ``dtype='auto'`` means everywhere (the wrappers, ``DigitsCNN``,
 ``tools/train.py --amp``): bf16 where it is native, else fp16 where that is native, else fp32.
@@ -31,7 +33,7 @@ import torch
 
 __all__ = ['DeviceCapability', 'AutoDtype', 'cpu_flags', 'cpu_capability', 'cuda_capability',
            'device_capability', 'auto_dtype', 'resolve_dtype', 'slowdown_reason',
-           'extension_info', 'report']
+           'extension_info', 'report', 'last_level_cache_bytes']
 
 # torch.cpu.get_capabilities() names -> the Linux /proc/cpuinfo names we use throughout.
 _TORCH_FLAG_NAMES = {
@@ -222,6 +224,55 @@ def cpu_capability(flags: Optional[Iterable[str]] = None, *, arch: Optional[str]
     shown = tuple(f for f in _SHOWN_FLAGS if f in flags)
     return DeviceCapability(device='cpu', name=name or 'unknown CPU', isa=isa, features=shown,
                             native=tuple(native), notes=tuple(notes))
+
+
+def _cache_size_bytes(text: str) -> Optional[int]:
+    """``'266240K'``, ``'32M'``, ``'1024'`` (sysfs spellings) -> bytes; None if unreadable."""
+    text = text.strip().upper()
+    scale = {'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30}.get(text[-1:], 1)
+    digits = text[:-1] if scale != 1 else text
+    return int(digits) * scale if digits.isdigit() else None
+
+
+def last_level_cache_bytes(cache_dir: Optional[str] = None) -> Optional[int]:
+    """Size of the CPU's last-level cache in bytes, from Linux sysfs; None where it is not listed.
+
+    Benchmarks need it to size their bandwidth samples: a working set that fits the last-level
+    cache measures the cache, not memory (this project's VM has a 260 MiB L3, so a 100 MB
+    ``a.mul_`` sample ran at twice the DRAM bandwidth the optimizer steps actually stream from).
+
+    Args:
+        cache_dir: The ``cache`` folder of one CPU (default:
+            ``/sys/devices/system/cpu/cpu0/cache``), holding ``index*/{level,type,size}``.
+
+    Returns:
+        The size of the highest-level data or unified cache listed (the whole cache, which on most
+        CPUs all cores share), or None when sysfs lists none (not Linux, a sandbox without /sys).
+    """
+    if cache_dir is None:
+        cache_dir = '/sys/devices/system/cpu/cpu0/cache'
+    best_level, best_size = 0, None
+    try:
+        entries = sorted(os.listdir(cache_dir))
+    except OSError:
+        return None
+    for entry in entries:
+        if not entry.startswith('index'):
+            continue
+        try:
+            with open(os.path.join(cache_dir, entry, 'level')) as f:
+                level = int(f.read().strip())
+            with open(os.path.join(cache_dir, entry, 'type')) as f:
+                kind = f.read().strip()
+            with open(os.path.join(cache_dir, entry, 'size')) as f:
+                size = _cache_size_bytes(f.read())
+        except (OSError, ValueError):
+            continue
+        if kind == 'Instruction' or size is None:
+            continue
+        if level > best_level or (level == best_level and size > (best_size or 0)):
+            best_level, best_size = level, size
+    return best_size
 
 
 # ---- CUDA ------------------------------------------------------------------------------------------

@@ -133,3 +133,41 @@ def test_resolve_dtype_names_the_allowed_values():
     assert hardware.resolve_dtype('float32') == torch.float32
     with pytest.raises(ValueError, match="allowed: 'float16', 'bfloat16', 'float32'"):
         hardware.resolve_dtype('int8')
+
+
+def _fake_cache(root, entries):
+    for i, (level, kind, size) in enumerate(entries):
+        d = root / f'index{i}'
+        d.mkdir()
+        (d / 'level').write_text(f'{level}\n')
+        (d / 'type').write_text(f'{kind}\n')
+        (d / 'size').write_text(f'{size}\n')
+    return str(root)
+
+
+@pytest.mark.parametrize('entries,expected', [
+    # The project's Intel VM: L1d 48K, L1i 32K, L2 2M, L3 260M shared.
+    ([(1, 'Data', '48K'), (1, 'Instruction', '32K'), (2, 'Unified', '2048K'),
+      (3, 'Unified', '266240K')], 260 << 20),
+    # No L3 (some ARM cores): the L2 is the last level; an instruction cache never counts.
+    ([(1, 'Data', '64K'), (1, 'Instruction', '64K'), (2, 'Unified', '1M')], 1 << 20),
+    ([(1, 'Instruction', '32K')], None),
+    ([(3, 'Unified', '32M'), (3, 'Unified', '64M')], 64 << 20),
+    ([(2, 'Unified', '2048K'), (3, 'Unified', 'garbage')], 2 << 20),
+    ([(4, 'Unified', '1G'), (3, 'Unified', '96M')], 1 << 30),
+    ([(2, 'Data', '1048576')], 1 << 20),
+], ids=['intel-vm-l3', 'l2-last', 'instruction-only', 'two-l3-slices', 'unreadable-size',
+        'l4', 'plain-bytes'])
+def test_last_level_cache_from_sysfs(tmp_path, entries, expected):
+    assert hardware.last_level_cache_bytes(_fake_cache(tmp_path, entries)) == expected
+
+
+def test_last_level_cache_missing_sysfs_is_none(tmp_path):
+    assert hardware.last_level_cache_bytes(str(tmp_path / 'absent')) is None
+    (tmp_path / 'index0').mkdir()  # no level/type/size files
+    assert hardware.last_level_cache_bytes(str(tmp_path)) is None
+
+
+def test_last_level_cache_of_this_machine():
+    size = hardware.last_level_cache_bytes()
+    assert size is None or size >= 64 << 10

@@ -6,6 +6,7 @@ apex's fuzz tests; CUDA cases are the same tests, skipped without a GPU.
 """
 import contextlib
 import itertools
+import math
 import os
 import subprocess
 import sys
@@ -290,6 +291,35 @@ def test_unscale_l2norm_flags_nonfinite(device, impl, value, where, dtype):
     assert not torch.isfinite(total).item() and not torch.isfinite(per[-1]).item()
     torch.testing.assert_close(per[:-1].double().cpu(), _oracle_norms(tensors[:-1], 0.5)[1],
                                **tolerance(torch.float32))
+
+
+# The CPU kernel finds non-finite grads two ways: from the chunk's own sum of squares when
+# inv_scale is finite with |inv_scale| <= 1 (every loss scale >= 1), with a probe on the raw values
+# otherwise. Both must flag exactly what the reference flags: the raw values, not the unscaled ones.
+@pytest.mark.parametrize('inv_scale', [2.0 ** -16, 1.0, 0.0, -0.5, 2.0, 3.0, INF],
+                         ids=['pow2', 'one', 'zero', 'negative', 'two', 'three', 'inf'])
+@pytest.mark.parametrize('value', [INF, -INF, NAN, 3e38, None],
+                         ids=['inf', '-inf', 'nan', 'finite-overflowing', 'clean'])
+@pytest.mark.parametrize('dtype', FLOATS)
+def test_unscale_l2norm_flag_and_norm_like_reference_for_any_inv_scale(inv_scale, value, dtype,
+                                                                      cpu_isa):
+    tensors = _make_list(65537, 40, 2, dtype, 'cpu', seed=3)
+    if value is not None:
+        if value == 3e38 and dtype != torch.float32:
+            value = torch.finfo(dtype).max  # finite, and overflows fp32 once multiplied by 2 or 3
+        tensors[1][-1] = value  # the second chunk of a tensor: per-chunk flags are combined
+    s = torch.tensor([inv_scale])
+    flag, r_flag = torch.zeros(1), torch.zeros(1)
+    with _kernel_threads():
+        total, per = torch.ops.mp_wrappers.multi_tensor_unscale_l2norm(tensors, s, flag, True)
+    r_total, r_per = reference.multi_tensor_unscale_l2norm(tensors, s, r_flag, True)
+    raw_bad = value is not None and not math.isfinite(value)
+    assert flag.item() == r_flag.item() == float(raw_bad)
+    for got, want in zip(torch.cat([total.reshape(1), per]), torch.cat([r_total.reshape(1), r_per])):
+        if math.isfinite(want.item()):
+            torch.testing.assert_close(got, want, **REFERENCE_NORM_TOL)
+        else:  # inf or nan alike: the kernel's double sum may give inf where fp32 gives nan
+            assert not math.isfinite(got.item())
 
 
 @pytest.mark.parametrize('device', DEVICES)
