@@ -6,10 +6,17 @@ The probe reads what the hardware and the libraries say, never times anything:
   ``torch.cpu.get_capabilities()`` (cpuinfo, any OS), the ISA torch's own kernels were dispatched to
   (``torch.backends.cpu.get_cpu_capability()``), and ``ONEDNN_MAX_CPU_ISA``, which caps what oneDNN
   (torch's matmul/convolution backend on CPU) may use. A half format is *native* when the CPU has
-  matrix/vector instructions for it that oneDNN uses: bf16 with ``avx512_bf16`` or ``amx_bf16``, fp16
-  with ``avx512_fp16`` or ``amx_fp16`` (x86); bf16 with ``bf16``/``svebf16``, fp16 with
-  ``asimdhp``/``fp16_arith`` (ARM). Without them oneDNN converts every half operand to fp32 and back,
-  and half runs slower than fp32 (measured on an AVX2-only EPYC: the digits CNN 8x slower in bf16).
+  matrix/vector instructions for it that oneDNN uses *and they run faster than fp32*: bf16 with
+  ``avx512_bf16`` or ``amx_bf16``, fp16 with ``avx512_fp16`` or ``amx_fp16`` (x86); bf16 with
+  ``bf16``/``svebf16``, fp16 with ``asimdhp``/``fp16_arith`` (ARM). Without them oneDNN converts
+  every half operand to fp32 and back, and half runs slower than fp32 (measured on an AVX2-only
+  EPYC: the digits CNN 8x slower in bf16). On **Intel** CPUs the vector instructions alone bring no
+  speed-up: an AVX512-BF16 dot product does no more multiply-adds per cycle than fp32 FMA, and
+  oneDNN has no fast fp16 backward for AVX512-FP16; only AMX does. Measured on a Xeon VM with
+  avx512_bf16 and avx512_fp16 but no AMX (2026-11-23, 1 thread): bf16 4x Linear(2048) fwd+bwd 1.7x
+  slower than fp32, a 32->64 3x3 convolution 1.35-1.7x slower, the digits CNN 1.43x slower; fp16
+  convolution backward ~100x slower. So there a half format is native only with its AMX flag
+  (``instructions`` still lists it, and the warning for an explicit dtype says why it is slow).
 * **CUDA**: the compute capability: fp16 on every GPU we build for, bf16 from sm_80, fp8 from sm_89.
 * **Our extension**: whether it loaded, the CPU kernel flavour it selected and the widest the CPU
   can run, and whether CUDA kernels were built.
@@ -57,6 +64,14 @@ _ONEDNN_FP16_ISAS = ('avx512_core_fp16', 'avx512_core_amx_fp16', 'avx10_1_512',
                      'avx10_1_512_amx', 'avx10_1_512_amx_fp16', 'all', 'default')
 
 _NAMES = {torch.float32: 'float32', torch.float16: 'float16', torch.bfloat16: 'bfloat16'}
+# Intel CPUs with the vector half instructions but not the AMX ones (module docstring).
+_INTEL_NO_AMX = {
+    'bfloat16': ('on Intel cores AVX512-BF16 does no more multiply-adds per cycle than fp32 FMA '
+                 '(measured on a Xeon without AMX: bf16 matmuls 1.7x and convolutions 1.35-1.7x '
+                 'slower than fp32)'),
+    'float16': ('oneDNN has no fast fp16 backward pass for AVX512-FP16 (measured on a Xeon without '
+                'AMX: a convolution\'s backward ~100x slower than fp32)'),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +87,8 @@ class DeviceCapability:
         native: Low-precision formats with native compute, widest first (e.g. ``(bfloat16,
             float16)``); fp32 is always native and not listed. On CUDA ``'float8'`` may appear.
         notes: Why a format is or is not native, one sentence each (the doctor prints them).
+        instructions: Formats the CPU has instructions for that are nevertheless not native
+            (no faster than fp32 there: Intel without AMX), with the flags found.
     """
 
     device: str
@@ -80,6 +97,7 @@ class DeviceCapability:
     features: Tuple[str, ...]
     native: Tuple[str, ...]
     notes: Tuple[str, ...]
+    instructions: Tuple[Tuple[str, str], ...] = ()
 
     def is_native(self, dtype: torch.dtype) -> bool:
         """Whether ``dtype`` computes natively here (fp32 always does)."""
@@ -141,6 +159,15 @@ def cpu_flags(cpuinfo: Optional[str] = None,
     return frozenset(flags)
 
 
+def _cpu_vendor(cpuinfo: str) -> str:
+    """``vendor_id`` of /proc/cpuinfo (``'GenuineIntel'``, ``'AuthenticAMD'``...); '' if absent."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(':')
+        if key.strip() == 'vendor_id':
+            return value.strip()
+    return ''
+
+
 def _cpu_name(cpuinfo: str, torch_caps: Mapping[str, object]) -> str:
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(':')
@@ -151,7 +178,7 @@ def _cpu_name(cpuinfo: str, torch_caps: Mapping[str, object]) -> str:
 
 def cpu_capability(flags: Optional[Iterable[str]] = None, *, arch: Optional[str] = None,
                    torch_isa: Optional[str] = None, onednn_max_isa: Optional[str] = None,
-                   name: Optional[str] = None) -> DeviceCapability:
+                   name: Optional[str] = None, vendor: Optional[str] = None) -> DeviceCapability:
     """Describe a CPU; every input can be given (tests), else the real machine is read.
 
     Args:
@@ -161,6 +188,8 @@ def cpu_capability(flags: Optional[Iterable[str]] = None, *, arch: Optional[str]
             ``'DEFAULT'``, ``'SVE256'``...): ``ATEN_CPU_CAPABILITY`` lowers it.
         onednn_max_isa: ``ONEDNN_MAX_CPU_ISA`` (default: the environment variable; unset = all).
         name: The processor's name.
+        vendor: ``vendor_id`` (``'GenuineIntel'``...; default: read with the real flags, '' when
+            ``flags`` is given without it: no vendor-specific rule then).
 
     Returns:
         The :class:`DeviceCapability` of the CPU.
@@ -170,7 +199,11 @@ def cpu_capability(flags: Optional[Iterable[str]] = None, *, arch: Optional[str]
         flags = cpu_flags(cpuinfo, caps)
         if name is None:
             name = _cpu_name(cpuinfo, caps)
+        if vendor is None:
+            vendor = _cpu_vendor(cpuinfo)
+    vendor = vendor or ''
     flags = frozenset(flags)
+    instructions = []
     arch = (arch if arch is not None else platform.machine()).lower()
     if torch_isa is None:
         torch_isa = torch.backends.cpu.get_cpu_capability()
@@ -197,6 +230,14 @@ def cpu_capability(flags: Optional[Iterable[str]] = None, *, arch: Optional[str]
         for fmt, hw_flags, onednn_ok in (('bfloat16', _X86_BF16, _ONEDNN_BF16_ISAS),
                                          ('float16', _X86_FP16, _ONEDNN_FP16_ISAS)):
             found = [f for f in hw_flags if f in flags]
+            amx = hw_flags[1]
+            if found and vendor == 'GenuineIntel' and amx not in flags:
+                # See the module docstring: on Intel only AMX makes a half format faster than fp32.
+                why = _INTEL_NO_AMX[fmt]
+                notes.append(f'{fmt}: the CPU has {", ".join(found)} but no {amx}: {why}; not '
+                             'counted as native')
+                instructions.append((fmt, f'{", ".join(found)} without {amx}: {why}'))
+                continue
             if not found:
                 notes.append(f'{fmt}: not native (no {" / ".join(hw_flags)}); oneDNN converts '
                              'every operand to fp32 and back, slower than fp32')
@@ -223,7 +264,8 @@ def cpu_capability(flags: Optional[Iterable[str]] = None, *, arch: Optional[str]
                      'not native')
     shown = tuple(f for f in _SHOWN_FLAGS if f in flags)
     return DeviceCapability(device='cpu', name=name or 'unknown CPU', isa=isa, features=shown,
-                            native=tuple(native), notes=tuple(notes))
+                            native=tuple(native), notes=tuple(notes),
+                            instructions=tuple(instructions))
 
 
 def _cache_size_bytes(text: str) -> Optional[int]:
@@ -348,11 +390,15 @@ def auto_dtype(device: Union[str, torch.device, None] = None,
             return AutoDtype(dtype, cap.device,
                              f"dtype='auto' resolved to {name} on {cap.device} ({cap.name}, "
                              f'{cap.isa}): {name} is {why} there')
+    if cap.instructions:
+        why = ('its half-precision instructions run no faster than fp32 ('
+               + '; '.join(f'{fmt}: {slow}' for fmt, slow in cap.instructions) + ')')
+    else:
+        why = 'it has no native bfloat16 or float16 instructions'
     return AutoDtype(torch.float32, cap.device,
                      f"dtype='auto' resolved to float32 on {cap.device} ({cap.name}, {cap.isa}): "
-                     'it has no native bfloat16 or float16 instructions, so half precision would '
-                     'run slower than fp32 here; the wrapper keeps its scaling, skipping and '
-                     'checkpoint behaviour, and computes in fp32')
+                     f'{why}, so half precision would run slower than fp32 here; the wrapper '
+                     'keeps its scaling, skipping and checkpoint behaviour, and computes in fp32')
 
 
 def resolve_dtype(dtype: Union[str, torch.dtype], device: Union[str, torch.device, None] = None,
@@ -377,6 +423,10 @@ def slowdown_reason(dtype: torch.dtype, device: Union[str, torch.device, None] =
     name = _NAMES.get(dtype, str(dtype))
     short = {'bfloat16': 'bf16', 'float16': 'fp16'}.get(name, name)
     auto = auto_dtype(capability=cap).dtype
+    slow = dict(cap.instructions).get(name)
+    if slow is not None:
+        return (f'{short} on this CPU ({cap.name}, {cap.isa}) has {slow}: expect slower than '
+                f'fp32. Use dtype=\'auto\' (here: dtype=\'{_NAMES[auto]}\').')
     if cap.device == 'cpu':
         measured = {
             'bfloat16': 'measured on an AVX2-only CPU: the digits CNN 8x slower than fp32',
