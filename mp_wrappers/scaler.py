@@ -104,12 +104,23 @@ class LossScaler:
         """Multiply ``loss`` by the current scale (in the loss's dtype, on the loss's device)."""
         if loss.device != self._device:
             self.to(loss.device)
+        if self.is_unit:
+            return loss  # x * 1.0 is x, inf and nan included: save the ops (tiny models feel them)
         return loss * self._scale.to(loss.dtype).reshape(())
 
     def update(self, found_inf: Tensor) -> None:
         """Record one optimizer step whose gradients had ``found_inf`` (nonzero: skipped)."""
         flag = found_inf.to(self._device).reshape(1)
         self._steps += 1
+        if self._device.type == 'cpu' and not self.dynamic:
+            # On the CPU reading the flag costs nothing and every tensor op a few microseconds,
+            # which tiny models feel: the same counters, updated from the host.
+            if flag.item() > 0:
+                self._skipped_steps.add_(1)
+                self._growth_tracker.zero_()
+            else:
+                self._growth_tracker.add_(1)
+            return
         self._skipped_steps += (flag > 0).to(torch.int64)
         self._update_scale(flag)
 

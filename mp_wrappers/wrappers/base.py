@@ -23,9 +23,10 @@ rounded half weights.
 """
 import contextlib
 import logging
+import math
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -182,6 +183,8 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         # until the next bind.
         self._precast_weights: Dict[int, Tensor] = {}
         self._check_at_first_forward = False
+        # (weakref to the model last passed to optim_context, its unwrapped module)
+        self._context_of: Optional[Tuple[Any, nn.Module]] = None
 
     # ---- masters ---------------------------------------------------------------------------------
     def _new_masters(self, initial_values: Optional[Dict[int, Tensor]] = None) -> MasterParams:
@@ -270,11 +273,18 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
     @contextlib.contextmanager
     def optim_context(self, model: nn.Module):
         """mmengine's forward context (DDP ``no_sync`` while accumulating); records param names."""
-        self._model_is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-        self._sharding = _sharding.sharding_of(model)
-        if self._sharding is not None:
-            _sharding.check_elementwise_optimizer(self.optimizer, self._sharding)
-        module = model.module if is_model_wrapper(model) else model
+        seen = self._context_of
+        if seen is not None and seen[0]() is model:
+            # The same model object as last time: its wrapping cannot have changed (a fresh
+            # DDP/FSDP wrapper is a new object), and these checks cost tiny models ~10% per step.
+            module = seen[1]
+        else:
+            self._model_is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+            self._sharding = _sharding.sharding_of(model)
+            if self._sharding is not None:
+                _sharding.check_elementwise_optimizer(self.optimizer, self._sharding)
+            module = model.module if is_model_wrapper(model) else model
+            self._context_of = (weakref.ref(model), module)
         if self._names_for != id(module):
             self._param_names = {id(p): n for n, p in module.named_parameters()}
             self._names_for = id(module)
@@ -304,7 +314,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             # The model grads were scaled by another scaler: move them to the fp32 stash first.
             self._unscale_pending()
         scaler = self.loss_scalers[loss_id]
-        if self.overflow_report or scaler.is_unit:
+        if self.overflow_report or (scaler.is_unit and loss.device.type != 'cpu'):
             bad = ~torch.isfinite(loss.detach()).all()
             if self.overflow_report:
                 self._loss_nonfinite = bad if self._loss_nonfinite is None else \
@@ -314,6 +324,9 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
                 # are read (Note [unit-scale check]); on the device, so no host sync here.
                 flag = self._flag(loss_id)
                 torch.maximum(flag, bad.to(flag.dtype).reshape(1), out=flag)
+        elif scaler.is_unit and loss.numel() == 1:  # the same check, from the host (free on CPU)
+            if not math.isfinite(loss.item()):
+                self._flag(loss_id).fill_(1.0)
         # FSDP reads its gradient-sync flag during backward, not in the forward like DDP.
         sync = self.should_sync()
         with _sharding.no_sync_for_backward(self._sharding, sync):
@@ -556,6 +569,8 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         k = self._pending_scaler
         scaler, flag = self.loss_scalers[k], self._flag(k)
         slots = [slot for slot, _ in masters.slots()]
+        norm = None
+        loss_only = scaler.is_unit and self.grad_check == 'auto'
         by_dtype: Dict[torch.dtype, List[Tensor]] = {}
         for slot in slots:
             g = slot.grad
@@ -564,9 +579,8 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             if g.is_sparse:
                 raise RuntimeError('mixed-precision wrappers do not support sparse gradients '
                                    f'(parameter of shape {tuple(slot.shape)})')
-            by_dtype.setdefault(g.dtype, []).append(_sharding.local_tensor(g, 'a gradient'))
-        norm = None
-        loss_only = scaler.is_unit and self.grad_check == 'auto'
+            if not loss_only:  # else gathered only if the norm is published (below)
+                by_dtype.setdefault(g.dtype, []).append(_sharding.local_tensor(g, 'a gradient'))
         if loss_only:
             pass  # the loss was checked in backward (Note [unit-scale check])
         elif scaler.is_unit:
@@ -587,7 +601,9 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
                 skipped = not self._clip_grad()  # a non-finite norm skips (Note [non-finite norm])
             else:
                 if norm is None and self._publish_due():
-                    grads = [g for gs in by_dtype.values() for g in gs]
+                    grads = ([g for gs in by_dtype.values() for g in gs] if not loss_only else
+                             [_sharding.local_tensor(s.grad, 'a gradient') for s in slots
+                              if s.grad is not None])
                     norm = self._norm_of(grads) if grads else None
                 self._grad_norm = norm
         if not skipped:
