@@ -11,8 +11,10 @@ import itertools
 import pytest
 import torch
 
+from mmengine.logging import MessageHub
+
 from _tolerances import TOL
-from mp_wrappers import FP16OptimWrapper, FusedAdam, cast_model, ops
+from mp_wrappers import ApexOptimWrapper, FP16OptimWrapper, FusedAdam, cast_model, ops
 from mp_wrappers.ops import reference
 
 CHUNK = 65536
@@ -253,3 +255,44 @@ def test_wrapper_fused_master_step_on_cuda(device, dtype):
     for a, b in zip(w1.master_params(), w2.master_params()):
         # One rounding apart at most: the clip coefficient is folded into grad_scale when fused.
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize('device', CUDA)
+@pytest.mark.parametrize('clip', [False, True], ids=['no_clip', 'clip'])
+def test_fused_o2_step_with_dynamic_scaling_makes_no_host_sync(device, clip):
+    """Issue 13, deliverable 3: torch.cuda.set_sync_debug_mode('error') around full fused O2
+    steps (backward, unscale + norm, fused update, scaler update), overflowing and clean, as
+    mmengine's loop runs them (MessageHub iter set, no publication due). The CPU twin is
+    tests/test_deferred_outcomes.py (Note [deferred outcomes])."""
+    hub = MessageHub.get_instance(f'test_sync_free_{clip}')
+    MessageHub._instance_dict.pop(hub.instance_name)
+    MessageHub._instance_dict[hub.instance_name] = hub  # the current instance
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 10)).to(device)
+    wrapper = ApexOptimWrapper(optimizer=FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.01),
+                               opt_level='O2', dtype='float16', loss_scale='dynamic', verbosity=0,
+                               clip_grad=dict(max_norm=1.0) if clip else None)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(32, 64, generator=g).to(device),
+                torch.randint(0, 10, (32,), generator=g).to(device)) for _ in range(10)]
+    inf = torch.tensor(float('inf'), device=device)
+    guarded = 0
+    for it, (x, y) in enumerate(batches):
+        hub.update_info('iter', it)
+        wrapper.publish_now = False
+        with wrapper.optim_context(model):
+            loss = torch.nn.functional.cross_entropy(model(x.half()).float(), y)
+        if it in (4, 7):
+            loss = loss * inf  # an overflowing step
+        if it >= 2:  # the first steps build the masters and the optimizer state
+            torch.cuda.set_sync_debug_mode('error')
+            guarded += 1
+        try:
+            wrapper.update_params(loss)
+        finally:
+            torch.cuda.set_sync_debug_mode('default')
+    assert guarded == 8
+    assert not wrapper.last_step_skipped  # waits for the outcomes: a sync outside the guard
+    assert wrapper.loss_scalers[0].skipped_steps >= 2
+    assert all(torch.isfinite(p).all() for p in model.parameters())

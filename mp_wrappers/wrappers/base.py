@@ -26,7 +26,7 @@ import logging
 import math
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,7 @@ from ..master import GradStash, MasterParams, MastersInStateDict
 from ..ops import (multi_tensor_l2norm, multi_tensor_scale, multi_tensor_unscale_l2norm,
                    new_found_inf)
 from ..scaler import LossScaler
+from ..step_outcomes import OutcomeQueue, StepOutcome, host_reads_are_free
 
 __all__ = ['MixedPrecisionOptimWrapper', 'STATE_KEY', 'CheckpointMismatchWarning',
            'MasterMismatchWarning']
@@ -165,6 +166,8 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         # of each epoch, which ``log_interval`` arithmetic on the global iteration cannot match.
         self.publish_now: Optional[bool] = None
         self._stuck_steps = 0  # consecutive overflowing steps with no room to lower the scale
+        self._step_seq = 0  # steps finished (applied or skipped), numbering the outcomes
+        self._outcomes = OutcomeQueue()  # of fused steps on an accelerator, on their way to the host
         self._loss_nonfinite: Optional[Tensor] = None  # any non-finite loss since the last step
         self._grad_norm: Optional[Tensor] = None  # of the last applied step, read when publishing
         self._skipped_published = 0
@@ -539,12 +542,17 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
                     (model_p if model_p is not None else slot).grad = None
         self._pending_scaler = None
         self._grad_norm = total
-        # The update already happened (or not) on the device; the host reads the flag only for the
-        # bookkeeping below (free on CPU; one sync per step elsewhere, like GradScaler).
+        # The update already happened (or not) on the device; the host needs the flag only for
+        # bookkeeping. On an accelerator that arrives later, without a sync (Note [deferred
+        # outcomes] in mp_wrappers.step_outcomes); on the CPU reading it is free.
+        clipped_norm = total if self.clip_grad_kwargs else None
+        if self._defers_outcomes(flag.device):
+            self._finish_step_deferred(clipped_norm)
+            return
         skipped = bool(flag.item() > 0)
         self._finish_step(skipped)
-        if self.clip_grad_kwargs and total is not None and not skipped:
-            self.message_hub.update_scalar(f'train/{self.grad_name}', float(total))
+        if clipped_norm is not None and not skipped:
+            self.message_hub.update_scalar(f'train/{self.grad_name}', float(clipped_norm))
 
     # Note [in-place unscale]: when every optimizer slot is the model parameter itself (O0, O1, O3,
     # FP16OptimWrapper over fp32 weights) and one scaler produced the step's gradients, there is no
@@ -621,48 +629,104 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
                                       if replicated else []})
 
     def _finish_step(self, skipped: bool) -> None:
-        before = {k: self.loss_scalers[k].loss_scale for k in self._used_scalers} if skipped \
-            else {}
-        if skipped:
-            self._grad_norm = None
-            self._react_to_overflow(before)
-        else:
-            self._stuck_steps = 0
-        for k in self._used_scalers:
+        """Update the scalers and do the step's bookkeeping, reading the flags on the host."""
+        used = list(self._used_scalers)
+        before = [self.loss_scalers[k].loss_scale for k in used] if skipped else []
+        where = self._where() if skipped else ''
+        for k in used:
             self.loss_scalers[k].update(self._flag(k))
-        if skipped and self.verbose:
-            for k in before:
-                if self._flag_was_set(k):
-                    new = self.loss_scalers[k].loss_scale
-                    verb = f'reducing loss scale to {new}' if new != before[k] else \
-                        f'keeps loss scale {new}'
-                    print_log(f'Gradient overflow.  Skipping step, loss scaler {k} {verb}',
-                              logger='current', level=logging.INFO)
-        self._last_step_skipped = skipped
+        if skipped:
+            outcome = StepOutcome(self._step_seq, tuple(used),
+                                  tuple(self._flag_was_set(k) for k in used), tuple(before),
+                                  tuple(self.loss_scalers[k].loss_scale for k in used))
+        else:
+            outcome = StepOutcome(self._step_seq, tuple(used), (False,) * len(used), (), ())
+        self._step_seq += 1
+        # The gradients are still here: the reports can name the parameters that overflowed.
+        self._account(outcome, self.nonfinite_param_names, where)
         self._reset_step_state()
         if self.message_hub.get_info('iter') is None:  # no runner: publish at every step
             self.publish_scalars()
 
-    def _react_to_overflow(self, scales_before: Dict[int, float]) -> None:
-        """Overflow report and the scale-collapse policy, while the bad gradients still exist."""
-        stuck = any(self._flag_was_set(k) and self.loss_scalers[k].at_floor(scales_before[k])
-                    for k in scales_before)
+    def _defers_outcomes(self, device: torch.device) -> bool:
+        """Whether a fused step's bookkeeping waits for its outcome to reach the host."""
+        # overflow_report names the parameters with bad gradients: it must read them at the step.
+        return not host_reads_are_free(device) and not self.overflow_report
+
+    def _finish_step_deferred(self, clipped_norm: Optional[Tensor]) -> None:
+        """:meth:`_finish_step` without host reads (Note [deferred outcomes]).
+
+        ``clipped_norm``: with ``clip_grad``, the norm mmengine logs as ``grad_norm`` at every
+        applied step; it travels with the outcome and is logged when that arrives.
+        """
+        used = list(self._used_scalers)
+        flags = [self._flag(k) for k in used]
+        before = [self.loss_scalers[k].scale.clone() for k in used]
+        for k in used:
+            self.loss_scalers[k].update(self._flag(k))
+        # push() packs the values now (in stream order), so clearing the flags below is safe.
+        self._outcomes.push(self._step_seq, used, flags, before,
+                            [self.loss_scalers[k].scale for k in used], norm=clipped_norm)
+        self._step_seq += 1
+        self._reset_step_state()
+        self._take_outcomes(wait=False)
+        if self.message_hub.get_info('iter') is None:  # no runner: publish at every step
+            self.publish_scalars()
+
+    def _take_outcomes(self, wait: bool) -> None:
+        """Account for the deferred outcomes that have arrived (all of them with ``wait``)."""
+        for outcome in self._outcomes.take(wait=wait):
+            if outcome.norm is not None and not outcome.skipped:
+                self.message_hub.update_scalar(f'train/{self.grad_name}', outcome.norm)
+            self._account(outcome, None, self._where_deferred(outcome))
+
+    def _account(self, outcome: StepOutcome, names: Optional[Callable[[], List[str]]],
+                 where: str) -> None:
+        """One step's bookkeeping: overflow messages, the collapse watch, ``last_step_skipped``.
+
+        ``names``: lists the parameters with non-finite gradients; None once the gradients are
+        gone (a deferred outcome).
+        """
+        self._last_step_skipped = outcome.skipped
+        if not outcome.skipped:
+            self._stuck_steps = 0
+            return
+        if outcome.seq == self._step_seq - 1:
+            self._grad_norm = None  # the norm of a step that did not happen is not published
+        self._react_to_overflow(outcome, names, where)
+        if self.verbose:
+            for k, flagged, before, after in zip(outcome.scalers, outcome.flags,
+                                                 outcome.scales_before, outcome.scales_after):
+                if flagged:
+                    verb = f'reducing loss scale to {after}' if after != before else \
+                        f'keeps loss scale {after}'
+                    print_log(f'Gradient overflow.  Skipping step, loss scaler {k} {verb}',
+                              logger='current', level=logging.INFO)
+
+    def _react_to_overflow(self, outcome: StepOutcome,
+                           names: Optional[Callable[[], List[str]]], where: str) -> None:
+        """Overflow report and the scale-collapse policy."""
+        stuck = any(flagged and self.loss_scalers[k].at_floor(before) for k, flagged, before
+                    in zip(outcome.scalers, outcome.flags, outcome.scales_before))
         self._stuck_steps = self._stuck_steps + 1 if stuck else 0
         collapsed = (self.on_scale_collapse != 'ignore'
                      and self._stuck_steps == self.collapse_patience)
         if not (self.overflow_report or collapsed):
             return
-        names = self.nonfinite_param_names()
-        loss_bad = self._loss_nonfinite is not None and bool(self._loss_nonfinite.item())
-        where = self._where()
-        detail = (f'first parameters with non-finite gradients: {names or "none found"}; the loss '
-                  f'itself was {"non-finite" if loss_bad else "finite"}'
-                  if self.overflow_report or names else f'parameters: {names or "none found"}')
+        if names is None:
+            detail = ('parameters: not read (the step ran without host reads on the device; '
+                      'overflow_report=True names them)')
+        else:
+            found = names()
+            loss_bad = self._loss_nonfinite is not None and bool(self._loss_nonfinite.item())
+            detail = (f'first parameters with non-finite gradients: {found or "none found"}; the '
+                      f'loss itself was {"non-finite" if loss_bad else "finite"}'
+                      if self.overflow_report or found else f'parameters: {found or "none found"}')
         if self.overflow_report:
             print_log(f'mp_wrappers overflow at {where}: {detail}', logger='current',
                       level=logging.WARNING)
         if collapsed:
-            scales = ', '.join(f'{scales_before[k]}' for k in scales_before)
+            scales = ', '.join(f'{before}' for before in outcome.scales_before)
             msg = (f'mp_wrappers: the loss scale collapsed at {where}: {self._stuck_steps} '
                    f'consecutive steps had non-finite gradients while the scale ({scales}) could '
                    f'not go lower; {detail}. Training on is likely wasted: check the learning rate '
@@ -670,12 +734,20 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             if self.on_scale_collapse == 'raise':
                 raise FloatingPointError(msg)
             print_log(msg, logger='current', level=logging.WARNING)
-            warnings.warn(msg, RuntimeWarning, stacklevel=4)
+            warnings.warn(msg, RuntimeWarning, stacklevel=5)
 
     def _where(self) -> str:
         it = self.message_hub.get_info('iter')
         steps = self.loss_scalers[0].steps
         return f'iteration {it}' if it is not None else f'optimizer step {steps}'
+
+    def _where_deferred(self, outcome: StepOutcome) -> str:
+        it = self.message_hub.get_info('iter')
+        late = self._step_seq - 1 - outcome.seq
+        where = f'optimizer step {outcome.seq + 1}'
+        if it is not None:
+            where += f' (reported at iteration {it}, {late} step{"s" * (late != 1)} later)'
+        return where
 
     def nonfinite_param_names(self, limit: int = 5) -> List[str]:
         """Names (or shapes, when the model was never seen) of parameters with inf/nan gradients.
@@ -721,6 +793,8 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         Called by :meth:`update_params` at log intervals (see ``log_interval``) and by
         ``mp_wrappers.MixedPrecisionHook``.
         """
+        if len(self._outcomes):
+            self._take_outcomes(wait=True)
         hub = self.message_hub
         for k, scaler in enumerate(self.loss_scalers):
             hub.update_scalar('train/amp_scale' if k == 0 else f'train/amp_scale_{k}',
@@ -734,13 +808,19 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
 
     @property
     def last_step_skipped(self) -> bool:
-        """Whether the most recent ``step()`` was skipped because of non-finite gradients."""
+        """Whether the most recent ``step()`` was skipped because of non-finite gradients.
+
+        After a fused step on an accelerator this waits for the step's outcome (a host sync,
+        Note [deferred outcomes]).
+        """
+        if len(self._outcomes):
+            self._take_outcomes(wait=True)
         return self._last_step_skipped
 
     @property
     def overflow(self) -> bool:
         """apex's ``overflow``: whether the last step found non-finite gradients."""
-        return self._last_step_skipped
+        return self.last_step_skipped
 
     # ---- zero_grad ---------------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True, **kwargs) -> None:
