@@ -57,16 +57,47 @@ def test_format_table(tool):
     assert 'failed: exit code 1, see x/run.log' in table[4]
 
 
+def test_fidelity_bar(tool):
+    """--bar: accuracy may drop TOL points, a loss rise TOL percent; O3 and master modes are not
+    judged; a failed run, a missing metric or a missing O0 misses the bar."""
+    base = dict(level='O0', dtype='float32', metrics={'accuracy': 98.0, 'val_ce': 1.40})
+    good = dict(level='O1', dtype='float16', metrics={'accuracy': 97.2, 'val_ce': 1.42})
+    better = dict(level='O2', dtype='bfloat16', metrics={'accuracy': 99.0, 'val_ce': 1.30})
+    o3 = dict(level='O3', dtype='bfloat16', metrics={'accuracy': 50.0, 'val_ce': 9.0})
+    bars = tool.parse_bar(['accuracy=1', 'val_ce=2'])
+    assert bars == {'accuracy': 1.0, 'val_ce': 2.0}
+    met, lines = tool.check_bar([base, good, better, o3], bars)
+    assert met and len(lines) == 4 and all(line.endswith(': met') for line in lines)
+    assert lines[0] == ('fidelity bar: O1 float16: accuracy 97.2000 vs O0 98.0000 (-0.80 points, '
+                        'allowed -1): met')
+    assert '(+1.43 %, allowed +2)' in lines[1]
+    worse = dict(good, metrics={'accuracy': 96.9, 'val_ce': 1.43})
+    met, lines = tool.check_bar([base, worse], bars)
+    assert not met and [line.endswith('MISSED') for line in lines] == [True, True]
+    met, lines = tool.check_bar([base, dict(level='O2', dtype='float16', error='exit 1')], bars)
+    assert not met and 'MISSED (the run failed: exit 1)' in lines[0]
+    met, lines = tool.check_bar([base, good], {'bpc': 1.0})
+    assert not met and "no metric 'bpc'" in lines[0]
+    assert tool.check_bar([good], bars) == (
+        False, ['fidelity bar: no successful O0 run to compare with'])
+    for bad in ('accuracy', 'accuracy=', 'accuracy=-1', '=1', 'accuracy=x'):
+        with pytest.raises(ValueError, match=rf'--bar {bad!r}: expected METRIC=TOLERANCE'):
+            tool.parse_bar([bad])
+
+
 def test_tiny_comparison_writes_markdown(tmp_path):
     out = tmp_path / 'table.md'
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, 'tools', 'compare_precision.py'), DIGITS,
          '--iters', '6', '--levels', 'O0', 'O2', '--dtypes', 'bfloat16', '--no-progress',
-         '--work-dir', str(tmp_path / 'runs'), '--out', str(out),
+         '--work-dir', str(tmp_path / 'runs'), '--out', str(out), '--bar', 'accuracy=100',
          '--cfg-options', 'default_hooks.logger.interval=3'],
         cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = out.read_text()
+    # --bar: checked after the table, in the output and in the Markdown file
+    assert 'fidelity bar: O2 bfloat16: accuracy' in proc.stdout
+    assert '- fidelity bar: O2 bfloat16: accuracy' in text and text.rstrip().endswith(': met')
     rows = [line for line in text.splitlines() if line.startswith('| O')]
     assert [r.split(' | ')[:2] for r in rows] == [['| O0', 'float32'], ['| O2', 'bfloat16']]
     assert 'val accuracy' in text and '6 iterations per run' in text

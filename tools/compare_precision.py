@@ -40,6 +40,7 @@ count; and **time vs O2**, the ms/iter ratio to the plain O2 row of the same inv
 import argparse
 import datetime
 import json
+import math
 import os
 import os.path as osp
 import platform
@@ -326,6 +327,61 @@ def format_table(results: Sequence[Dict[str, Any]]) -> str:
     return '\n'.join(lines)
 
 
+def parse_bar(items: Sequence[str]) -> Dict[str, float]:
+    """``['accuracy=1', 'val_ce=2']`` -> {'accuracy': 1.0, 'val_ce': 2.0}, with clear errors."""
+    bars = {}
+    for item in items:
+        name, sep, value = item.partition('=')
+        try:
+            tol = float(value)
+        except ValueError:
+            tol = -1.0
+        if not sep or not name or not tol >= 0:
+            raise ValueError(f'--bar {item!r}: expected METRIC=TOLERANCE with a tolerance >= 0, '
+                             "e.g. --bar accuracy=1 (points) or --bar val_ce=2 (percent)")
+        bars[name] = tol
+    return bars
+
+
+def check_bar(results: Sequence[Dict[str, Any]], bars: Dict[str, float],
+              levels: Sequence[str] = ('O1', 'O2')) -> Tuple[bool, List[str]]:
+    """Whether every run at ``levels`` is within ``bars`` of the O0 run, and a line per check.
+
+    A metric with 'acc' in its name is a percentage and may drop at most TOLERANCE points; any other
+    metric is a loss and may rise at most TOLERANCE percent of the O0 value (improvements pass). A
+    missing O0 run, a failed run or a missing metric fails the bar: it cannot be shown to be met.
+    """
+    base = next((r for r in results if r['level'] == 'O0' and 'error' not in r), None)
+    if base is None:
+        return False, ['fidelity bar: no successful O0 run to compare with']
+    ok, lines = True, []
+    for r in results:
+        if r['level'] not in levels or r.get('master'):
+            continue
+        run = f"{r['level']} {r['dtype']}"
+        if 'error' in r:
+            ok = False
+            lines.append(f"fidelity bar: {run}: MISSED (the run failed: {r['error']})")
+            continue
+        for name, tol in bars.items():
+            v, b = r['metrics'].get(name), base['metrics'].get(name)
+            if v is None or b is None:
+                ok = False
+                lines.append(f'fidelity bar: {run}: MISSED (no metric {name!r}; the runs have '
+                             f"{sorted(set(r['metrics']) | set(base['metrics']))})")
+                continue
+            if 'acc' in name:
+                delta, unit, met = v - b, 'points', v - b >= -tol
+            else:
+                delta = 100 * (v - b) / abs(b) if b else math.inf
+                unit, met = '%', delta <= tol
+            ok &= met
+            lines.append(f"fidelity bar: {run}: {name} {v:.4f} vs O0 {b:.4f} ({delta:+.2f} {unit}, "
+                         f"allowed {'-' if 'acc' in name else '+'}{tol:g}): "
+                         f"{'met' if met else 'MISSED'}")
+    return ok, lines
+
+
 def _machine() -> str:
     import torch
     if torch.cuda.is_available():
@@ -437,6 +493,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help='also train O2 bf16 with master_weights=MODE for each MODE: split, '
                         "kahan, stochastic, optionally suffixed '-bf16state' (bf16 optimizer state)")
     parser.add_argument('--run-one', nargs=2, metavar=('LEVEL', 'DTYPE'), help=argparse.SUPPRESS)
+    parser.add_argument('--bar', nargs='+', default=[], metavar='METRIC=TOL',
+                        help='fail (exit 1) unless every O1/O2 run is within TOL of O0: points '
+                             "for accuracy metrics, percent for losses (e.g. accuracy=1, val_ce=2)")
     parser.add_argument('--master-one', default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     # Hand the raw option strings on to the child processes.
@@ -463,6 +522,7 @@ def main(argv=None) -> int:
         print(f'compare_precision.py: error: config {args.config!r} does not exist', file=sys.stderr)
         return 2
     try:
+        bars = parse_bar(args.bar)
         runs = [(level, dtype, None) for level, dtype in plan_runs(args.levels, args.dtypes)]
         for master in args.masters:
             parse_master_mode(master)
@@ -487,7 +547,15 @@ def main(argv=None) -> int:
         with open(osp.splitext(args.out)[0] + '.json', 'w') as f:
             json.dump(dict(config=args.config, iters=args.iters, results=results), f, indent=1)
         print(f'wrote {args.out}')
-    return 1 if any('error' in r for r in results) else 0
+    failed = any('error' in r for r in results)
+    if bars:
+        met, lines = check_bar(results, bars)
+        print('\n'.join(lines))
+        if args.out:
+            with open(args.out, 'a') as f:
+                f.write('\n' + '\n'.join(f'- {line}' for line in lines) + '\n')
+        failed |= not met
+    return 1 if failed else 0
 
 
 if __name__ == '__main__':

@@ -1,40 +1,86 @@
 #!/usr/bin/env bash
-# The one command a GPU session runs (docs/cuda.md, "Paths unexercised until a GPU run"):
-#   bash tools/gpu_check.sh            # from the repository root, on a machine with an NVIDIA GPU
-# 1. reports the machine (GPU, driver, nvcc, torch); installs carried wheels from .whl/ (mmengine and
-#    its pure-Python dependencies: the GPU image has none) into /tmp/site when the folder exists;
-# 2. builds the extension in place with CUDA (MP_WRAPPERS_CUDA=1, so any reason not to is an error;
-#    TORCH_CUDA_ARCH_LIST defaults to the visible GPU's arch) and asserts backend()['cuda'] == 'cuda';
-# 3. runs the CUDA test cases with MP_WRAPPERS_TEST_REQUIRE_CUDA=1 (a CUDA case that would skip
-#    fails), including tests/test_cuda_paths.py, then the whole suite;
-# 4. runs compute-sanitizer memcheck, racecheck and initcheck over the op tests' CUDA cases;
-# 5. runs benchmarks/bench_optimizers.py --device cuda and benchmarks/bench_multi_tensor.py;
-# and writes everything to benchmarks/gpu_check_<host>_<date>.md (plus .log files beside it).
-# Exit status: non-zero if the build, the backend assertion, a test or a sanitizer run failed; every
-# step runs even after an earlier failure, so one session gets the whole picture.
+# The one command a GPU session runs (docs/cuda.md, "Paths unexercised until a GPU run" and
+# "A GPU session, step by step"):
+#   bash tools/gpu_check.sh                       # every step, from the repository root
+#   GPU_CHECK_STEPS="build backend cuda-cases" bash tools/gpu_check.sh   # some steps only
+# Steps, in order (GPU_CHECK_STEPS picks a subset; the order stays this one):
+#   build              build the extension in place with CUDA (MP_WRAPPERS_CUDA=1, so any reason
+#                      not to is an error; TORCH_CUDA_ARCH_LIST defaults to the visible GPU's arch)
+#   backend            assert mp_wrappers.ops.backend()['cuda'] == 'cuda'
+#   cuda-cases         the CUDA test cases, MP_WRAPPERS_TEST_REQUIRE_CUDA=1 (a CUDA case that would
+#                      skip fails), tests/test_cuda_paths.py included (split launches, 2^31
+#                      elements, offsets, side stream, graph capture, the fused O2 step under
+#                      torch.cuda.set_sync_debug_mode('error'))
+#   subnormal-and-norms  tests/test_subnormal.py and tests/test_nonfinite_norm.py
+#   full-suite         the whole test suite
+#   sanitizer-memcheck, sanitizer-racecheck, sanitizer-initcheck
+#                      compute-sanitizer over the op tests' small CUDA cases
+#   bench-optimizers   benchmarks/bench_optimizers.py --device cuda (FusedAdam vs torch fused and
+#                      foreach; fused O2 step vs the composed torch pipeline; copy bandwidth)
+#   bench-multi-tensor benchmarks/bench_multi_tensor.py --device cuda (unscale, L2 norm vs foreach)
+#   fidelity-digits    tools/compare_precision.py, digits 900 iterations, O0 vs O1/O2 x fp16/bf16,
+#                      bar: accuracy within 1 point of fp32
+#   fidelity-charlm    the same on the char LM, 1000 iterations, bar: val_ce within 2% (its table
+#                      also has the end-to-end O2 bf16 vs fp32 step time)
+# Carried wheels in .whl/ (mmengine and its pure-Python dependencies: the GPU image has none; make
+# them with tools/gpu_wheels.sh) are installed into /tmp/site first.
+#
+# Output, written as each step ends (so a run cut short still reports the steps it finished), in
+# GPU_CHECK_OUT (default benchmarks/; on the lent machine pass $OUT): gpu_check_<host>_<time>.md
+# (machine, a pass/fail/time line per step, the benchmark and fidelity tables) and
+# gpu_check_<host>_<time>.log (every step's whole output): two files, within what the device tool
+# brings back. GPU_CHECK_STEP_TIMEOUT=S stops any one step after S seconds (a failure).
+# Exit status: non-zero if any step failed; every selected step runs even after a failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+ALL_STEPS="build backend cuda-cases subnormal-and-norms full-suite sanitizer-memcheck
+  sanitizer-racecheck sanitizer-initcheck bench-optimizers bench-multi-tensor fidelity-digits
+  fidelity-charlm"
+STEPS=$(echo "${GPU_CHECK_STEPS:-$ALL_STEPS}" | tr ',' ' ')
+for s in $STEPS; do
+  case " $(echo $ALL_STEPS) " in
+    *" $s "*) ;;
+    *) echo "gpu_check: unknown step '$s' in GPU_CHECK_STEPS; steps: $(echo $ALL_STEPS)" >&2
+       exit 2 ;;
+  esac
+done
+STEP_TIMEOUT=${GPU_CHECK_STEP_TIMEOUT:-0}
 STAMP=$(date -u +%Y%m%dT%H%M%SZ)
 OUTDIR=${GPU_CHECK_OUT:-benchmarks}
-REPORT="$OUTDIR/gpu_check_$(hostname -s)_$STAMP.md"
-LOGDIR="$OUTDIR/gpu_check_$STAMP"
-mkdir -p "$LOGDIR"
+BASE="$OUTDIR/gpu_check_$(hostname -s)_$STAMP"
+REPORT="$BASE.md"
+FULL_LOG="$BASE.log"
+WORK=$(mktemp -d)
+mkdir -p "$OUTDIR"
 status=0
-declare -a SUMMARY=()
 
-step() {  # step NAME COMMAND...: run, log, time, record pass/fail
+selected() { case " $(echo $STEPS) " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+step() {  # step NAME COMMAND...: run if selected; log, time, and report the result at once
   local name=$1; shift
-  local log="$LOGDIR/$name.log" start rc
+  selected "$name" || return 0
+  local log="$WORK/$name.log" start rc
   start=$(date +%s)
   echo "== $name: $*" | tee "$log"
-  "$@" >>"$log" 2>&1
+  if [ "$STEP_TIMEOUT" -gt 0 ]; then
+    timeout "$STEP_TIMEOUT" "$@" >>"$log" 2>&1
+  else
+    "$@" >>"$log" 2>&1
+  fi
   rc=$?
   tail -n 25 "$log"
-  local line="| $name | $([ $rc -eq 0 ] && echo pass || echo "FAIL (rc $rc)") | $(( $(date +%s) - start )) s | \`$*\` |"
-  SUMMARY+=("$line")
+  cat "$log" >>"$FULL_LOG"
+  local verdict=pass
+  [ $rc -eq 0 ] || verdict="FAIL (rc $rc$([ $rc -eq 124 ] && echo ', timed out'))"
+  echo "- **$name**: $verdict, $(( $(date +%s) - start )) s: \`$*\`" >>"$REPORT"
   [ $rc -eq 0 ] || status=1
   return $rc
+}
+
+attach() {  # attach TITLE FILE: append a step's table to the report
+  [ -s "$2" ] || return 0
+  { echo; echo "### $1"; echo; cat "$2"; echo; } >>"$REPORT"
 }
 
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
@@ -53,7 +99,9 @@ export PYTHONUNBUFFERED=1
   "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))' 2>&1
   "$PY" -c 'import mmengine; print("mmengine", mmengine.__version__)' 2>&1
   git log -1 --oneline 2>/dev/null
+  echo "steps: $(echo $STEPS)"
   echo '```'
+  echo
 } >"$REPORT"
 
 if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
@@ -69,34 +117,36 @@ step cuda-cases "$PY" -m pytest -q -rs -k cuda "${OP_TESTS[@]}"
 step subnormal-and-norms "$PY" -m pytest -q -rs tests/test_subnormal.py tests/test_nonfinite_norm.py
 step full-suite "$PY" -m pytest -q -rs -x
 
-if command -v compute-sanitizer >/dev/null 2>&1; then
-  # Small cases only (-k 'cuda and not 2_pow_31'): the sanitizer slows kernels down 10-100x.
-  for tool in memcheck racecheck initcheck; do
-    step "sanitizer-$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 \
-      "$PY" -m pytest -q -x -p no:cacheprovider -k 'cuda and not 2_pow_31 and not split_across' \
-      tests/test_ops_multi_tensor.py tests/test_optim_kernels.py tests/test_cuda_paths.py
-  done
-else
-  SUMMARY+=("| sanitizers | skipped: no compute-sanitizer on PATH | | |")
-fi
+for tool in memcheck racecheck initcheck; do
+  selected "sanitizer-$tool" || continue
+  if ! command -v compute-sanitizer >/dev/null 2>&1; then
+    echo "- **sanitizer-$tool**: FAIL, no compute-sanitizer on PATH" >>"$REPORT"
+    status=1
+    continue
+  fi
+  # Small cases only: the sanitizer slows kernels down 10-100x.
+  step "sanitizer-$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 \
+    "$PY" -m pytest -q -x -p no:cacheprovider -k 'cuda and not 2_pow_31 and not split_across' \
+    tests/test_ops_multi_tensor.py tests/test_optim_kernels.py tests/test_cuda_paths.py
+done
 
 step bench-optimizers "$PY" benchmarks/bench_optimizers.py --device cuda
-step bench-multi-tensor "$PY" benchmarks/bench_multi_tensor.py
+attach bench-optimizers "$WORK/bench-optimizers.log"
+step bench-multi-tensor "$PY" benchmarks/bench_multi_tensor.py --device cuda
+attach bench-multi-tensor "$WORK/bench-multi-tensor.log"
 
-{
-  echo
-  echo "| step | result | time | command |"
-  echo "|---|---|---|---|"
-  printf '%s\n' "${SUMMARY[@]}"
-  for name in bench-optimizers bench-multi-tensor; do
-    echo
-    echo "## $name"
-    echo '```'
-    cat "$LOGDIR/$name.log"
-    echo '```'
-  done
-  echo
-  echo "Logs of every step: $LOGDIR/"
-} >>"$REPORT"
-echo "gpu_check: $([ $status -eq 0 ] && echo passed || echo FAILED); report: $REPORT"
+step fidelity-digits "$PY" tools/compare_precision.py configs/digits/cnn_fp32.py --iters 900 \
+  --levels O0 O1 O2 --dtypes float16 bfloat16 --bar accuracy=1 --no-progress \
+  --work-dir "$WORK/compare_digits" --out "$WORK/fidelity_digits.md"
+attach 'fidelity-digits (bar: accuracy within 1 point of O0)' "$WORK/fidelity_digits.md"
+step fidelity-charlm "$PY" tools/compare_precision.py configs/charlm/lm_fp32.py --iters 1000 \
+  --levels O0 O1 O2 --dtypes float16 bfloat16 --bar val_ce=2 --no-progress \
+  --work-dir "$WORK/compare_charlm" --out "$WORK/fidelity_charlm.md"
+attach 'fidelity-charlm (bar: val_ce within 2% of O0; speed-up vs O0 is the end-to-end ratio)' \
+  "$WORK/fidelity_charlm.md"
+
+echo >>"$REPORT"
+echo "gpu_check: $([ $status -eq 0 ] && echo passed || echo FAILED)" >>"$REPORT"
+rm -rf "$WORK"
+echo "gpu_check: $([ $status -eq 0 ] && echo passed || echo FAILED); report: $REPORT; log: $FULL_LOG"
 exit $status

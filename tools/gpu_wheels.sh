@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Wheels a GPU session carries to the lent machine, whose image has torch but no mmengine and no
+# package index (docs/cuda.md, "A GPU session, step by step"): mmengine and the pure-Python
+# packages it needs that the image lacks, pinned, for the machine's Python 3.12, into .whl/
+# (ignored by git; name it in the device tool's `carry`). tools/gpu_check.sh installs them.
+#   bash tools/gpu_wheels.sh          # from the repository root, on a machine with pip access
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+# mmengine 0.10.7 requires addict, matplotlib, numpy, opencv-python, pyyaml, rich, termcolor, yapf;
+# the image has matplotlib, numpy, opencv-python-headless (cv2), pyyaml and rich. yapf needs
+# platformdirs.
+WHEELS=(mmengine==0.10.7 addict==2.4.0 termcolor==3.3.0 yapf==0.43.0 platformdirs==4.14.7)
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || grep -qx '/.whl/' .gitignore \
+  || echo '/.whl/' >>.git/info/exclude
+rm -rf .whl && mkdir -p .whl
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}"
+ls -l .whl
+echo "gpu_wheels: $(ls .whl | wc -l) wheels in .whl/ ($(du -sh .whl | cut -f1)); carry: [\".whl\"]"
