@@ -327,6 +327,23 @@ def test_optimizer_without_scale_and_flag(host, op):
     assert got.step.item() == 1.0
 
 
+@pytest.mark.parametrize('op,variant,hp', OPT_CASES, ids=[f'{c[0]}{c[1]}' for c in OPT_CASES])
+def test_optimizer_reads_lr_tensor_when_it_runs(host, op, variant, hp):
+    """Note [capturable]: the kernels read lr_tensor on the device (thread 0 of each block, and
+    LAMB's ratio pass), at run time: each value written into it in place is the lr of the next
+    call, as the CPU kernel with that float lr computes it."""
+    representative(host, variant == OPT_VARIANTS[op][0][0])
+    got = _host_state(op, host.sizes(), OPT_DTYPES[1], seed=13, shift=0)
+    cpu = got.clone()
+    lr = torch.zeros(1)
+    for factor in (1.0, 0.25, 3.0):
+        lr.fill_(hp['lr'] * factor)
+        getattr(host.ops, op)(*got.args(op, hp, lr_tensor=lr))
+        getattr(torch.ops.mp_wrappers, op)(*cpu.args(op, dict(hp, lr=hp['lr'] * factor)))
+        _compare(op, got, cpu, f'{op} {variant} lr x{factor}', op in BITWISE_OPS)
+        cpu = got.clone()
+
+
 @pytest.mark.parametrize('op', OPT_OPS)
 def test_optimizer_empty_lists(host, op):
     """Empty lists: as the CPU kernel (only the step counter moves), no update launch, no error."""

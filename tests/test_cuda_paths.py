@@ -14,7 +14,8 @@ import torch
 from mmengine.logging import MessageHub
 
 from _tolerances import TOL
-from mp_wrappers import ApexOptimWrapper, FP16OptimWrapper, FusedAdam, cast_model, ops
+from mp_wrappers import (ApexOptimWrapper, FP16OptimWrapper, FusedAdagrad, FusedAdam, FusedLAMB,
+                         FusedNovoGrad, FusedSGD, cast_model, ops)
 from mp_wrappers.ops import reference
 
 CHUNK = 65536
@@ -296,3 +297,80 @@ def test_fused_o2_step_with_dynamic_scaling_makes_no_host_sync(device, clip):
     assert not wrapper.last_step_skipped  # waits for the outcomes: a sync outside the guard
     assert wrapper.loss_scalers[0].skipped_steps >= 2
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+CAPTURABLE = {
+    'FusedAdam': lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01, capturable=True),
+    'FusedSGD': lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9, capturable=True),
+    'FusedLAMB': lambda ps: FusedLAMB(ps, lr=1e-2, weight_decay=0.01, capturable=True),
+    'FusedAdagrad': lambda ps: FusedAdagrad(ps, lr=1e-2, capturable=True),
+    'FusedNovoGrad': lambda ps: FusedNovoGrad(ps, lr=1e-2, capturable=True),
+}
+
+
+@pytest.mark.parametrize('device', CUDA)
+@pytest.mark.parametrize('opt_name', sorted(CAPTURABLE))
+def test_capturable_step_replays_a_changing_lr_schedule(device, opt_name):
+    """Issue 13, deliverable 3: step() captured in a CUDA graph (capturable=True, Note
+    [capturable]) and replayed with new gradients and an lr written into the group's tensor at
+    every replay gives exactly the eager steps' parameters and state."""
+    g = torch.Generator().manual_seed(2)
+    shapes = [(256, 64), (256,), (10, 256), (10,), (CHUNK + 3,)]
+    grads = [[torch.randn(s, generator=g).to(device) for s in shapes] for _ in range(6)]
+    lrs = [1.0, 0.5, 0.25, 2.0, 0.125, 1.0]
+
+    def build():
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, device=device)) for s in shapes]
+        return params, CAPTURABLE[opt_name](params)
+
+    def set_lr(opt, factor, base):
+        lr = opt.param_groups[0]['lr']
+        if isinstance(lr, torch.Tensor):
+            lr.fill_(base * factor)
+        else:
+            opt.param_groups[0]['lr'] = base * factor
+
+    eager, opt_e = build()
+    base = opt_e.defaults['lr']
+    for step_grads, factor in zip(grads, lrs):
+        set_lr(opt_e, factor, base)
+        for p, gr in zip(eager, step_grads):
+            p.grad = gr.clone()
+        opt_e.step()
+
+    captured, opt_c = build()
+    static = [gr.clone() for gr in grads[0]]
+    for p, gr in zip(captured, static):
+        p.grad = gr
+    set_lr(opt_c, lrs[0], base)
+    opt_c.step()  # eager first step: creates the state and turns lr into a device tensor
+    assert isinstance(opt_c.param_groups[0]['lr'], torch.Tensor)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt_c.step()
+    for step_grads, factor in zip(grads[1:], lrs[1:]):
+        for buf, gr in zip(static, step_grads):
+            buf.copy_(gr)
+        set_lr(opt_c, factor, base)
+        graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, captured):
+        assert torch.equal(a, b)
+    for pa, pb in zip(eager, captured):
+        for key, value in opt_e.state[pa].items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, opt_c.state[pb][key]), key
+
+
+@pytest.mark.parametrize('device', CUDA)
+def test_float_lr_under_capture_is_refused(device):
+    params = [torch.nn.Parameter(torch.randn(1000, device=device))]
+    opt = FusedAdam(params, lr=1e-3)
+    params[0].grad = torch.randn(1000, device=device)
+    opt.step()
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match='captured in a CUDA graph with a float lr'):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            opt.step()

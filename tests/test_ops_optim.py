@@ -318,7 +318,7 @@ def test_reference_signatures_match_schema():
                  'multi_tensor_adagrad_', 'multi_tensor_novograd_'):
         start = src.index(f'"{name}(')
         schema = src[start:src.index('-> ()', start)]
-        args = [a.strip().split()[-1] for a in
+        args = [a.strip().split()[-1].split('=')[0] for a in
                 ''.join(schema.replace('"', '').split('\n')).split('(', 1)[1].rsplit(')', 1)[0]
                 .split(',')]
         assert list(inspect.signature(getattr(reference, name)).parameters) == args, name

@@ -153,8 +153,11 @@ class State:
         out['step'] = self.step
         return out
 
-    def args(self, op, hp):
-        """Positional arguments of the op schema."""
+    def args(self, op, hp, lr_tensor=None):
+        """Positional arguments of the op schema; with ``lr_tensor`` the lr comes from it (the
+        float lr argument is then 0, which a kernel reading it would show)."""
+        if lr_tensor is not None:
+            return (*self.args(op, dict(hp, lr=0.0)), lr_tensor)
         if op == 'multi_tensor_adam_':
             return (self.params, self.grads, *self.state, self.model, self.step, hp['lr'],
                     hp['beta1'], hp['beta2'], hp['eps'], hp['weight_decay'], hp['adam_w_mode'],
@@ -232,6 +235,32 @@ def test_kernel_matches_reference(op, variant, hp, dtypes, device, cpu_isa):
     before = got.clone()
     got.found_inf.fill_(1.0)
     _kernel(op)(*got.args(op, hp))
+    _assert_states_equal(got, before, f'{op} {variant} skipped step')
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('impl', ['kernel', 'reference'])
+@pytest.mark.parametrize('op,variant,hp', CASES, ids=[f'{c[0]}{c[1]}' for c in CASES])
+def test_lr_tensor_is_read_when_the_op_runs(op, variant, hp, impl, device, cpu_isa):
+    """Note [capturable]: an lr given as a 1-element tensor gives the bits of the same float lr,
+    and a new value written into the tensor in place is used by the next call (as a replayed CUDA
+    graph needs); a skipped step still changes nothing."""
+    if impl == 'kernel' and not _kernel_available(op, device):
+        pytest.skip(f'no {device} kernel built')
+    run = _kernel(op) if impl == 'kernel' else getattr(reference, op)
+    dtypes = DTYPES[1]  # the O2 fused step: fp32 masters, half grads, half model copy
+    got = State(op, SIZES, dtypes, device, seed=3)
+    want = got.clone()
+    lr = torch.full((1,), hp['lr'], device=device)
+    for i, factor in enumerate([1.0, 1.0, 0.25]):
+        lr.fill_(hp['lr'] * factor)  # an LR scheduler updating the tensor in place
+        run(*got.args(op, hp, lr_tensor=lr))
+        run(*want.args(op, dict(hp, lr=hp['lr'] * factor)))
+        for (name, a), b in zip(got.tensors().items(), want.tensors().values()):
+            assert torch.equal(a, b), f'{op} {variant} step {i + 1}: {name} differs'
+    before = got.clone()
+    got.found_inf.fill_(1.0)
+    run(*got.args(op, hp, lr_tensor=lr))
     _assert_states_equal(got, before, f'{op} {variant} skipped step')
 
 

@@ -41,28 +41,32 @@ TORCH_LIBRARY(mp_wrappers, m) {
   // Math is fp32 on fp32 state; grads are divided by grad_scale first; a nonzero found_inf leaves
   // every output bit-identical. Each list holds one dtype (the Python entry points check it, and the
   // optimizers bucket by dtype). multi_tensor_sgd_'s momentum_buffers is empty when momentum == 0;
-  // it sets buf = grad while step == 0. exp_avg_sq_norms has one element per tensor.
+  // it sets buf = grad while step == 0. exp_avg_sq_norms has one element per tensor. lr_tensor, when
+  // given, is a 1-element float32 tensor the kernels read lr from (on the device, at run time: a
+  // CUDA graph replays with its current value) in place of the float lr (capturable=True).
   m.def("multi_tensor_adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
         "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] model_params, Tensor(e!) step, float lr, "
         "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, "
-        "bool bias_correction, Tensor? grad_scale, Tensor? found_inf) -> ()");
+        "bool bias_correction, Tensor? grad_scale, Tensor? found_inf, "
+        "Tensor? lr_tensor=None) -> ()");
   m.def("multi_tensor_sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
         "Tensor(c!)[] model_params, Tensor(d!) step, float lr, float momentum, float dampening, "
         "float weight_decay, bool nesterov, bool wd_after_momentum, Tensor? grad_scale, "
-        "Tensor? found_inf) -> ()");
+        "Tensor? found_inf, Tensor? lr_tensor=None) -> ()");
   m.def("multi_tensor_lamb_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
         "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] model_params, Tensor(e!) step, float lr, "
         "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, "
         "bool bias_correction, bool grad_averaging, float max_grad_norm, bool use_nvlamb, "
-        "Tensor global_grad_norm, Tensor? grad_scale, Tensor? found_inf) -> ()");
+        "Tensor global_grad_norm, Tensor? grad_scale, Tensor? found_inf, "
+        "Tensor? lr_tensor=None) -> ()");
   m.def("multi_tensor_adagrad_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state_sums, "
         "Tensor(c!)[] model_params, Tensor(d!) step, float lr, float eps, float weight_decay, "
-        "bool adagrad_w_mode, Tensor? grad_scale, Tensor? found_inf) -> ()");
+        "bool adagrad_w_mode, Tensor? grad_scale, Tensor? found_inf, Tensor? lr_tensor=None) -> ()");
   m.def("multi_tensor_novograd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
         "Tensor(c!) exp_avg_sq_norms, Tensor(d!)[] model_params, Tensor(e!) step, float lr, "
         "float beta1, float beta2, float eps, float weight_decay, bool bias_correction, "
         "bool grad_averaging, bool reg_inside_moment, int norm_type, bool init_zero, "
-        "Tensor? grad_scale, Tensor? found_inf) -> ()");
+        "Tensor? grad_scale, Tensor? found_inf, Tensor? lr_tensor=None) -> ()");
 
   // ---- lean bf16 storage: optimizer updates without a separate fp32 master -----------------------
   // Executable definitions: mp_wrappers/ops/reference_lean.py (Note [lean bf16 storage]). params

@@ -25,7 +25,8 @@ def _multi_tensor_adam_fake(params: List[Tensor], grads: List[Tensor], exp_avgs:
                             exp_avg_sqs: List[Tensor], model_params: List[Tensor], step: Tensor,
                             lr: float, beta1: float, beta2: float, eps: float,
                             weight_decay: float, adam_w_mode: bool, bias_correction: bool,
-                            grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+                            grad_scale: Optional[Tensor], found_inf: Optional[Tensor],
+                            lr_tensor: Optional[Tensor] = None) -> None:
     check_tensor_lists('multi_tensor_adam_',
                        ('params', 'grads', 'exp_avgs', 'exp_avg_sqs', 'model_params'),
                        (params, grads, exp_avgs, exp_avg_sqs, model_params),
@@ -37,7 +38,8 @@ def _multi_tensor_sgd_fake(params: List[Tensor], grads: List[Tensor],
                            momentum_buffers: List[Tensor], model_params: List[Tensor],
                            step: Tensor, lr: float, momentum: float, dampening: float,
                            weight_decay: float, nesterov: bool, wd_after_momentum: bool,
-                           grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+                           grad_scale: Optional[Tensor], found_inf: Optional[Tensor],
+                           lr_tensor: Optional[Tensor] = None) -> None:
     allow_empty = ('model_params', 'momentum_buffers') if momentum == 0 else ('model_params',)
     check_tensor_lists('multi_tensor_sgd_', ('params', 'grads', 'momentum_buffers', 'model_params'),
                        (params, grads, momentum_buffers, model_params), allow_empty=allow_empty)
@@ -50,7 +52,8 @@ def _multi_tensor_lamb_fake(params: List[Tensor], grads: List[Tensor], exp_avgs:
                             weight_decay: float, adam_w_mode: bool, bias_correction: bool,
                             grad_averaging: bool, max_grad_norm: float, use_nvlamb: bool,
                             global_grad_norm: Tensor, grad_scale: Optional[Tensor],
-                            found_inf: Optional[Tensor]) -> None:
+                            found_inf: Optional[Tensor],
+                            lr_tensor: Optional[Tensor] = None) -> None:
     check_tensor_lists('multi_tensor_lamb_',
                        ('params', 'grads', 'exp_avgs', 'exp_avg_sqs', 'model_params'),
                        (params, grads, exp_avgs, exp_avg_sqs, model_params),
@@ -62,7 +65,8 @@ def _multi_tensor_adagrad_fake(params: List[Tensor], grads: List[Tensor],
                                state_sums: List[Tensor], model_params: List[Tensor],
                                step: Tensor, lr: float, eps: float, weight_decay: float,
                                adagrad_w_mode: bool, grad_scale: Optional[Tensor],
-                               found_inf: Optional[Tensor]) -> None:
+                               found_inf: Optional[Tensor],
+                               lr_tensor: Optional[Tensor] = None) -> None:
     check_tensor_lists('multi_tensor_adagrad_', ('params', 'grads', 'state_sums', 'model_params'),
                        (params, grads, state_sums, model_params), allow_empty=('model_params',))
 
@@ -74,7 +78,8 @@ def _multi_tensor_novograd_fake(params: List[Tensor], grads: List[Tensor],
                                 beta1: float, beta2: float, eps: float, weight_decay: float,
                                 bias_correction: bool, grad_averaging: bool,
                                 reg_inside_moment: bool, norm_type: int, init_zero: bool,
-                                grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+                                grad_scale: Optional[Tensor], found_inf: Optional[Tensor],
+                                lr_tensor: Optional[Tensor] = None) -> None:
     check_tensor_lists('multi_tensor_novograd_', ('params', 'grads', 'exp_avgs', 'model_params'),
                        (params, grads, exp_avgs, model_params), allow_empty=('model_params',))
 

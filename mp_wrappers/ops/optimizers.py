@@ -14,10 +14,13 @@ Contract shared by all five ops (checked here, relied upon by the kernels):
 * ``step``, ``grad_scale``, ``found_inf`` (and LAMB's ``global_grad_norm``) are 1-element float32
   tensors on that device. ``step`` counts the applied updates and is incremented on the device.
 * ``found_inf`` nonzero turns the call into a no-op, bit for bit, without a host synchronisation.
+* ``lr`` is a number, or a 1-element float32 tensor on that device that the kernels read when they
+  run (``lr_tensor`` in the schemas), so a captured CUDA graph replays with its current value
+  (Note [capturable] in :mod:`mp_wrappers.optim.base`).
 
 :class:`mp_wrappers.optim.FusedAdam` and friends build these lists for you.
 """
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -30,7 +33,18 @@ __all__ = ['multi_tensor_adam', 'multi_tensor_sgd', 'multi_tensor_lamb', 'multi_
 
 # ---- hyperparameter checks, shared with mp_wrappers.optim (one wording for every entry point) ----
 
-def _check_lr(owner: str, lr: float) -> None:
+def _check_lr(owner: str, lr: Union[float, Tensor]) -> None:
+    """A number >= 0, or (an optimizer group's, capturable) a 1-element float32 tensor holding one:
+    its value is read here, at construction or loading, never in a step."""
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1 or lr.dtype != torch.float32:
+            raise ValueError(f'{owner}: Invalid learning rate: a tensor lr must be a 1-element '
+                             f'float32 tensor, got dtype {lr.dtype} and shape {tuple(lr.shape)}')
+        value = float(lr.detach().reshape(()))
+        if not value >= 0.0:
+            raise ValueError(f'{owner}: Invalid learning rate: the tensor lr holds {value!r}; '
+                             'expected lr >= 0')
+        return
     if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr >= 0.0:
         raise ValueError(f'{owner}: Invalid learning rate: {lr!r}; expected a number lr >= 0')
 
@@ -91,6 +105,16 @@ def _check_step(op: str, step: Tensor, device: torch.device) -> None:
         raise ValueError(f'{op}: step must be contiguous')
 
 
+def _split_lr(op: str, lr: Union[float, Tensor], device: torch.device
+              ) -> Tuple[float, Optional[Tensor]]:
+    """(float lr, lr_tensor): a tensor lr (capturable=True) is read by the kernels on the device,
+    at run time, so a captured CUDA graph replays with the value it holds then."""
+    if isinstance(lr, Tensor):
+        return 0.0, _check_scalar(op, 'lr', lr, device, optional=False)
+    _check_lr(op, lr)
+    return float(lr), None
+
+
 def _run(name: str, device: torch.device, *args) -> None:
     # The ops write leaf tensors that require grad (parameters): that must not be recorded.
     with torch.no_grad():
@@ -101,7 +125,8 @@ def _run(name: str, device: torch.device, *args) -> None:
 
 def multi_tensor_adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
                       exp_avg_sqs: Sequence[Tensor], model_params: Sequence[Tensor], step: Tensor,
-                      lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                      lr: Union[float, Tensor], beta1: float, beta2: float, eps: float,
+                      weight_decay: float,
                       adam_w_mode: bool, bias_correction: bool,
                       grad_scale: Optional[Tensor] = None,
                       found_inf: Optional[Tensor] = None) -> None:
@@ -129,22 +154,22 @@ def multi_tensor_adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avg
     lists = [list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(model_params)]
     device = _check_lists(op, ('params', 'grads', 'exp_avgs', 'exp_avg_sqs', 'model_params'), lists,
                           allow_empty=('model_params',), fp32=('exp_avgs', 'exp_avg_sqs'))
-    _check_lr(op, lr)
     _check_betas(op, (beta1, beta2))
     _check_nonnegative(op, 'eps', eps)
     _check_nonnegative(op, 'weight_decay', weight_decay)
     _check_step(op, step, device)
     _check_scalar(op, 'grad_scale', grad_scale, device)
     _check_scalar(op, 'found_inf', found_inf, device)
+    lr, lr_tensor = _split_lr(op, lr, device)
     if lists[0]:
         _run('multi_tensor_adam_', device, *lists, step, float(lr), float(beta1), float(beta2),
              float(eps), float(weight_decay), bool(adam_w_mode), bool(bias_correction), grad_scale,
-             found_inf)
+             found_inf, lr_tensor)
 
 
 def multi_tensor_sgd(params: Sequence[Tensor], grads: Sequence[Tensor],
                      momentum_buffers: Sequence[Tensor], model_params: Sequence[Tensor],
-                     step: Tensor, lr: float, momentum: float, dampening: float,
+                     step: Tensor, lr: Union[float, Tensor], momentum: float, dampening: float,
                      weight_decay: float, nesterov: bool, wd_after_momentum: bool,
                      grad_scale: Optional[Tensor] = None,
                      found_inf: Optional[Tensor] = None) -> None:
@@ -159,7 +184,6 @@ def multi_tensor_sgd(params: Sequence[Tensor], grads: Sequence[Tensor],
     """
     op = 'multi_tensor_sgd'
     lists = [list(params), list(grads), list(momentum_buffers), list(model_params)]
-    _check_lr(op, lr)
     _check_nonnegative(op, 'momentum', momentum)
     _check_nonnegative(op, 'dampening', dampening)
     _check_nonnegative(op, 'weight_decay', weight_decay)
@@ -172,15 +196,17 @@ def multi_tensor_sgd(params: Sequence[Tensor], grads: Sequence[Tensor],
     _check_step(op, step, device)
     _check_scalar(op, 'grad_scale', grad_scale, device)
     _check_scalar(op, 'found_inf', found_inf, device)
+    lr, lr_tensor = _split_lr(op, lr, device)
     if lists[0]:
         _run('multi_tensor_sgd_', device, *lists, step, float(lr), float(momentum),
              float(dampening), float(weight_decay), bool(nesterov), bool(wd_after_momentum),
-             grad_scale, found_inf)
+             grad_scale, found_inf, lr_tensor)
 
 
 def multi_tensor_lamb(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
                       exp_avg_sqs: Sequence[Tensor], model_params: Sequence[Tensor], step: Tensor,
-                      lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                      lr: Union[float, Tensor], beta1: float, beta2: float, eps: float,
+                      weight_decay: float,
                       adam_w_mode: bool, bias_correction: bool, grad_averaging: bool,
                       max_grad_norm: float, use_nvlamb: bool, global_grad_norm: Tensor,
                       grad_scale: Optional[Tensor] = None,
@@ -200,7 +226,6 @@ def multi_tensor_lamb(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avg
     lists = [list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(model_params)]
     device = _check_lists(op, ('params', 'grads', 'exp_avgs', 'exp_avg_sqs', 'model_params'), lists,
                           allow_empty=('model_params',), fp32=('exp_avgs', 'exp_avg_sqs'))
-    _check_lr(op, lr)
     _check_betas(op, (beta1, beta2))
     _check_nonnegative(op, 'eps', eps)
     _check_nonnegative(op, 'weight_decay', weight_decay)
@@ -209,16 +234,17 @@ def multi_tensor_lamb(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avg
     _check_scalar(op, 'global_grad_norm', global_grad_norm, device, optional=False)
     _check_scalar(op, 'grad_scale', grad_scale, device)
     _check_scalar(op, 'found_inf', found_inf, device)
+    lr, lr_tensor = _split_lr(op, lr, device)
     if lists[0]:
         _run('multi_tensor_lamb_', device, *lists, step, float(lr), float(beta1), float(beta2),
              float(eps), float(weight_decay), bool(adam_w_mode), bool(bias_correction),
              bool(grad_averaging), float(max_grad_norm), bool(use_nvlamb), global_grad_norm,
-             grad_scale, found_inf)
+             grad_scale, found_inf, lr_tensor)
 
 
 def multi_tensor_adagrad(params: Sequence[Tensor], grads: Sequence[Tensor],
                          state_sums: Sequence[Tensor], model_params: Sequence[Tensor],
-                         step: Tensor, lr: float, eps: float, weight_decay: float,
+                         step: Tensor, lr: Union[float, Tensor], eps: float, weight_decay: float,
                          adagrad_w_mode: bool, grad_scale: Optional[Tensor] = None,
                          found_inf: Optional[Tensor] = None) -> None:
     """One Adagrad update (apex FusedAdagrad math, see ``reference.multi_tensor_adagrad_``).
@@ -230,21 +256,22 @@ def multi_tensor_adagrad(params: Sequence[Tensor], grads: Sequence[Tensor],
     lists = [list(params), list(grads), list(state_sums), list(model_params)]
     device = _check_lists(op, ('params', 'grads', 'state_sums', 'model_params'), lists,
                           allow_empty=('model_params',), fp32=('state_sums',))
-    _check_lr(op, lr)
     _check_nonnegative(op, 'eps', eps)
     _check_nonnegative(op, 'weight_decay', weight_decay)
     _check_step(op, step, device)
     _check_scalar(op, 'grad_scale', grad_scale, device)
     _check_scalar(op, 'found_inf', found_inf, device)
+    lr, lr_tensor = _split_lr(op, lr, device)
     if lists[0]:
         _run('multi_tensor_adagrad_', device, *lists, step, float(lr), float(eps),
-             float(weight_decay), bool(adagrad_w_mode), grad_scale, found_inf)
+             float(weight_decay), bool(adagrad_w_mode), grad_scale, found_inf, lr_tensor)
 
 
 def multi_tensor_novograd(params: Sequence[Tensor], grads: Sequence[Tensor],
                           exp_avgs: Sequence[Tensor], exp_avg_sq_norms: Tensor,
-                          model_params: Sequence[Tensor], step: Tensor, lr: float, beta1: float,
-                          beta2: float, eps: float, weight_decay: float, bias_correction: bool,
+                          model_params: Sequence[Tensor], step: Tensor,
+                          lr: Union[float, Tensor], beta1: float, beta2: float, eps: float,
+                          weight_decay: float, bias_correction: bool,
                           grad_averaging: bool, reg_inside_moment: bool, norm_type: int,
                           init_zero: bool, grad_scale: Optional[Tensor] = None,
                           found_inf: Optional[Tensor] = None) -> None:
@@ -264,7 +291,6 @@ def multi_tensor_novograd(params: Sequence[Tensor], grads: Sequence[Tensor],
     device = _check_lists(op, ('params', 'grads', 'exp_avgs', 'model_params'),
                           lists + [model_params], allow_empty=('model_params',),
                           fp32=('exp_avgs',))
-    _check_lr(op, lr)
     _check_betas(op, (beta1, beta2))
     _check_nonnegative(op, 'eps', eps)
     _check_nonnegative(op, 'weight_decay', weight_decay)
@@ -280,8 +306,9 @@ def multi_tensor_novograd(params: Sequence[Tensor], grads: Sequence[Tensor],
     _check_step(op, step, device)
     _check_scalar(op, 'grad_scale', grad_scale, device)
     _check_scalar(op, 'found_inf', found_inf, device)
+    lr, lr_tensor = _split_lr(op, lr, device)
     if lists[0]:
         _run('multi_tensor_novograd_', device, *lists, exp_avg_sq_norms, model_params, step,
              float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
              bool(bias_correction), bool(grad_averaging), bool(reg_inside_moment), int(norm_type),
-             bool(init_zero), grad_scale, found_inf)
+             bool(init_zero), grad_scale, found_inf, lr_tensor)

@@ -5,7 +5,7 @@ executable definition of its semantics: the fallback when the extension is unava
 the tests compare kernels with. Clarity over speed, but no host synchronisation: flags and counters
 stay tensors so the references can be used in the same places as the kernels.
 """
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -146,6 +146,12 @@ def _commit_(dst: Tensor, new: Tensor, skip: Optional[Tensor]) -> None:
     dst.copy_(new.reshape(dst.shape))
 
 
+def _lr(lr: float, lr_tensor: Optional[Tensor]) -> Union[float, Tensor]:
+    """The learning rate: ``lr``, or the 0-dim float32 value of ``lr_tensor`` (capturable=True; read
+    where it lives, no host sync). float32 either way: a float lr multiplies fp32 tensors as fp32."""
+    return lr if lr_tensor is None else lr_tensor.reshape(()).to(torch.float32)
+
+
 def _bias_correction(beta: float, count: Tensor, enabled: bool) -> Tensor:
     """``1 - beta ** count`` computed in float64, as a float32 tensor (ones when disabled)."""
     if not enabled:
@@ -157,12 +163,14 @@ def multi_tensor_adam_(params: List[Tensor], grads: List[Tensor], exp_avgs: List
                        exp_avg_sqs: List[Tensor], model_params: List[Tensor], step: Tensor,
                        lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                        adam_w_mode: bool, bias_correction: bool, grad_scale: Optional[Tensor],
-                       found_inf: Optional[Tensor]) -> None:
+                       found_inf: Optional[Tensor],
+                       lr_tensor: Optional[Tensor] = None) -> None:
     """Adam / AdamW update (apex FusedAdam semantics).
 
     With ``adam_w_mode`` the decay is decoupled: ``update = m_hat / (sqrt(v_hat) + eps) + wd * p``;
     otherwise it is L2 regularisation: ``g += wd * p`` before the moments. Then ``p -= lr * update``.
     """
+    lr = _lr(lr, lr_tensor)
     skip = _skip_mask(found_inf)
     count = step + 1
     bc1 = _bias_correction(beta1, count, bias_correction)
@@ -190,7 +198,8 @@ def multi_tensor_sgd_(params: List[Tensor], grads: List[Tensor], momentum_buffer
                       model_params: List[Tensor], step: Tensor, lr: float, momentum: float,
                       dampening: float, weight_decay: float, nesterov: bool,
                       wd_after_momentum: bool, grad_scale: Optional[Tensor],
-                      found_inf: Optional[Tensor]) -> None:
+                      found_inf: Optional[Tensor],
+                      lr_tensor: Optional[Tensor] = None) -> None:
     """SGD with momentum (torch.optim.SGD semantics, plus apex's ``wd_after_momentum``).
 
     Weight decay ``g += wd * p`` is applied before the momentum or, with ``wd_after_momentum``, to the
@@ -199,6 +208,7 @@ def multi_tensor_sgd_(params: List[Tensor], grads: List[Tensor], momentum_buffer
     gradient in later updates: ``buf = momentum * buf + (1 - dampening) * g``. ``momentum_buffers``
     may be empty when ``momentum == 0``.
     """
+    lr = _lr(lr, lr_tensor)
     skip = _skip_mask(found_inf)
     first = step.reshape(()) == 0
     for i, (p, g) in enumerate(zip(params, grads)):
@@ -225,7 +235,8 @@ def multi_tensor_lamb_(params: List[Tensor], grads: List[Tensor], exp_avgs: List
                        lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                        adam_w_mode: bool, bias_correction: bool, grad_averaging: bool,
                        max_grad_norm: float, use_nvlamb: bool, global_grad_norm: Tensor,
-                       grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+                       grad_scale: Optional[Tensor], found_inf: Optional[Tensor],
+                       lr_tensor: Optional[Tensor] = None) -> None:
     """LAMB update (apex FusedLAMB semantics).
 
     ``global_grad_norm`` is the L2 norm of the *unscaled* grads over every group of the optimizer.
@@ -237,6 +248,7 @@ def multi_tensor_lamb_(params: List[Tensor], grads: List[Tensor], exp_avgs: List
     unless ``use_nvlamb``, and is replaced by 1 when either norm is zero. ``||p||`` is the norm before
     the update.
     """
+    lr = _lr(lr, lr_tensor)
     skip = _skip_mask(found_inf)
     count = step + 1
     bc1 = _bias_correction(beta1, count, bias_correction)
@@ -261,7 +273,7 @@ def multi_tensor_lamb_(params: List[Tensor], grads: List[Tensor], exp_avgs: List
             p_norm = torch.linalg.vector_norm(p32)
             u_norm = torch.linalg.vector_norm(update)
             ratio = torch.where((p_norm != 0) & (u_norm != 0), lr * (p_norm / u_norm),
-                                torch.full_like(p_norm, lr))
+                                torch.zeros_like(p_norm) + lr)
         else:
             ratio = lr
         p_new = p32 - ratio * update
@@ -276,13 +288,15 @@ def multi_tensor_lamb_(params: List[Tensor], grads: List[Tensor], exp_avgs: List
 def multi_tensor_adagrad_(params: List[Tensor], grads: List[Tensor], state_sums: List[Tensor],
                           model_params: List[Tensor], step: Tensor, lr: float, eps: float,
                           weight_decay: float, adagrad_w_mode: bool, grad_scale: Optional[Tensor],
-                          found_inf: Optional[Tensor]) -> None:
+                          found_inf: Optional[Tensor],
+                          lr_tensor: Optional[Tensor] = None) -> None:
     """Adagrad update (apex FusedAdagrad semantics).
 
     ``h += g * g; p -= lr * (g / (sqrt(h) + eps))`` with L2 decay ``g += wd * p`` first, or with
     ``adagrad_w_mode`` the decoupled ``p -= lr * (g / (sqrt(h) + eps) + wd * p)``. ``step`` only
     counts applied updates (the math does not use it).
     """
+    lr = _lr(lr, lr_tensor)
     skip = _skip_mask(found_inf)
     for i, (p, g, h) in enumerate(zip(params, grads, state_sums)):
         p32 = p.to(torch.float32)
@@ -306,7 +320,8 @@ def multi_tensor_novograd_(params: List[Tensor], grads: List[Tensor], exp_avgs: 
                            lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                            bias_correction: bool, grad_averaging: bool, reg_inside_moment: bool,
                            norm_type: int, init_zero: bool, grad_scale: Optional[Tensor],
-                           found_inf: Optional[Tensor]) -> None:
+                           found_inf: Optional[Tensor],
+                           lr_tensor: Optional[Tensor] = None) -> None:
     """NovoGrad update (apex FusedNovoGrad semantics).
 
     ``exp_avg_sq_norms`` (float32, one element per tensor) holds each tensor's running gradient norm
@@ -318,6 +333,7 @@ def multi_tensor_novograd_(params: List[Tensor], grads: List[Tensor], exp_avgs: 
     ``reg_inside_moment``: ``m = beta1 * m + beta3 * (g / denom + wd * p); p -= lr * m / bc1``;
     otherwise: ``m = beta1 * m + beta3 * g; p -= lr * (m / bc1 / denom + wd * p)``.
     """
+    lr = _lr(lr, lr_tensor)
     skip = _skip_mask(found_inf)
     count = step + 1
     bc1 = _bias_correction(beta1, count, bias_correction)

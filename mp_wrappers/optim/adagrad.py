@@ -25,6 +25,10 @@ class FusedAdagrad(FusedOptimizer):
         weight_decay: Weight decay coefficient.
         set_grad_none: Default of ``zero_grad(set_to_none=...)``.
         adagrad_w_mode: Decoupled weight decay when True.
+        capturable: Make every group's lr a 1-element float32 tensor on the params' device at its
+            first step, read by the kernel on the device, so that a CUDA graph capturing step()
+            replays with the lr an LR scheduler writes into that tensor (Note [capturable] in
+            mp_wrappers.optim.base). A tensor lr may also be passed directly.
 
     Examples:
         >>> optim_wrapper = dict(
@@ -37,9 +41,9 @@ class FusedAdagrad(FusedOptimizer):
 
     def __init__(self, params: ParamsT, lr: float = 1e-2, eps: float = 1e-10,
                  weight_decay: float = 0.0, set_grad_none: bool = True,
-                 adagrad_w_mode: bool = False) -> None:
+                 adagrad_w_mode: bool = False, capturable: bool = False) -> None:
         defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode)
-        super().__init__(params, defaults, set_grad_none)
+        super().__init__(params, defaults, set_grad_none, capturable)
 
     def _check_hyperparameters(self, group: Dict[str, Any]) -> None:
         _check_lr('FusedAdagrad', group['lr'])
@@ -49,6 +53,8 @@ class FusedAdagrad(FusedOptimizer):
     def _launch(self, bucket: _Bucket, grad_scale: Optional[Tensor], found_inf: Optional[Tensor],
                 prepared: Any) -> None:
         g = bucket.group
+        lr, lr_tensor = self._lr_args(g, bucket.device)
         self._call_op(bucket, bucket.params, bucket.grads, bucket.states['sum'],
-                      bucket.model_params, bucket.step, float(g['lr']), float(g['eps']),
-                      float(g['weight_decay']), bool(g['adagrad_w_mode']), grad_scale, found_inf)
+                      bucket.model_params, bucket.step, lr, float(g['eps']),
+                      float(g['weight_decay']), bool(g['adagrad_w_mode']), grad_scale, found_inf,
+                      lr_tensor)

@@ -33,11 +33,10 @@ class FusedAdam(LeanStorageMixin, FusedOptimizer):
         weight_decay: Weight decay coefficient.
         amsgrad: Must be False; the AMSGrad variant is not implemented (apex neither).
         set_grad_none: Default of ``zero_grad(set_to_none=...)``.
-        capturable: Must be False. apex's capturable mode reads lr from a device tensor so that a
-            replayed CUDA graph follows the LR schedule; here lr (and the other hyperparameters)
-            are kernel arguments fixed when the step is called, so a captured step would silently
-            keep its first lr. Refused until lr is read from the device. (The step count already
-            lives on the device and no update reads anything back to the host.)
+        capturable: Make every group's lr a 1-element float32 tensor on the params' device at its
+            first step, read by the kernel on the device, so that a CUDA graph capturing step()
+            replays with the lr an LR scheduler writes into that tensor (Note [capturable] in
+            mp_wrappers.optim.base). Any fused optimizer also takes a tensor lr directly.
         master_weights: Keep an fp32 master copy of every fp16/bf16 param in the optimizer state
             and update it, rounding the result into the param (apex's option). Not needed when a
             wrapper already swaps fp32 masters into ``param_groups``.
@@ -69,16 +68,11 @@ class FusedAdam(LeanStorageMixin, FusedOptimizer):
         if amsgrad:
             raise ValueError('FusedAdam: amsgrad=True is not supported (there is no fused AMSGrad '
                              'update); use amsgrad=False or torch.optim.Adam(amsgrad=True)')
-        if capturable:
-            raise ValueError('FusedAdam: capturable=True is not supported: lr is passed to the '
-                             'kernel as a number when step() is called, so a CUDA graph replay '
-                             'would ignore the LR schedule; use capturable=False (the default)')
-        self.capturable = False
         self.master_weights = bool(master_weights)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode)
         self._init_lean(bf16_storage, state_dtype, seed)
-        super().__init__(params, defaults, set_grad_none)
+        super().__init__(params, defaults, set_grad_none, capturable)
 
     def _check_hyperparameters(self, group: Dict[str, Any]) -> None:
         _check_lr('FusedAdam', group['lr'])
@@ -110,14 +104,15 @@ class FusedAdam(LeanStorageMixin, FusedOptimizer):
                 prepared: Any) -> None:
         g = bucket.group
         beta1, beta2 = g['betas']
+        lr, lr_tensor = self._lr_args(g, bucket.device)
         if self._is_lean(bucket.params[0]):
             self._launch_lean(bucket, (bucket.states['exp_avg'], bucket.states['exp_avg_sq']),
-                              float(g['lr']), float(beta1), float(beta2), float(g['eps']),
-                              float(g['weight_decay']), bool(g['adam_w_mode']),
+                              self._lean_lr(lr, lr_tensor), float(beta1), float(beta2),
+                              float(g['eps']), float(g['weight_decay']), bool(g['adam_w_mode']),
                               bool(g['bias_correction']), grad_scale, found_inf)
             return
         self._call_op(bucket, bucket.params, bucket.grads, bucket.states['exp_avg'],
                       bucket.states['exp_avg_sq'], bucket.model_params, bucket.step,
-                      float(g['lr']), float(beta1), float(beta2), float(g['eps']),
+                      lr, float(beta1), float(beta2), float(g['eps']),
                       float(g['weight_decay']), bool(g['adam_w_mode']),
-                      bool(g['bias_correction']), grad_scale, found_inf)
+                      bool(g['bias_correction']), grad_scale, found_inf, lr_tensor)

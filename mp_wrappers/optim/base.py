@@ -139,9 +139,14 @@ class FusedOptimizer(Optimizer):
     #: Per-parameter 1-element float32 state (NovoGrad's running grad norm).
     _scalar_state: ClassVar[Tuple[str, ...]] = ()
 
-    def __init__(self, params: ParamsT, defaults: Dict[str, Any], set_grad_none: bool) -> None:
+    def __init__(self, params: ParamsT, defaults: Dict[str, Any], set_grad_none: bool,
+                 capturable: bool = False) -> None:
         self._check_hyperparameters(defaults)
         self.set_grad_none = bool(set_grad_none)
+        self.capturable = bool(capturable)
+        if self.capturable and getattr(self, 'bf16_storage', None) is not None:
+            # The lean kernels take lr as a number: set_bf16_storage refuses the combination.
+            self.set_bf16_storage(self.bf16_storage)
         # Our own hyperparameters: torch's Optimizer.__setstate__ (run by load_state_dict) adds
         # 'differentiable' to self.defaults, which must not leak into resumed param groups.
         self._hyperparameter_keys = tuple(defaults)
@@ -305,6 +310,12 @@ class FusedOptimizer(Optimizer):
             for key in self._hyperparameter_keys:
                 # e.g. a torch.optim.Adam dict lacks adam_w_mode
                 group.setdefault(key, self.defaults[key])
+            lr = group['lr']
+            if isinstance(lr, Tensor) and group['params']:
+                # A tensor lr (Note [capturable]) saved from another device (mmengine resumes with
+                # map_location='cpu'): the kernels read it where the params are.
+                device = group['params'][0].device
+                group['lr'] = lr.detach().to(device, torch.float32).reshape(1).clone()
             self._check_hyperparameters(group)
             self._check_loaded_state(group, name)
         self._merge_step_cohorts()
@@ -481,6 +492,31 @@ class FusedOptimizer(Optimizer):
         for dst, src in writebacks:
             dst.copy_(src.reshape(dst.shape))
 
+    # Note [capturable]: a CUDA graph records kernel launches with their arguments, so a float lr
+    # would be replayed forever with the value it had at capture, silently ignoring the schedule.
+    # A group's lr may therefore be a 1-element float32 tensor on the params' device, which the
+    # kernels read on the device when they run (the ops' lr_tensor). capturable=True makes every
+    # group's lr such a tensor at its first step; LR schedulers that update tensor lrs in place
+    # (torch.optim.lr_scheduler does) then drive the replays. The step counters, grad_scale and
+    # found_inf already live on the device, and a step reads nothing back to the host. A float lr
+    # met while a CUDA graph is being captured is an error, never a baked-in constant.
+    def _lr_args(self, group: Dict[str, Any], device: torch.device) -> Tuple[float, Optional[Tensor]]:
+        """(lr, lr_tensor) for the op: the float, or the group's tensor lr (read on the device)."""
+        lr = group['lr']
+        if isinstance(lr, Tensor):
+            return 0.0, lr
+        if _capturing(device):
+            raise RuntimeError(
+                f'{type(self).__name__}.step() is being captured in a CUDA graph with a float lr '
+                f'({lr!r}): the graph would replay that value forever, ignoring any LR schedule. '
+                'Build the optimizer with capturable=True and take one step before capturing (the '
+                'lr becomes a device tensor that schedulers update in place), or set '
+                "param_group['lr'] to a 1-element float32 tensor on the params' device")
+        if self.capturable:
+            group['lr'] = torch.full((1,), float(lr), dtype=torch.float32, device=device)
+            return 0.0, group['lr']
+        return float(lr), None
+
     def _call_op(self, bucket: _Bucket, *args: Any, op: Optional[str] = None) -> None:
         implementation(op or self._op, bucket.device)(*args)
 
@@ -488,6 +524,10 @@ class FusedOptimizer(Optimizer):
     def _has_slot_keys(self) -> bool:
         # Only subclasses that override _slot_state_keys pay for a per-param call in _collect.
         return type(self)._slot_state_keys is not FusedOptimizer._slot_state_keys
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == 'cuda' and torch.cuda.is_current_stream_capturing()
 
 
 def _scalar_on(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:

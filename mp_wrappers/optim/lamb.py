@@ -35,6 +35,10 @@ class FusedLAMB(FusedOptimizer):
         set_grad_none: Default of ``zero_grad(set_to_none=...)``.
         max_grad_norm: Global gradient-norm clipping threshold (0 disables).
         use_nvlamb: Apply the trust ratio to params without weight decay too (NVLAMB).
+        capturable: Make every group's lr a 1-element float32 tensor on the params' device at its
+            first step, read by the kernel on the device, so that a CUDA graph capturing step()
+            replays with the lr an LR scheduler writes into that tensor (Note [capturable] in
+            mp_wrappers.optim.base). A tensor lr may also be passed directly.
 
     Examples:
         >>> optim_wrapper = dict(
@@ -49,14 +53,15 @@ class FusedLAMB(FusedOptimizer):
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01, amsgrad: bool = False, adam_w_mode: bool = True,
                  grad_averaging: bool = True, set_grad_none: bool = True,
-                 max_grad_norm: float = 1.0, use_nvlamb: bool = False) -> None:
+                 max_grad_norm: float = 1.0, use_nvlamb: bool = False,
+                 capturable: bool = False) -> None:
         if amsgrad:
             raise ValueError('FusedLAMB: amsgrad=True is not supported; use amsgrad=False')
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode,
                         grad_averaging=grad_averaging, max_grad_norm=max_grad_norm,
                         use_nvlamb=use_nvlamb)
-        super().__init__(params, defaults, set_grad_none)
+        super().__init__(params, defaults, set_grad_none, capturable)
 
     def _check_hyperparameters(self, group: Dict[str, Any]) -> None:
         _check_lr('FusedLAMB', group['lr'])
@@ -89,10 +94,12 @@ class FusedLAMB(FusedOptimizer):
                 prepared: Tensor) -> None:
         g = bucket.group
         beta1, beta2 = g['betas']
+        lr, lr_tensor = self._lr_args(g, bucket.device)
         self._call_op(bucket, bucket.params, bucket.grads, bucket.states['exp_avg'],
                       bucket.states['exp_avg_sq'], bucket.model_params, bucket.step,
-                      float(g['lr']), float(beta1), float(beta2), float(g['eps']),
+                      lr, float(beta1), float(beta2), float(g['eps']),
                       float(g['weight_decay']), bool(g['adam_w_mode']),
                       bool(g['bias_correction']), bool(g['grad_averaging']),
                       float(g['max_grad_norm']), bool(g['use_nvlamb']),
-                      prepared.to(bucket.device, non_blocking=True), grad_scale, found_inf)
+                      prepared.to(bucket.device, non_blocking=True), grad_scale, found_inf,
+                      lr_tensor)

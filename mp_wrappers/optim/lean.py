@@ -29,6 +29,10 @@ __all__ = ['LeanStorageMixin', 'AUX_STATE_KEYS']
 AUX_STATE_KEYS = {'split': 'master_low', 'kahan': 'kahan_comp'}
 
 
+_CAPTURABLE_LEAN = ('{name}: a tensor lr (capturable=True) is not supported with '
+                    "bf16_storage={storage!r}: the lean kernels take lr as a number; use a float lr "
+                    'and capturable=False, or bf16_storage=None')
+
 class LeanStorageMixin:
     """The lean bf16 storages for a :class:`~mp_wrappers.optim.FusedOptimizer` subclass.
 
@@ -65,6 +69,8 @@ class LeanStorageMixin:
         if bf16_storage is not None and getattr(self, 'master_weights', False):
             raise ValueError(f'{name}: bf16_storage={bf16_storage!r} cannot be combined with '
                              'master_weights=True (an internal fp32 master); choose one')
+        if bf16_storage is not None and getattr(self, 'capturable', False):
+            raise ValueError(_CAPTURABLE_LEAN.format(name=name, storage=bf16_storage))
         self.bf16_storage = bf16_storage
 
     # ---- FusedOptimizer hooks ------------------------------------------------------------------
@@ -118,6 +124,13 @@ class LeanStorageMixin:
         if aux is None or aux.dtype != want or aux.shape != param.shape:
             state[key] = aux = torch.zeros_like(param, dtype=want)
         return aux
+
+    def _lean_lr(self, lr: float, lr_tensor: Optional[Tensor]) -> float:
+        """The lean kernels take lr as a number: a tensor lr (Note [capturable]) is refused."""
+        if lr_tensor is not None:
+            raise ValueError(_CAPTURABLE_LEAN.format(name=type(self).__name__,
+                                                     storage=self.bf16_storage))
+        return lr
 
     def _launch_lean(self, bucket: Any, state_lists: Tuple[list, ...], *hyper: Any) -> None:
         key = AUX_STATE_KEYS.get(self.bf16_storage)

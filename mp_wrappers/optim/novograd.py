@@ -35,6 +35,10 @@ class FusedNovoGrad(FusedOptimizer):
         norm_type: 2 for the L2 norm, 0 for the infinity norm.
         init_zero: Start the running norm at 0 instead of the first gradient's norm.
         set_grad_none: Default of ``zero_grad(set_to_none=...)``.
+        capturable: Make every group's lr a 1-element float32 tensor on the params' device at its
+            first step, read by the kernel on the device, so that a CUDA graph capturing step()
+            replays with the lr an LR scheduler writes into that tensor (Note [capturable] in
+            mp_wrappers.optim.base). A tensor lr may also be passed directly.
 
     Examples:
         >>> optim_wrapper = dict(
@@ -51,13 +55,14 @@ class FusedNovoGrad(FusedOptimizer):
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False,
                  reg_inside_moment: bool = False, grad_averaging: bool = True, norm_type: int = 2,
-                 init_zero: bool = False, set_grad_none: bool = True) -> None:
+                 init_zero: bool = False, set_grad_none: bool = True,
+                 capturable: bool = False) -> None:
         if amsgrad:
             raise ValueError('FusedNovoGrad: amsgrad=True is not supported; use amsgrad=False')
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, reg_inside_moment=reg_inside_moment,
                         grad_averaging=grad_averaging, norm_type=norm_type, init_zero=init_zero)
-        super().__init__(params, defaults, set_grad_none)
+        super().__init__(params, defaults, set_grad_none, capturable)
 
     def _check_hyperparameters(self, group: Dict[str, Any]) -> None:
         _check_lr('FusedNovoGrad', group['lr'])
@@ -74,9 +79,11 @@ class FusedNovoGrad(FusedOptimizer):
         # param (bucket membership changes with which params have grads): gather, update, scatter.
         per_param = bucket.states['exp_avg_sq']
         norms = torch.cat(per_param)
+        lr, lr_tensor = self._lr_args(g, bucket.device)
         self._call_op(bucket, bucket.params, bucket.grads, bucket.states['exp_avg'], norms,
-                      bucket.model_params, bucket.step, float(g['lr']), float(beta1), float(beta2),
+                      bucket.model_params, bucket.step, lr, float(beta1), float(beta2),
                       float(g['eps']), float(g['weight_decay']), bool(g['bias_correction']),
                       bool(g['grad_averaging']), bool(g['reg_inside_moment']),
-                      int(g['norm_type']), bool(g['init_zero']), grad_scale, found_inf)
+                      int(g['norm_type']), bool(g['init_zero']), grad_scale, found_inf,
+                      lr_tensor)
         torch._foreach_copy_(per_param, list(norms.split(1)))

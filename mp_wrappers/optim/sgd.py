@@ -38,6 +38,10 @@ class FusedSGD(LeanStorageMixin, FusedOptimizer):
         state_dtype: ``'float32'`` (default) or ``'bfloat16'``: dtype of the momentum buffers of
             the bf16 params stepped with ``bf16_storage``.
         seed: Key of the stochastic-rounding hash (``bf16_storage='stochastic'``).
+        capturable: Make every group's lr a 1-element float32 tensor on the params' device at its
+            first step, read by the kernel on the device, so that a CUDA graph capturing step()
+            replays with the lr an LR scheduler writes into that tensor (Note [capturable] in
+            mp_wrappers.optim.base). A tensor lr may also be passed directly.
 
     Examples:
         >>> optim_wrapper = dict(
@@ -54,12 +58,12 @@ class FusedSGD(LeanStorageMixin, FusedOptimizer):
                  weight_decay: float = 0.0, nesterov: bool = False,
                  wd_after_momentum: bool = False, materialize_master_grads: bool = True,
                  set_grad_none: bool = False, bf16_storage: Optional[str] = None,
-                 state_dtype: str = 'float32', seed: int = 0) -> None:
+                 state_dtype: str = 'float32', seed: int = 0, capturable: bool = False) -> None:
         self.materialize_master_grads = bool(materialize_master_grads)
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, wd_after_momentum=wd_after_momentum)
         self._init_lean(bf16_storage, state_dtype, seed)
-        super().__init__(params, defaults, set_grad_none)
+        super().__init__(params, defaults, set_grad_none, capturable)
 
     def _check_hyperparameters(self, group: Dict[str, Any]) -> None:
         _check_lr('FusedSGD', group['lr'])
@@ -77,13 +81,15 @@ class FusedSGD(LeanStorageMixin, FusedOptimizer):
     def _launch(self, bucket: _Bucket, grad_scale: Optional[Tensor], found_inf: Optional[Tensor],
                 prepared: Any) -> None:
         g = bucket.group
+        lr, lr_tensor = self._lr_args(g, bucket.device)
         if self._is_lean(bucket.params[0]):
             self._launch_lean(bucket, (bucket.states.get('momentum_buffer', []),),
-                              float(g['lr']), float(g['momentum']), float(g['dampening']),
+                              self._lean_lr(lr, lr_tensor), float(g['momentum']),
+                              float(g['dampening']),
                               float(g['weight_decay']), bool(g['nesterov']),
                               bool(g['wd_after_momentum']), grad_scale, found_inf)
             return
         self._call_op(bucket, bucket.params, bucket.grads, bucket.states.get('momentum_buffer', []),
-                      bucket.model_params, bucket.step, float(g['lr']), float(g['momentum']),
+                      bucket.model_params, bucket.step, lr, float(g['momentum']),
                       float(g['dampening']), float(g['weight_decay']), bool(g['nesterov']),
-                      bool(g['wd_after_momentum']), grad_scale, found_inf)
+                      bool(g['wd_after_momentum']), grad_scale, found_inf, lr_tensor)

@@ -71,7 +71,8 @@ void multi_tensor_adagrad_cpu(at::TensorList params, at::TensorList grads,
                               at::TensorList state_sums, at::TensorList model_params,
                               const at::Tensor& step, double lr, double eps, double weight_decay,
                               bool adagrad_w_mode, const std::optional<at::Tensor>& grad_scale,
-                              const std::optional<at::Tensor>& found_inf) {
+                              const std::optional<at::Tensor>& found_inf,
+                              const std::optional<at::Tensor>& lr_tensor) {
   constexpr const char* op = "multi_tensor_adagrad_";
   const at::Device device = check_tensor_lists(
       op, {{"params", params}, {"grads", grads}, {"state_sums", state_sums},
@@ -81,10 +82,11 @@ void multi_tensor_adagrad_cpu(at::TensorList params, at::TensorList grads,
   optim::check_step(op, step, device);
   optim::check_optional_scalar(op, "grad_scale", grad_scale, device);
   optim::check_optional_scalar(op, "found_inf", found_inf, device);
+  optim::check_optional_scalar(op, "lr_tensor", lr_tensor, device);
   if (optim::should_skip(found_inf)) return;
 
   AdagradConsts c;
-  c.lr = static_cast<float>(lr);
+  c.lr = optim::resolve_lr(lr, lr_tensor);
   c.eps = static_cast<float>(eps);
   c.weight_decay = static_cast<float>(weight_decay);
   c.has_weight_decay = weight_decay != 0.0;

@@ -81,7 +81,8 @@ void multi_tensor_adam_cpu(at::TensorList params, at::TensorList grads, at::Tens
                            const at::Tensor& step, double lr, double beta1, double beta2,
                            double eps, double weight_decay, bool adam_w_mode,
                            bool bias_correction, const std::optional<at::Tensor>& grad_scale,
-                           const std::optional<at::Tensor>& found_inf) {
+                           const std::optional<at::Tensor>& found_inf,
+                           const std::optional<at::Tensor>& lr_tensor) {
   constexpr const char* op = "multi_tensor_adam_";
   const at::Device device = check_tensor_lists(
       op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},
@@ -92,11 +93,12 @@ void multi_tensor_adam_cpu(at::TensorList params, at::TensorList grads, at::Tens
   optim::check_step(op, step, device);
   optim::check_optional_scalar(op, "grad_scale", grad_scale, device);
   optim::check_optional_scalar(op, "found_inf", found_inf, device);
+  optim::check_optional_scalar(op, "lr_tensor", lr_tensor, device);
   if (optim::should_skip(found_inf)) return;
 
   const float count = optim::read_count(step);
   AdamConsts c;
-  c.lr = static_cast<float>(lr);
+  c.lr = optim::resolve_lr(lr, lr_tensor);
   c.beta1 = static_cast<float>(beta1);
   c.beta2 = static_cast<float>(beta2);
   // (1 - beta) is formed in double and rounded once, as Python does before torch sees it.

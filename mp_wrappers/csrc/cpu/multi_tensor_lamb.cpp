@@ -199,7 +199,8 @@ void multi_tensor_lamb_cpu(at::TensorList params, at::TensorList grads, at::Tens
                            bool bias_correction, bool grad_averaging, double max_grad_norm,
                            bool use_nvlamb, const at::Tensor& global_grad_norm,
                            const std::optional<at::Tensor>& grad_scale,
-                           const std::optional<at::Tensor>& found_inf) {
+                           const std::optional<at::Tensor>& found_inf,
+                           const std::optional<at::Tensor>& lr_tensor) {
   constexpr const char* op = "multi_tensor_lamb_";
   const at::Device device = check_tensor_lists(
       op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},
@@ -211,6 +212,7 @@ void multi_tensor_lamb_cpu(at::TensorList params, at::TensorList grads, at::Tens
   check_scalar_tensor(op, "global_grad_norm", global_grad_norm, device);
   optim::check_optional_scalar(op, "grad_scale", grad_scale, device);
   optim::check_optional_scalar(op, "found_inf", found_inf, device);
+  optim::check_optional_scalar(op, "lr_tensor", lr_tensor, device);
   TORCH_CHECK(max_grad_norm >= 0.0, op, ": max_grad_norm=", max_grad_norm,
               "; expected >= 0 (0 disables clipping)");
   if (optim::should_skip(found_inf)) return;
@@ -232,7 +234,7 @@ void multi_tensor_lamb_cpu(at::TensorList params, at::TensorList grads, at::Tens
   const float gnorm = *global_grad_norm.data_ptr<float>();
   const float max_norm = static_cast<float>(max_grad_norm);
   c.clip = (max_grad_norm > 0.0 && gnorm > max_norm) ? gnorm / max_norm : 1.f;
-  const float lr_f = static_cast<float>(lr);
+  const float lr_f = optim::resolve_lr(lr, lr_tensor);
 
   const std::vector<RawTensor> ps = raw_tensors(params), gs = raw_tensors(grads),
                                ms = raw_tensors(exp_avgs), vs = raw_tensors(exp_avg_sqs),

@@ -148,7 +148,8 @@ void multi_tensor_novograd_cpu(at::TensorList params, at::TensorList grads,
                                bool bias_correction, bool grad_averaging, bool reg_inside_moment,
                                int64_t norm_type, bool init_zero,
                                const std::optional<at::Tensor>& grad_scale,
-                               const std::optional<at::Tensor>& found_inf) {
+                               const std::optional<at::Tensor>& found_inf,
+                               const std::optional<at::Tensor>& lr_tensor) {
   constexpr const char* op = "multi_tensor_novograd_";
   const at::Device device = check_tensor_lists(
       op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},
@@ -168,6 +169,7 @@ void multi_tensor_novograd_cpu(at::TensorList params, at::TensorList grads,
   optim::check_step(op, step, device);
   optim::check_optional_scalar(op, "grad_scale", grad_scale, device);
   optim::check_optional_scalar(op, "found_inf", found_inf, device);
+  optim::check_optional_scalar(op, "lr_tensor", lr_tensor, device);
   if (optim::should_skip(found_inf)) return;
 
   const float step_value = *step.data_ptr<float>();
@@ -178,7 +180,7 @@ void multi_tensor_novograd_cpu(at::TensorList params, at::TensorList grads,
     return;
   }
   NovoConsts c;
-  c.lr = static_cast<float>(lr);
+  c.lr = optim::resolve_lr(lr, lr_tensor);
   c.beta1 = static_cast<float>(beta1);
   c.beta3 = grad_averaging ? static_cast<float>(1.0 - beta1) : 1.f;
   c.weight_decay = static_cast<float>(weight_decay);

@@ -77,7 +77,8 @@ void multi_tensor_sgd_cpu(at::TensorList params, at::TensorList grads,
                           const at::Tensor& step, double lr, double momentum, double dampening,
                           double weight_decay, bool nesterov, bool wd_after_momentum,
                           const std::optional<at::Tensor>& grad_scale,
-                          const std::optional<at::Tensor>& found_inf) {
+                          const std::optional<at::Tensor>& found_inf,
+                          const std::optional<at::Tensor>& lr_tensor) {
   constexpr const char* op = "multi_tensor_sgd_";
   const bool has_momentum = momentum != 0.0;
   const at::Device device = check_tensor_lists(
@@ -89,11 +90,12 @@ void multi_tensor_sgd_cpu(at::TensorList params, at::TensorList grads,
   optim::check_step(op, step, device);
   optim::check_optional_scalar(op, "grad_scale", grad_scale, device);
   optim::check_optional_scalar(op, "found_inf", found_inf, device);
+  optim::check_optional_scalar(op, "lr_tensor", lr_tensor, device);
   if (optim::should_skip(found_inf)) return;
 
   const float step_value = *step.data_ptr<float>();
   SgdConsts c;
-  c.lr = static_cast<float>(lr);
+  c.lr = optim::resolve_lr(lr, lr_tensor);
   c.momentum = static_cast<float>(momentum);
   c.one_minus_dampening = static_cast<float>(1.0 - dampening);
   c.weight_decay = static_cast<float>(weight_decay);

@@ -16,13 +16,17 @@ struct AdagradOp {
   static constexpr bool kWritesState = true;
   const float* found_inf;
   const float* grad_scale;
-  float lr, eps, weight_decay;
+  DeviceLr lr;
+  float eps, weight_decay;
   bool l2, decoupled;
 
   struct Ctx {
+    float lr;
     DeviceUnscale unscale;
   };
-  __device__ __forceinline__ Ctx begin(int32_t) const { return Ctx{make_unscale(grad_scale)}; }
+  __device__ __forceinline__ Ctx begin(int32_t) const {
+    return Ctx{lr.get(), make_unscale(grad_scale)};
+  }
   __device__ __forceinline__ float update(const Ctx& c, float p, float g, float (&s)[2]) const {
     g = c.unscale(g);
     if (l2) g = fadd(g, fmul(weight_decay, p));
@@ -30,7 +34,7 @@ struct AdagradOp {
     float u = fdiv(g, fadd(fsqrt(h), eps));
     if (decoupled) u = fadd(u, fmul(weight_decay, p));
     s[0] = h;
-    return fsub(p, fmul(lr, u));
+    return fsub(p, fmul(c.lr, u));
   }
 };
 
@@ -39,7 +43,8 @@ void multi_tensor_adagrad_cuda(at::TensorList params, at::TensorList grads,
                                const at::Tensor& step, double lr, double eps,
                                double weight_decay, bool adagrad_w_mode,
                                const std::optional<at::Tensor>& grad_scale,
-                               const std::optional<at::Tensor>& found_inf) {
+                               const std::optional<at::Tensor>& found_inf,
+                               const std::optional<at::Tensor>& lr_tensor) {
   constexpr const char* op = "multi_tensor_adagrad_";
   const at::Device device = check_tensor_lists(
       op, {{"params", params}, {"grads", grads}, {"state_sums", state_sums},
@@ -55,7 +60,7 @@ void multi_tensor_adagrad_cuda(at::TensorList params, at::TensorList grads,
   AdagradOp a;
   a.found_inf = optional_ptr(op, "found_inf", found_inf, step.device());
   a.grad_scale = optional_ptr(op, "grad_scale", grad_scale, step.device());
-  a.lr = static_cast<float>(lr);
+  a.lr = make_lr(op, lr, lr_tensor, step.device());
   a.eps = static_cast<float>(eps);
   a.weight_decay = static_cast<float>(weight_decay);
   a.l2 = !adagrad_w_mode && weight_decay != 0.0;

@@ -19,17 +19,19 @@ struct AdamOp {
   const float* grad_scale;
   const float* step;
   double beta1_d, beta2_d;
-  float lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay;
+  DeviceLr lr;
+  float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay;
   bool l2, decoupled, use_bias_correction;
 
   struct Ctx {
-    float bc1, bc2;
+    float bc1, bc2, lr;
     DeviceUnscale unscale;
   };
   __device__ __forceinline__ Ctx begin(int32_t) const {
     const float count = fadd(ld(step), 1.f);  // the number of this update, as the reference counts
     return Ctx{bias_correction(beta1_d, count, use_bias_correction),
-               bias_correction(beta2_d, count, use_bias_correction), make_unscale(grad_scale)};
+               bias_correction(beta2_d, count, use_bias_correction), lr.get(),
+               make_unscale(grad_scale)};
   }
   __device__ __forceinline__ float update(const Ctx& c, float p, float g, float (&s)[3]) const {
     g = c.unscale(g);
@@ -40,7 +42,7 @@ struct AdamOp {
     if (decoupled) u = fadd(u, fmul(weight_decay, p));
     s[0] = m;
     s[1] = v;
-    return fsub(p, fmul(lr, u));
+    return fsub(p, fmul(c.lr, u));
   }
 };
 
@@ -49,7 +51,8 @@ void multi_tensor_adam_cuda(at::TensorList params, at::TensorList grads, at::Ten
                             const at::Tensor& step, double lr, double beta1, double beta2,
                             double eps, double weight_decay, bool adam_w_mode,
                             bool bias_correction, const std::optional<at::Tensor>& grad_scale,
-                            const std::optional<at::Tensor>& found_inf) {
+                            const std::optional<at::Tensor>& found_inf,
+                            const std::optional<at::Tensor>& lr_tensor) {
   constexpr const char* op = "multi_tensor_adam_";
   const at::Device device = check_tensor_lists(
       op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},
@@ -69,7 +72,7 @@ void multi_tensor_adam_cuda(at::TensorList params, at::TensorList grads, at::Ten
   a.step = step.data_ptr<float>();
   a.beta1_d = beta1;
   a.beta2_d = beta2;
-  a.lr = static_cast<float>(lr);
+  a.lr = make_lr(op, lr, lr_tensor, step.device());
   a.beta1 = static_cast<float>(beta1);
   a.beta2 = static_cast<float>(beta2);
   a.one_minus_beta1 = static_cast<float>(1.0 - beta1);

@@ -31,12 +31,13 @@ struct LambArgs {
   const float* step;
   const float* global_grad_norm;
   double beta1_d, beta2_d;
-  float lr, beta1, beta2, beta3, one_minus_beta2, eps, weight_decay, max_grad_norm;
+  DeviceLr lr;
+  float beta1, beta2, beta3, one_minus_beta2, eps, weight_decay, max_grad_norm;
   bool l2, decoupled, use_bias_correction;
 };
 
 struct LambCtx {
-  float bc1, bc2, clip;
+  float bc1, bc2, clip, lr;
   DeviceUnscale unscale;
 };
 
@@ -48,7 +49,7 @@ __device__ __forceinline__ LambCtx lamb_ctx(const LambArgs& a) {
   const float clip = (a.max_grad_norm > 0.f && gnorm > a.max_grad_norm)
                          ? fdiv(gnorm, a.max_grad_norm) : 1.f;
   return LambCtx{bias_correction(a.beta1_d, count, a.use_bias_correction),
-                 bias_correction(a.beta2_d, count, a.use_bias_correction), clip,
+                 bias_correction(a.beta2_d, count, a.use_bias_correction), clip, a.lr.get(),
                  make_unscale(a.grad_scale)};
 }
 
@@ -77,7 +78,7 @@ struct LambFusedOp {
   __device__ __forceinline__ Ctx begin(int32_t) const { return lamb_ctx(a); }
   __device__ __forceinline__ float update(const Ctx& c, float p, float g, float (&s)[3]) const {
     lamb_moments(a, c, p, g, &s[0], &s[1]);
-    return fsub(p, fmul(a.lr, lamb_update(a, c, p, s[0], s[1])));
+    return fsub(p, fmul(c.lr, lamb_update(a, c, p, s[0], s[1])));
   }
 };
 
@@ -134,10 +135,11 @@ __global__ void __launch_bounds__(kBlockSize)
 
 // Pass 2: one thread per tensor; a tensor without chunks has zero norms (ratio lr).
 __global__ void lamb_ratio_kernel(const float* found_inf, ChunkPartials<2> partials,
-                                  int64_t n_tensors, float lr, float* ratio) {
+                                  int64_t n_tensors, DeviceLr device_lr, float* ratio) {
   if (skip_update(found_inf)) return;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= n_tensors) return;
+  const float lr = device_lr.get();
   const float p_norm = static_cast<float>(sqrt(partials.combine(t, 0, 0.0, SumOp())));
   const float u_norm = static_cast<float>(sqrt(partials.combine(t, 1, 0.0, SumOp())));
   st(ratio + t, (p_norm != 0.f && u_norm != 0.f) ? fmul(lr, fdiv(p_norm, u_norm)) : lr);
@@ -177,7 +179,8 @@ void multi_tensor_lamb_cuda(at::TensorList params, at::TensorList grads, at::Ten
                             bool bias_correction, bool grad_averaging, double max_grad_norm,
                             bool use_nvlamb, const at::Tensor& global_grad_norm,
                             const std::optional<at::Tensor>& grad_scale,
-                            const std::optional<at::Tensor>& found_inf) {
+                            const std::optional<at::Tensor>& found_inf,
+                            const std::optional<at::Tensor>& lr_tensor) {
   constexpr const char* op = "multi_tensor_lamb_";
   const at::Device device = check_tensor_lists(
       op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},
@@ -202,7 +205,7 @@ void multi_tensor_lamb_cuda(at::TensorList params, at::TensorList grads, at::Ten
   a.global_grad_norm = global_grad_norm.data_ptr<float>();
   a.beta1_d = beta1;
   a.beta2_d = beta2;
-  a.lr = static_cast<float>(lr);
+  a.lr = make_lr(op, lr, lr_tensor, step.device());
   a.beta1 = static_cast<float>(beta1);
   a.beta2 = static_cast<float>(beta2);
   a.beta3 = grad_averaging ? static_cast<float>(1.0 - beta1) : 1.f;

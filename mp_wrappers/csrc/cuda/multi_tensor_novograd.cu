@@ -29,17 +29,18 @@ struct NovoOp {
   const float* step;
   const float* denom;  // [n_tensors], from pass 2
   double beta1_d;
-  float lr, beta1, beta3, weight_decay;
+  DeviceLr lr;
+  float beta1, beta3, weight_decay;
   bool reg_inside_moment, use_bias_correction;
 
   struct Ctx {
-    float bc1, denom;
+    float bc1, denom, lr;
     DeviceUnscale unscale;
   };
   __device__ __forceinline__ Ctx begin(int32_t tensor) const {
     const float count = fadd(ld(step), 1.f);
     return Ctx{bias_correction(beta1_d, count, use_bias_correction), ld(denom + tensor),
-               make_unscale(grad_scale)};
+               lr.get(), make_unscale(grad_scale)};
   }
   __device__ __forceinline__ float update(const Ctx& c, float p, float g, float (&s)[2]) const {
     g = c.unscale(g);
@@ -47,10 +48,10 @@ struct NovoOp {
     // The reference adds wd * p even when wd is 0 (the sign of a zero result depends on it).
     if (reg_inside_moment) {
       s[0] = fadd(m_old, fmul(beta3, fadd(fdiv(g, c.denom), fmul(weight_decay, p))));
-      return fsub(p, fmul(lr, fdiv(s[0], c.bc1)));
+      return fsub(p, fmul(c.lr, fdiv(s[0], c.bc1)));
     }
     s[0] = fadd(m_old, fmul(beta3, g));
-    return fsub(p, fmul(lr, fadd(fdiv(fdiv(s[0], c.bc1), c.denom), fmul(weight_decay, p))));
+    return fsub(p, fmul(c.lr, fadd(fdiv(fdiv(s[0], c.bc1), c.denom), fmul(weight_decay, p))));
   }
 };
 
@@ -127,7 +128,8 @@ void multi_tensor_novograd_cuda(at::TensorList params, at::TensorList grads,
                                 bool bias_correction, bool grad_averaging,
                                 bool reg_inside_moment, int64_t norm_type, bool init_zero,
                                 const std::optional<at::Tensor>& grad_scale,
-                                const std::optional<at::Tensor>& found_inf) {
+                                const std::optional<at::Tensor>& found_inf,
+                                const std::optional<at::Tensor>& lr_tensor) {
   constexpr const char* op = "multi_tensor_novograd_";
   const at::Device device = check_tensor_lists(
       op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},
@@ -155,7 +157,7 @@ void multi_tensor_novograd_cuda(at::TensorList params, at::TensorList grads,
   o.grad_scale = optional_ptr(op, "grad_scale", grad_scale, step.device());
   o.step = step.data_ptr<float>();
   o.beta1_d = beta1;
-  o.lr = static_cast<float>(lr);
+  o.lr = make_lr(op, lr, lr_tensor, step.device());
   o.beta1 = static_cast<float>(beta1);
   o.beta3 = grad_averaging ? static_cast<float>(1.0 - beta1) : 1.f;
   o.weight_decay = static_cast<float>(weight_decay);

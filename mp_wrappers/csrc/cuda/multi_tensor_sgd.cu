@@ -19,15 +19,17 @@ struct SgdOp {
   const float* found_inf;
   const float* grad_scale;
   const float* step;
-  float lr, momentum, one_minus_dampening, weight_decay;
+  DeviceLr lr;
+  float momentum, one_minus_dampening, weight_decay;
   bool wd_before, wd_after, nesterov;
 
   struct Ctx {
     bool first;
+    float lr;
     DeviceUnscale unscale;
   };
   __device__ __forceinline__ Ctx begin(int32_t) const {
-    return Ctx{ld(step) == 0.f, make_unscale(grad_scale)};
+    return Ctx{ld(step) == 0.f, lr.get(), make_unscale(grad_scale)};
   }
   template <int K>
   __device__ __forceinline__ float update(const Ctx& c, float p, float g, float (&s)[K]) const {
@@ -39,7 +41,7 @@ struct SgdOp {
       s[0] = buf;
     }
     if (wd_after) d = fadd(d, fmul(weight_decay, p));
-    return fsub(p, fmul(lr, d));
+    return fsub(p, fmul(c.lr, d));
   }
 };
 
@@ -48,7 +50,8 @@ void multi_tensor_sgd_cuda(at::TensorList params, at::TensorList grads,
                            const at::Tensor& step, double lr, double momentum, double dampening,
                            double weight_decay, bool nesterov, bool wd_after_momentum,
                            const std::optional<at::Tensor>& grad_scale,
-                           const std::optional<at::Tensor>& found_inf) {
+                           const std::optional<at::Tensor>& found_inf,
+                           const std::optional<at::Tensor>& lr_tensor) {
   constexpr const char* op = "multi_tensor_sgd_";
   const bool has_momentum = momentum != 0.0;
   const at::Device device = check_tensor_lists(
@@ -69,7 +72,7 @@ void multi_tensor_sgd_cuda(at::TensorList params, at::TensorList grads,
     s.found_inf = optional_ptr(op, "found_inf", found_inf, step.device());
     s.grad_scale = optional_ptr(op, "grad_scale", grad_scale, step.device());
     s.step = step.data_ptr<float>();
-    s.lr = static_cast<float>(lr);
+    s.lr = make_lr(op, lr, lr_tensor, step.device());
     s.momentum = static_cast<float>(momentum);
     s.one_minus_dampening = static_cast<float>(1.0 - dampening);
     s.weight_decay = static_cast<float>(weight_decay);

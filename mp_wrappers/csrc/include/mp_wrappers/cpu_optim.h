@@ -43,6 +43,13 @@ inline void check_optional_scalar(const char* op, const char* name,
   if (t.has_value() && t->defined()) check_scalar_tensor(op, name, *t, device);
 }
 
+// lr: the float, or (capturable=True) the value lr_tensor holds, a 1-element float32 tensor on the
+// tensors' device (checked with check_optional_scalar), read here: on the CPU a host read is free.
+inline float resolve_lr(double lr, const std::optional<at::Tensor>& lr_tensor) {
+  if (!(lr_tensor.has_value() && lr_tensor->defined())) return static_cast<float>(lr);
+  return *lr_tensor->data_ptr<float>();
+}
+
 // State lists (moments, momentum buffers, sums) are float32: the kernels load them as float*.
 inline void check_fp32_list(const char* op, const char* name, at::TensorList list) {
   for (size_t i = 0; i < list.size(); ++i)

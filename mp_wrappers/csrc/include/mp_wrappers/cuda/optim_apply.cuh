@@ -212,6 +212,18 @@ inline const float* optional_ptr(const char* op, const char* name,
   return t->data_ptr<float>();
 }
 
+// lr: the float, or (capturable=True) read from lr_tensor on the device, by thread 0 of each block
+// like grad_scale, so that a captured CUDA graph uses the value the tensor holds at each replay.
+struct DeviceLr {
+  float value;
+  const float* ptr;
+  __device__ __forceinline__ float get() const { return ptr != nullptr ? ld(ptr) : value; }
+};
+inline DeviceLr make_lr(const char* op, double lr, const std::optional<at::Tensor>& lr_tensor,
+                        const at::Device& device) {
+  return DeviceLr{static_cast<float>(lr), optional_ptr(op, "lr_tensor", lr_tensor, device)};
+}
+
 // step: the 1-element float32 counter, on the tensors' device (when there are tensors).
 inline void check_step(const char* op, const at::Tensor& step, const at::Device& device,
                        bool has_tensors) {
