@@ -32,11 +32,10 @@ def _model(seed=0):
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
-def _train(opt_name, steps=6, **kw):
-    """Steps with a LambdaLR schedule (torch's schedulers fill a tensor lr in place)."""
-    model = _model()
-    opt = OPTIMIZERS[opt_name](model.parameters(), **kw)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (1 + i))
+def _run_schedule(model, opt, steps, last_epoch=-1):
+    """``steps`` steps under a LambdaLR schedule (torch's schedulers fill a tensor lr in place);
+    returns the group-0 lr after each."""
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (1 + i), last_epoch=last_epoch)
     x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
     lrs = []
     for _ in range(steps):
@@ -45,7 +44,13 @@ def _train(opt_name, steps=6, **kw):
         opt.zero_grad()
         sched.step()
         lrs.append(opt.param_groups[0]['lr'])
-    return model, opt, lrs
+    return lrs
+
+
+def _train(opt_name, steps=6, **kw):
+    model = _model()
+    opt = OPTIMIZERS[opt_name](model.parameters(), **kw)
+    return model, opt, _run_schedule(model, opt, steps)
 
 
 @pytest.mark.parametrize('opt_name', sorted(OPTIMIZERS))
@@ -66,13 +71,7 @@ def test_a_tensor_lr_works_without_capturable():
     plain, _, _ = _train('FusedAdam')
     model = _model()
     opt = FusedAdam(model.parameters(), lr=torch.tensor([1e-2]), weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (1 + i))
-    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
-    for _ in range(6):
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
+    _run_schedule(model, opt, 6)
     for a, b in zip(plain.parameters(), model.parameters()):
         assert torch.equal(a, b)
 
@@ -91,13 +90,7 @@ def test_checkpoint_round_trip_keeps_training_exact():
         resumed.load_state_dict(ckpt['model'])
         opt2 = FusedAdam(resumed.parameters(), lr=1e-2, weight_decay=0.01, capturable=capturable)
         opt2.load_state_dict(ckpt['opt'])
-        sched = torch.optim.lr_scheduler.LambdaLR(opt2, lambda i: 1.0 / (1 + i), last_epoch=2)
-        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
-        for _ in range(3):
-            resumed(x).pow(2).mean().backward()
-            opt2.step()
-            opt2.zero_grad()
-            sched.step()
+        _run_schedule(resumed, opt2, 3, last_epoch=2)
         for a, b in zip(full.parameters(), resumed.parameters()):
             assert torch.equal(a, b), f'capturable={capturable}'
 
