@@ -155,7 +155,8 @@ class OutcomeQueue:
             if not wait and not landing.landed():
                 break
             self._pending.popleft()
-            values = landing.wait().tolist()
+            # A landed copy is read as it is: no event synchronisation outside a blocking take.
+            values = (landing.wait() if wait else landing.host).tolist()
             n = len(scalers)
             done.append(StepOutcome(seq, scalers, tuple(v > 0 for v in values[:n]),
                                     tuple(values[n:2 * n]), tuple(values[2 * n:3 * n]),
