@@ -164,7 +164,9 @@ class MixedPrecisionHook(Hook):
             return
         for wrapper in ours:
             # should_update() after update_params: this iteration ended an accumulation window, so
-            # step() ran; last_step_skipped is a host bool the wrapper already read (no sync).
+            # step() ran. last_step_skipped is a host bool the wrapper read at the step, or, after
+            # a fused step on a GPU, waits for that step's outcome (Note [deferred outcomes]); the
+            # loop's own loss logging reads the device every iteration anyway.
             if wrapper.should_update():
                 stepped.append(wrapper)
                 if wrapper.last_step_skipped:

@@ -9,35 +9,44 @@ norm to publish belongs to an applied step. On the CPU reading those flags costs
 accelerator a read (``.item()``) waits until the device has run every kernel queued so far: the
 host stops queuing the next iteration's work, and a CUDA-graph capture of the step breaks.
 
-So on an accelerator the wrapper packs the step's flags and scales into one small tensor, copies it
-to pinned host memory without blocking, and records an event (:class:`OutcomeQueue`). Later steps
-take the outcomes whose copies have landed (an event query, not a sync); the wrappers' host views
-(``last_step_skipped``, ``publish_scalars``, ``state_dict``) wait for the rest, where a host read is
-expected anyway. The host therefore learns of an overflow a step or so late, never wrongly: the
-outcomes are processed in step order, with the values the device computed.
+So on a CUDA device the wrapper packs the step's flags and scales into one small tensor, copies it
+to pinned host memory without blocking, and records an event on that device's stream
+(:class:`OutcomeQueue`). Later steps take the outcomes whose copies have landed (an event query, not
+a sync); the host views (``last_step_skipped``/``overflow``, ``publish_scalars``, a direct step,
+``load_state_dict``) wait for the rest, where a host read is expected anyway. The host therefore
+learns of an overflow a step or so late, never wrongly: the outcomes are accounted in step order,
+with the values the device computed. (This makes the eager step sync-free; it does not make the
+wrapper's step capturable in a CUDA graph: the pinned copy, the event and the Python bookkeeping
+run when the step is called.)
 
-:func:`host_reads_are_free` is the one place that decides which devices read flags directly, and
-:func:`simulate_accelerator` lets the CPU test-suite run the deferred path (with copies that land
-late) so that it is tested where CI runs, not only on a GPU.
+:func:`defers_host_reads` is the one place that decides which devices defer (CUDA; other device
+types read the flags directly), and :func:`simulate_accelerator` lets the CPU test-suite run the
+deferred path (with copies that land late) so that it is tested where CI runs, not only on a GPU.
 """
 import contextlib
 import dataclasses
 from collections import deque
-from typing import Any, Deque, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ['host_reads_are_free', 'simulate_accelerator', 'StepOutcome', 'OutcomeQueue',
+__all__ = ['defers_host_reads', 'simulate_accelerator', 'StepOutcome', 'OutcomeQueue',
            'HOST_COPY_ATTR']
 
 # (lag in polls) while simulate_accelerator() is active, else None.
 _simulated_lag: Optional[int] = None
 
 
-def host_reads_are_free(device: torch.device) -> bool:
-    """Whether reading a value of a tensor on ``device`` costs no device synchronisation."""
-    return device.type == 'cpu' and _simulated_lag is None
+def defers_host_reads(device: torch.device) -> bool:
+    """Whether a step on ``device`` hands its outcome to the host through :class:`OutcomeQueue`.
+
+    CUDA, where a host read waits for the device; not the CPU, where it is free; not other device
+    types, whose pinned memory and events this has not been tested with (they read directly).
+    """
+    if device.type == 'cpu':
+        return _simulated_lag is not None
+    return device.type == 'cuda'
 
 
 @contextlib.contextmanager
@@ -64,6 +73,8 @@ class StepOutcome:
 
     Attributes:
         seq (int): The wrapper's step number (0-based), to tell the latest step from older ones.
+        iteration (int, optional): The training loop's iteration of the step (MessageHub
+            ``iter``), None outside a loop.
         scalers (tuple): The loss scalers used in the step.
         flags (tuple): Per scaler: whether its gradients had inf/nan.
         scales_before / scales_after (tuple): Per scaler: the loss scale around the update.
@@ -71,6 +82,7 @@ class StepOutcome:
     """
 
     seq: int
+    iteration: Optional[int]
     scalers: Tuple[int, ...]
     flags: Tuple[bool, ...]
     scales_before: Tuple[float, ...]
@@ -93,9 +105,13 @@ class _Landing:
     def __init__(self, packed: Tensor) -> None:
         self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
         setattr(self.host, HOST_COPY_ATTR, True)
-        self.host.copy_(packed, non_blocking=True)
-        self.event = torch.Event(device=packed.device)
-        self.event.record()
+        # The copy and the event on the stream of the tensor's device (not the current device's:
+        # a model on cuda:1 while cuda:0 is current).
+        stream = torch.cuda.current_stream(packed.device)
+        with torch.cuda.stream(stream):
+            self.host.copy_(packed, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record(stream)
 
     def landed(self) -> bool:
         return self.event.query()
@@ -127,41 +143,41 @@ class OutcomeQueue:
     """Steps whose outcomes are still on their way to the host, oldest first."""
 
     def __init__(self) -> None:
-        # (seq, scalers, carries a norm, landing)
-        self._pending: Deque[Tuple[int, Tuple[int, ...], bool, Any]] = deque()
+        # (seq, iteration, scalers, carries a norm, landing)
+        self._pending: Deque[Tuple[int, Optional[int], Tuple[int, ...], bool, Any]] = deque()
 
     def __len__(self) -> int:
         return len(self._pending)
 
-    def push(self, seq: int, scalers: Sequence[int], flags: Sequence[Tensor],
-             scales_before: Sequence[Tensor], scales_after: Sequence[Tensor],
-             norm: Optional[Tensor] = None) -> None:
+    def push(self, seq: int, iteration: Optional[int], scalers: Sequence[int],
+             flags: Sequence[Tensor], scales_before: Sequence[Tensor],
+             scales_after: Sequence[Tensor], norm: Optional[Tensor] = None) -> None:
         """Start the host copy of one step's flags, scales and norm (1-element tensors)."""
         extra = [] if norm is None else [norm]
         packed = torch.cat([t.reshape(1).to(torch.float32)
                             for t in (*flags, *scales_before, *scales_after, *extra)])
         landing = (_SimulatedLanding(packed, _simulated_lag) if packed.device.type == 'cpu'
                    else _Landing(packed))
-        self._pending.append((seq, tuple(scalers), norm is not None, landing))
+        self._pending.append((seq, iteration, tuple(scalers), norm is not None, landing))
 
-    def take(self, wait: bool = False) -> List[StepOutcome]:
+    def take(self, wait: bool = False) -> Iterator[StepOutcome]:
         """The outcomes that have landed, in step order; all of them with ``wait=True``.
 
         Stops at the first copy still in flight, so an outcome is never taken before an older one.
+        A generator that removes each outcome as it yields it: if accounting for one raises (the
+        collapse policy's 'raise'), the later ones stay queued.
         """
-        done = []
         while self._pending:
-            seq, scalers, has_norm, landing = self._pending[0]
+            seq, iteration, scalers, has_norm, landing = self._pending[0]
             if not wait and not landing.landed():
-                break
+                return
             self._pending.popleft()
             # A landed copy is read as it is: no event synchronisation outside a blocking take.
             values = (landing.wait() if wait else landing.host).tolist()
             n = len(scalers)
-            done.append(StepOutcome(seq, scalers, tuple(v > 0 for v in values[:n]),
-                                    tuple(values[n:2 * n]), tuple(values[2 * n:3 * n]),
-                                    values[3 * n] if has_norm else None))
-        return done
+            yield StepOutcome(seq, iteration, scalers, tuple(v > 0 for v in values[:n]),
+                              tuple(values[n:2 * n]), tuple(values[2 * n:3 * n]),
+                              values[3 * n] if has_norm else None)
 
     def clear(self) -> None:
         self._pending.clear()

@@ -5,7 +5,11 @@ tensors; :func:`forbid_host_reads` then fails every Python-level read of a tenso
 (``.item()``, ``bool()``, ``float()``, ``.tolist()``...), each of which would wait for the device on a
 GPU. The wrappers' pinned host copies (marked with ``HOST_COPY_ATTR``) are host memory and pass.
 It sees reads made from Python only, which is where ours are: the kernels take their scalars as
-device pointers (a GPU run checks the real thing, tests/test_cuda_paths.py).
+device pointers. It cannot see syncs inside C++ ops (``.cpu()``, ``torch.equal``, ``nonzero``,
+boolean-mask indexing), and under ``simulate_accelerator`` the code's other ``device.type == 'cpu'``
+branches still take their CPU side (the static scaler's host update, the unit-scale loss check),
+which a CUDA step never runs. A GPU run checks the real thing: tests/test_cuda_paths.py, under
+``torch.cuda.set_sync_debug_mode('error')``.
 """
 import contextlib
 from typing import Iterator, List

@@ -125,6 +125,17 @@ def test_tensor_lr_with_a_lean_storage_is_refused_at_the_step():
         FusedAdam(model.parameters(), capturable=True).set_bf16_storage('split')
 
 
+def test_a_wrong_tensor_lr_in_a_group_is_refused_naming_it():
+    model = _model()
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    opt.param_groups[0]['lr'] = torch.tensor([1e-2], dtype=torch.float64)  # e.g. set by hand
+    model(torch.randn(4, 8)).sum().backward()
+    with pytest.raises(ValueError, match=r"FusedAdam: param_groups\[0\]\['lr'\] is a tensor of "
+                                         r'dtype torch.float64 and shape \(1,\) on cpu; a tensor lr '
+                                         r"must be a 1-element float32 tensor on the params' device"):
+        opt.step()
+
+
 def test_op_rejects_an_lr_tensor_on_another_device_or_dtype():
     from mp_wrappers.ops import multi_tensor_adam
     p, g = [torch.zeros(4)], [torch.ones(4)]

@@ -259,13 +259,17 @@ def test_wrapper_fused_master_step_on_cuda(device, dtype):
 
 
 @pytest.mark.parametrize('device', CUDA)
+@pytest.mark.parametrize('index', [0, 1], ids=['cuda0', 'cuda1_while_cuda0_current'])
 @pytest.mark.parametrize('clip', [False, True], ids=['no_clip', 'clip'])
-def test_fused_o2_step_with_dynamic_scaling_makes_no_host_sync(device, clip):
+def test_fused_o2_step_with_dynamic_scaling_makes_no_host_sync(device, clip, index):
     """Issue 13, deliverable 3: torch.cuda.set_sync_debug_mode('error') around full fused O2
     steps (backward, unscale + norm, fused update, scaler update), overflowing and clean, as
     mmengine's loop runs them (MessageHub iter set, no publication due). The CPU twin is
     tests/test_deferred_outcomes.py (Note [deferred outcomes])."""
-    hub = MessageHub.get_instance(f'test_sync_free_{clip}')
+    if index >= torch.cuda.device_count():
+        pytest.skip(f'needs {index + 1} GPUs')
+    device = f'cuda:{index}'  # the outcome copies and events must follow the model's device
+    hub = MessageHub.get_instance(f'test_sync_free_{clip}_{index}')
     MessageHub._instance_dict.pop(hub.instance_name)
     MessageHub._instance_dict[hub.instance_name] = hub  # the current instance
     torch.manual_seed(0)

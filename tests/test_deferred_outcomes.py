@@ -10,6 +10,7 @@ Runner. tests/test_cuda_paths.py checks the same step with torch.cuda.set_sync_d
 """
 import pytest
 import torch
+from mmengine.hooks import Hook
 from mmengine.logging import MessageHub
 from torch import nn
 
@@ -106,8 +107,8 @@ def test_guard_fails_a_host_read_and_passes_host_copies():
                 read()
         with simulate_accelerator(lag=0):
             q = OutcomeQueue()
-            q.push(0, [0], [t], [t * 4], [t * 2])
-            assert q.take()[0].flags == (True,)
+            q.push(0, None, [0], [t], [t * 4], [t * 2])
+            assert next(q.take()).flags == (True,)
     assert t.item() == 1.0  # restored
 
 
@@ -115,15 +116,15 @@ def test_outcome_queue_keeps_step_order_and_waits_when_asked():
     one, zero = torch.ones(1), torch.zeros(1)
     with simulate_accelerator(lag=1):
         q = OutcomeQueue()
-        q.push(0, [0], [one], [torch.full((1,), 8.0)], [torch.full((1,), 4.0)])
-        q.push(1, [0, 1], [zero, one], [one, one * 2], [one, one], norm=torch.full((1,), 3.5))
-        q.push(2, [0], [zero], [one], [one * 2])
-        assert q.take() == []  # the oldest copy is still in flight: nothing overtakes it
-        first = q.take()
-        assert [o.seq for o in first] == [0] and len(q) == 2
+        q.push(0, 10, [0], [one], [torch.full((1,), 8.0)], [torch.full((1,), 4.0)])
+        q.push(1, 11, [0, 1], [zero, one], [one, one * 2], [one, one], norm=torch.full((1,), 3.5))
+        q.push(2, None, [0], [zero], [one], [one * 2])
+        assert list(q.take()) == []  # the oldest copy is still in flight: nothing overtakes it
+        first = list(q.take())
+        assert [o.seq for o in first] == [0] and len(q) == 2 and first[0].iteration == 10
         assert first[0].skipped and first[0].scales_before == (8.0,)
         assert first[0].scales_after == (4.0,) and first[0].norm is None
-        rest = q.take(wait=True)
+        rest = list(q.take(wait=True))
         assert [o.seq for o in rest] == [1, 2] and len(q) == 0
         assert rest[0].flags == (False, True) and rest[0].skipped and rest[0].norm == 3.5
         assert not rest[1].skipped and rest[1].scales_after == (2.0,)
@@ -191,8 +192,8 @@ def test_deferred_collapse_watch_raises_naming_the_step(fresh_hub):
     with simulate_accelerator(lag=1), pytest.raises(FloatingPointError) as info:
         _steps(model, wrapper, guard=True, inf_at=range(STEPS))
     msg = str(info.value)
-    assert 'the loss scale collapsed at optimizer step 3 (reported at iteration' in msg
-    assert '3 consecutive steps had non-finite gradients' in msg
+    # The step's own iteration (as the direct path names it), and when the host learned of it.
+    assert 'the loss scale collapsed at iteration 2 (reported at iteration 3): 3 consecutive' in msg
     assert 'parameters: not read' in msg and 'overflow_report=True names them' in msg
 
     model, wrapper = _wrapper('O2', 'FusedAdam', on_scale_collapse='raise', collapse_patience=3,
@@ -210,33 +211,57 @@ def test_overflow_report_reads_the_flags_at_the_step(fresh_hub):
         _steps(model, wrapper, guard=True)
 
 
-def test_runner_o2_fp16_fused_adam_deferred_equals_direct(tmp_path, monkeypatch):
-    """Through mmengine's Runner (MixedPrecisionHook, LoggerHook, clip_grad, a NaN loss at
-    iteration 3): the deferred path trains to the same weights at every iteration and logs the
-    same grad_norm and amp_* scalars as the direct path."""
+class _InFlight(Hook):
+    """Records how many outcomes are in flight at the end of each iteration (a host count)."""
+
+    priority = 'LOWEST'
+
+    def __init__(self):
+        self.counts = []
+
+    def after_train_iter(self, runner, *args, **kwargs):
+        self.counts.append(len(runner.optim_wrapper._outcomes))
+
+
+@pytest.mark.parametrize('with_hook', [True, False], ids=['MixedPrecisionHook', 'no_hook'])
+def test_runner_o2_float16_fused_adam_deferred_equals_direct(tmp_path, monkeypatch, with_hook):
+    """Through mmengine's Runner (LoggerHook, clip_grad, a NaN loss at iteration 3; with
+    MixedPrecisionHook, which reads last_step_skipped every iteration, and without it, where the
+    outcomes stay in flight across iterations): the deferred path trains to the same weights at
+    every iteration and logs the same grad_norm and amp_* scalars as the direct path."""
     results = {}
     pushed = []
     push = OutcomeQueue.push
     monkeypatch.setattr(OutcomeQueue, 'push',
                         lambda self, seq, *a, **kw: (pushed.append(seq), push(self, seq, *a, **kw)))
+    in_flight = _InFlight()
     for mode in ('direct', 'deferred'):
         record = RecordHook()
         runner = make_runner(tmp_path / mode, 'O2', 'float16', iters=8,
                              model=dict(nan_loss_iters=(3,)),
                              optimizer=dict(type='mp_wrappers.FusedAdam', lr=1e-2),
                              extra_wrapper=dict(clip_grad=dict(max_norm=1.0)))
+        if not with_hook:
+            runner._hooks = [h for h in runner._hooks if type(h).__name__ != 'MixedPrecisionHook']
         runner.register_hook(record, priority='LOWEST')
         if mode == 'deferred':
+            runner.register_hook(in_flight, priority='LOWEST')
             with simulate_accelerator(lag=2):
                 train(runner)
+                runner.optim_wrapper.publish_scalars()  # waits for the last outcomes
         else:
             train(runner)
+            runner.optim_wrapper.publish_scalars()
         hub = runner.message_hub
         results[mode] = dict(weights=record.weights,
                              norms=list(hub.get_scalar('train/grad_norm').data[0]),
                              skipped=hub.get_scalar('train/amp_skipped').current(),
                              scale=runner.optim_wrapper.loss_scalers[0].loss_scale)
     assert pushed == list(range(8))  # every step of the deferred run, none of the direct one
+    if with_hook:
+        assert in_flight.counts == [0] * 8  # the hook's read waits for each step's outcome
+    else:
+        assert max(in_flight.counts) >= 2  # outcomes crossed iteration boundaries
     direct, deferred = results['direct'], results['deferred']
     assert direct['skipped'] == deferred['skipped'] >= 1
     assert direct['scale'] == deferred['scale']
@@ -245,3 +270,65 @@ def test_runner_o2_fp16_fused_adam_deferred_equals_direct(tmp_path, monkeypatch)
     assert all(torch.equal(w[2][n], w[3][n]) for n in w[2])  # the NaN iteration changed nothing
     for a, b in zip(direct['weights'], deferred['weights']):
         assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_a_direct_step_accounts_for_earlier_deferred_steps_first(fresh_hub):
+    """A fused (deferred) overflowing step, then an unfused (direct) clean one: the direct step
+    waits for the older outcome first, so last_step_skipped describes the newest step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    wrapper = ApexOptimWrapper(optimizer=FusedAdam(model.parameters(), lr=1e-2), opt_level='O2',
+                               dtype='float16', loss_scale='dynamic', num_losses=2, verbosity=0)
+    x = torch.randn(16, 8)
+    hub = fresh_hub
+    with simulate_accelerator(lag=5):
+        hub.update_info('iter', 0)
+        wrapper.publish_now = False
+        with wrapper.optim_context(model):
+            loss = model(x.half()).float().pow(2).mean()
+        wrapper.update_params(loss * float('inf'))  # one loss: the fused, deferred step
+        assert len(wrapper._outcomes) == 1
+        hub.update_info('iter', 1)
+        wrapper.loss_scalers[0].loss_scale = 1.0  # no natural overflow at the second step
+        wrapper.loss_scalers[1].loss_scale = 1.0
+        with wrapper.optim_context(model):
+            out = model(x.half()).float()
+        wrapper.backward(out.pow(2).mean(), loss_id=0, retain_graph=True)
+        wrapper.backward(out.abs().mean(), loss_id=1)  # two scalers: the unfused, direct step
+        wrapper.step()
+        wrapper.zero_grad()
+        assert len(wrapper._outcomes) == 0
+        assert wrapper.last_step_skipped is False
+        assert wrapper.loss_scalers[0].skipped_steps == 1
+
+
+def test_load_state_dict_accounts_for_earlier_steps_first(fresh_hub):
+    """FP16OptimWrapper saves apex's 'overflow': loading a checkpoint after a deferred
+    overflowing step restores the saved value, not the stale outcome's."""
+    model, wrapper = _wrapper('FP16', 'FusedAdam')
+    wrapper.loss_scalers[0].loss_scale = 1.0
+    _steps(model, wrapper, steps=1, inf_at=())
+    saved = wrapper.state_dict()
+    assert wrapper.overflow is False
+    with simulate_accelerator(lag=5):
+        _steps(model, wrapper, steps=1, inf_at=(0,))
+        assert len(wrapper._outcomes) == 1
+        wrapper.load_state_dict(saved)
+        assert len(wrapper._outcomes) == 0
+        assert wrapper.overflow is False
+
+
+def test_plain_loop_with_publish_now_false_reads_nothing(fresh_hub):
+    """Outside a training loop (no MessageHub iter) a step publishes, which reads the device;
+    publish_now=False makes a plain PyTorch loop sync-free too."""
+    model, wrapper = _wrapper('O2', 'FusedAdam')
+    wrapper.publish_now = False
+    x = torch.randn(16, 8)
+    with simulate_accelerator(lag=1):
+        for it in range(4):
+            with wrapper.optim_context(model):
+                loss = model(x.half()).float().pow(2).mean()
+            with forbid_host_reads():
+                wrapper.update_params(loss * (float('inf') if it == 1 else 1.0))
+        wrapper.publish_scalars()
+    assert fresh_hub.get_scalar('train/amp_skipped').current() >= 1

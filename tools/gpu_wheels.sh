@@ -11,8 +11,13 @@ PY=${PYTHON:-python3}
 # the image has matplotlib, numpy, opencv-python-headless (cv2), pyyaml and rich. yapf needs
 # platformdirs.
 WHEELS=(mmengine==0.10.7 addict==2.4.0 termcolor==3.3.0 yapf==0.43.0 platformdirs==4.14.7)
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || grep -qx '/.whl/' .gitignore \
-  || echo '/.whl/' >>.git/info/exclude
+# .gitignore lists /.whl/; a checkout without that line gets it in its own exclude file (in a git
+# worktree .git is a file, so ask git where that lives).
+if ! grep -qx '/.whl/' .gitignore 2>/dev/null; then
+  exclude=$(git rev-parse --git-path info/exclude)
+  mkdir -p "$(dirname "$exclude")"
+  grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >>"$exclude"
+fi
 rm -rf .whl && mkdir -p .whl
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}"

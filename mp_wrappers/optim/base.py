@@ -497,13 +497,22 @@ class FusedOptimizer(Optimizer):
     # A group's lr may therefore be a 1-element float32 tensor on the params' device, which the
     # kernels read on the device when they run (the ops' lr_tensor). capturable=True makes every
     # group's lr such a tensor at its first step; LR schedulers that update tensor lrs in place
-    # (torch.optim.lr_scheduler does) then drive the replays. The step counters, grad_scale and
-    # found_inf already live on the device, and a step reads nothing back to the host. A float lr
-    # met while a CUDA graph is being captured is an error, never a baked-in constant.
+    # (torch.optim.lr_scheduler does) then drive the replays. mmengine's schedulers instead assign
+    # a new tensor (group['lr'] * factor, in fp32): right in eager mode, unseen by a captured graph.
+    # The other hyperparameters (betas, eps, weight decay, momentum) are fixed in a graph. The step
+    # counters, grad_scale and found_inf already live on the device, and a step reads nothing back
+    # to the host. A float lr met while a CUDA graph is being captured is an error, never a
+    # baked-in constant.
     def _lr_args(self, group: Dict[str, Any], device: torch.device) -> Tuple[float, Optional[Tensor]]:
         """(lr, lr_tensor) for the op: the float, or the group's tensor lr (read on the device)."""
         lr = group['lr']
         if isinstance(lr, Tensor):
+            if lr.device != device or lr.numel() != 1 or lr.dtype != torch.float32:
+                raise ValueError(
+                    f"{type(self).__name__}: param_groups[{self.param_groups.index(group)}]['lr'] "
+                    f'is a tensor of dtype {lr.dtype} and shape {tuple(lr.shape)} on {lr.device}; '
+                    f'a tensor lr must be a 1-element float32 tensor on the params\' device '
+                    f'({device}): torch.tensor([lr], device={str(device)!r})')
             return 0.0, lr
         if _capturing(device):
             raise RuntimeError(
@@ -527,7 +536,11 @@ class FusedOptimizer(Optimizer):
 
 
 def _capturing(device: torch.device) -> bool:
-    return device.type == 'cuda' and torch.cuda.is_current_stream_capturing()
+    """Whether ``device``'s current stream is capturing a CUDA graph."""
+    if device.type != 'cuda':
+        return False
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def _scalar_on(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:

@@ -42,7 +42,7 @@ from ..master import GradStash, MasterParams, MastersInStateDict
 from ..ops import (multi_tensor_l2norm, multi_tensor_scale, multi_tensor_unscale_l2norm,
                    new_found_inf)
 from ..scaler import LossScaler
-from ..step_outcomes import OutcomeQueue, StepOutcome, host_reads_are_free
+from ..step_outcomes import OutcomeQueue, StepOutcome, defers_host_reads
 
 __all__ = ['MixedPrecisionOptimWrapper', 'STATE_KEY', 'CheckpointMismatchWarning',
            'MasterMismatchWarning']
@@ -630,28 +630,38 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
 
     def _finish_step(self, skipped: bool) -> None:
         """Update the scalers and do the step's bookkeeping, reading the flags on the host."""
+        if len(self._outcomes):
+            # Earlier deferred steps first: outcomes are accounted in step order (this step has
+            # read the device already).
+            self._take_outcomes(wait=True)
         used = list(self._used_scalers)
         before = [self.loss_scalers[k].loss_scale for k in used] if skipped else []
         where = self._where() if skipped else ''
         for k in used:
             self.loss_scalers[k].update(self._flag(k))
         if skipped:
-            outcome = StepOutcome(self._step_seq, tuple(used),
+            outcome = StepOutcome(self._step_seq, None, tuple(used),
                                   tuple(self._flag_was_set(k) for k in used), tuple(before),
                                   tuple(self.loss_scalers[k].loss_scale for k in used))
         else:
-            outcome = StepOutcome(self._step_seq, tuple(used), (False,) * len(used), (), ())
+            outcome = StepOutcome(self._step_seq, None, tuple(used), (False,) * len(used), (),
+                                  ())
         self._step_seq += 1
         # The gradients are still here: the reports can name the parameters that overflowed.
         self._account(outcome, self.nonfinite_param_names, where)
         self._reset_step_state()
-        if self.message_hub.get_info('iter') is None:  # no runner: publish at every step
+        if self._publishes_every_step():
             self.publish_scalars()
+
+    def _publishes_every_step(self) -> bool:
+        # Outside a training loop (no MessageHub 'iter') every step publishes, unless told not to
+        # (publish_now=False): a publication reads the device (Note [deferred outcomes]).
+        return self.message_hub.get_info('iter') is None and self.publish_now is not False
 
     def _defers_outcomes(self, device: torch.device) -> bool:
         """Whether a fused step's bookkeeping waits for its outcome to reach the host."""
         # overflow_report names the parameters with bad gradients: it must read them at the step.
-        return not host_reads_are_free(device) and not self.overflow_report
+        return defers_host_reads(device) and not self.overflow_report
 
     def _finish_step_deferred(self, clipped_norm: Optional[Tensor]) -> None:
         """:meth:`_finish_step` without host reads (Note [deferred outcomes]).
@@ -665,12 +675,12 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         for k in used:
             self.loss_scalers[k].update(self._flag(k))
         # push() packs the values now (in stream order), so clearing the flags below is safe.
-        self._outcomes.push(self._step_seq, used, flags, before,
+        self._outcomes.push(self._step_seq, self.message_hub.get_info('iter'), used, flags, before,
                             [self.loss_scalers[k].scale for k in used], norm=clipped_norm)
         self._step_seq += 1
         self._reset_step_state()
         self._take_outcomes(wait=False)
-        if self.message_hub.get_info('iter') is None:  # no runner: publish at every step
+        if self._publishes_every_step():
             self.publish_scalars()
 
     def _take_outcomes(self, wait: bool) -> None:
@@ -742,11 +752,13 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         return f'iteration {it}' if it is not None else f'optimizer step {steps}'
 
     def _where_deferred(self, outcome: StepOutcome) -> str:
-        it = self.message_hub.get_info('iter')
-        late = self._step_seq - 1 - outcome.seq
-        where = f'optimizer step {outcome.seq + 1}'
-        if it is not None:
-            where += f' (reported at iteration {it}, {late} step{"s" * (late != 1)} later)'
+        """:meth:`_where` of the outcome's own step, and when the host learned of it."""
+        if outcome.iteration is None:
+            return f'optimizer step {outcome.seq}'
+        where = f'iteration {outcome.iteration}'
+        now = self.message_hub.get_info('iter')
+        if now is not None and now != outcome.iteration:
+            where += f' (reported at iteration {now})'
         return where
 
     def nonfinite_param_names(self, limit: int = 5) -> List[str]:
@@ -886,6 +898,8 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         """
         if not isinstance(state_dict, dict):
             raise TypeError(f'state_dict must be a dict, got {type(state_dict).__name__}')
+        if len(self._outcomes):  # account for the steps taken before the load first
+            self._take_outcomes(wait=True)
         state = dict(state_dict)  # never mutate the caller's checkpoint
         ours = state.pop(STATE_KEY, None)
         amp_scaler = state.pop('loss_scaler', None)
@@ -912,6 +926,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             self._load_scalers([amp_scaler], source="mmengine AmpOptimWrapper's loss_scaler")
         if ours is not None:
             self._load_extra_state(ours)
+        self._step_seq = self.loss_scalers[0].steps  # numbering continues from the checkpoint
         self._bound_masters = None  # check the loaded masters against the model at the next bind
 
     def _load_extra_state(self, ours: Dict[str, Any]) -> None:
