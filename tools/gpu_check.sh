@@ -16,8 +16,9 @@
 #   sanitizer-memcheck, sanitizer-racecheck, sanitizer-initcheck
 #                      compute-sanitizer over the op tests' small CUDA cases (it refuses the GPU
 #                      under gVisor, as on some H200 machines: the step then fails, saying so)
-#   bench-optimizers   benchmarks/bench_optimizers.py --device cuda (FusedAdam vs torch fused and
-#                      foreach; fused O2 step vs the composed torch pipeline; copy bandwidth)
+#   bench-optimizers   benchmarks/bench_optimizers.py --device cuda on 108M params (FusedAdam vs
+#                      torch fused and foreach; fused O2 step vs the composed torch pipeline; copy
+#                      bandwidth; the summary states issue 13's targets)
 #   bench-multi-tensor benchmarks/bench_multi_tensor.py --device cuda (unscale, L2 norm vs foreach)
 #   fidelity-digits    tools/compare_precision.py, digits 900 iterations, O0 vs O1/O2 x fp16/bf16,
 #                      bar: accuracy within 1 point of fp32
@@ -159,7 +160,8 @@ for tool in memcheck racecheck initcheck; do
     tests/test_ops_multi_tensor.py tests/test_optim_kernels.py tests/test_cuda_paths.py
 done
 
-step bench-optimizers "$PY" benchmarks/bench_optimizers.py --device cuda
+step bench-optimizers "$PY" benchmarks/bench_optimizers.py --device cuda --threads 1 \
+  --width 640 --layers 22
 attach bench-optimizers "$WORK/bench-optimizers.log"
 step bench-multi-tensor "$PY" benchmarks/bench_multi_tensor.py --device cuda
 attach bench-multi-tensor "$WORK/bench-multi-tensor.log"
