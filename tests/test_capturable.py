@@ -134,6 +134,15 @@ def test_a_wrong_tensor_lr_in_a_group_is_refused_naming_it():
                                          r'dtype torch.float64 and shape \(1,\) on cpu; a tensor lr '
                                          r"must be a 1-element float32 tensor on the params' device"):
         opt.step()
+    # Named by position among several groups (found by identity, not by comparing groups).
+    model = _model()
+    opt = FusedAdam([{'params': model[0].parameters()}, {'params': model[2].parameters()}],
+                    lr=1e-2)
+    opt.param_groups[1]['lr'] = torch.ones(2)
+    model(torch.randn(4, 8)).sum().backward()
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['lr'\] is a tensor of dtype "
+                                         r'torch.float32 and shape \(2,\)'):
+        opt.step()
 
 
 def test_op_rejects_an_lr_tensor_on_another_device_or_dtype():

@@ -509,7 +509,8 @@ class FusedOptimizer(Optimizer):
         if isinstance(lr, Tensor):
             if lr.device != device or lr.numel() != 1 or lr.dtype != torch.float32:
                 raise ValueError(
-                    f"{type(self).__name__}: param_groups[{self.param_groups.index(group)}]['lr'] "
+                    f"{type(self).__name__}: param_groups[{_index_of(group, self.param_groups)}]"
+                    "['lr'] "
                     f'is a tensor of dtype {lr.dtype} and shape {tuple(lr.shape)} on {lr.device}; '
                     f'a tensor lr must be a 1-element float32 tensor on the params\' device '
                     f'({device}): torch.tensor([lr], device={str(device)!r})')
@@ -533,6 +534,11 @@ class FusedOptimizer(Optimizer):
     def _has_slot_keys(self) -> bool:
         # Only subclasses that override _slot_state_keys pay for a per-param call in _collect.
         return type(self)._slot_state_keys is not FusedOptimizer._slot_state_keys
+
+
+def _index_of(group: Dict[str, Any], groups: List[Dict[str, Any]]) -> int:
+    # By identity: list.index would compare other groups' dicts, tensors included, by value.
+    return next(i for i, g in enumerate(groups) if g is group)
 
 
 def _capturing(device: torch.device) -> bool:

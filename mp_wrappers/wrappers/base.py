@@ -630,10 +630,9 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
 
     def _finish_step(self, skipped: bool) -> None:
         """Update the scalers and do the step's bookkeeping, reading the flags on the host."""
-        if len(self._outcomes):
-            # Earlier deferred steps first: outcomes are accounted in step order (this step has
-            # read the device already).
-            self._take_outcomes(wait=True)
+        # Earlier deferred steps first: outcomes are accounted in step order (this step has read
+        # the device already).
+        self._take_outcomes(wait=True)
         used = list(self._used_scalers)
         before = [self.loss_scalers[k].loss_scale for k in used] if skipped else []
         where = self._where() if skipped else ''
@@ -672,8 +671,8 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         used = list(self._used_scalers)
         flags = [self._flag(k) for k in used]
         before = [self.loss_scalers[k].scale.clone() for k in used]
-        for k in used:
-            self.loss_scalers[k].update(self._flag(k))
+        for k, flag in zip(used, flags):
+            self.loss_scalers[k].update(flag)
         # push() packs the values now (in stream order), so clearing the flags below is safe.
         self._outcomes.push(self._step_seq, self.message_hub.get_info('iter'), used, flags, before,
                             [self.loss_scalers[k].scale for k in used], norm=clipped_norm)
@@ -685,6 +684,8 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
 
     def _take_outcomes(self, wait: bool) -> None:
         """Account for the deferred outcomes that have arrived (all of them with ``wait``)."""
+        if not self._outcomes:  # the common case (always on the CPU): nothing in flight
+            return
         for outcome in self._outcomes.take(wait=wait):
             if outcome.norm is not None and not outcome.skipped:
                 self.message_hub.update_scalar(f'train/{self.grad_name}', outcome.norm)
@@ -805,8 +806,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         Called by :meth:`update_params` at log intervals (see ``log_interval``) and by
         ``mp_wrappers.MixedPrecisionHook``.
         """
-        if len(self._outcomes):
-            self._take_outcomes(wait=True)
+        self._take_outcomes(wait=True)
         hub = self.message_hub
         for k, scaler in enumerate(self.loss_scalers):
             hub.update_scalar('train/amp_scale' if k == 0 else f'train/amp_scale_{k}',
@@ -825,8 +825,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         After a fused step on an accelerator this waits for the step's outcome (a host sync,
         Note [deferred outcomes]).
         """
-        if len(self._outcomes):
-            self._take_outcomes(wait=True)
+        self._take_outcomes(wait=True)
         return self._last_step_skipped
 
     @property
@@ -898,8 +897,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         """
         if not isinstance(state_dict, dict):
             raise TypeError(f'state_dict must be a dict, got {type(state_dict).__name__}')
-        if len(self._outcomes):  # account for the steps taken before the load first
-            self._take_outcomes(wait=True)
+        self._take_outcomes(wait=True)  # account for the steps taken before the load first
         state = dict(state_dict)  # never mutate the caller's checkpoint
         ours = state.pop(STATE_KEY, None)
         amp_scaler = state.pop('loss_scaler', None)
