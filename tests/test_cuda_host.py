@@ -14,6 +14,7 @@ skipped otherwise. ``MP_WRAPPERS_CUDA_HOST_VARIANTS=asan`` runs them on the sani
 """
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -65,6 +66,15 @@ def representative(host, keep):
     matrices run there only for their representative cases (`keep`); the tiny geometry runs all."""
     if host.variant == 'real' and not keep:
         pytest.skip('real geometry: representative cases only (the tiny geometry runs this one)')
+
+
+@pytest.mark.skipif(shutil.which('g++') is None, reason='g++ is not installed')
+def test_sanitizer_preload_puts_libstdcxx_after_libasan():
+    # libasan must come first (its interceptors), libstdc++ after it, or a C++ exception thrown out
+    # of the sanitized module aborts the process (cuda_host.sanitizer_preload).
+    libs = cuda_host.sanitizer_preload().split()
+    assert [os.path.basename(lib).split('.so')[0] for lib in libs] == ['libasan', 'libstdc++']
+    assert all(os.path.isfile(lib) for lib in libs)
 
 
 @pytest.fixture(params=VARIANT_NAMES)

@@ -37,10 +37,12 @@ if [ "${CUDA_HOST_SANITIZE:-1}" = 1 ]; then
   LD_PRELOAD="$PRELOAD" ASAN_OPTIONS=detect_leaks=0 \
     python -c 'from mp_wrappers.ops import cuda_host; cuda_host.build("asan")'
   # Python itself is not instrumented: leak checking would report the interpreter's arenas.
-  # The error-path tests (-k rejects) are left out here: a c10::Error thrown out of the sanitized
-  # module aborts the process (not yet diagnosed); they run in the real and tiny passes above.
+  # Every test runs here, the error paths (-k rejects) too: PRELOAD holds libstdc++ beside libasan
+  # so that a c10::Error thrown out of the sanitized module reaches Python (see sanitizer_preload).
+  # --capture=sys: a sanitizer report is written to fd 2 just before the abort; pytest's default
+  # fd capture would swallow it and leave only "Fatal Python error: Aborted" in the log.
   LD_PRELOAD="$PRELOAD" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
     UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 MP_WRAPPERS_CUDA_HOST_VARIANTS=asan \
-    python -m pytest -q -p no:cacheprovider -k "not rejects" "${TESTS[@]}"
+    python -m pytest -q -p no:cacheprovider --capture=sys "${TESTS[@]}"
 fi
 echo "cuda host check: passed"
