@@ -16,6 +16,7 @@ from .casting import cast_model
 from .ddp import MixedPrecisionDistributedDataParallel
 from .ema import MixedPrecisionEMAHook
 from .hooks import MixedPrecisionHook
+from .lifecycle import WrapperLifecycleHook
 from .loops import MixedPrecisionTestLoop, MixedPrecisionValLoop
 from .optim import (FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedOptimizer,
                     FusedSGD)
@@ -30,7 +31,7 @@ __all__ = [
     'resolve_properties', 'half_function', 'float_function', 'promote_function', 'disable_casts',
     'MixedPrecisionDistributedDataParallel', 'FusedOptimizer', 'FusedAdam', 'FusedSGD',
     'FusedLAMB', 'FusedAdagrad', 'FusedNovoGrad', 'MixedPrecisionHook', '__version__',
-    'MixedPrecisionEMAHook',
+    'MixedPrecisionEMAHook', 'WrapperLifecycleHook',
     'MixedPrecisionValLoop', 'MixedPrecisionTestLoop',
 ]
 

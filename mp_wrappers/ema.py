@@ -24,19 +24,22 @@ Note [EMA and masters]
       are full precision and resume is exact.
 """
 import itertools
+import logging
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 from mmengine.hooks import EMAHook
+from mmengine.logging import print_log
 from mmengine.optim import OptimWrapperDict
 from torch import Tensor, nn
 
 from .casting import HALF_DTYPES
 from .registry import HOOKS
+from .runner_adapter import replace_hook
 from .wrappers.apex import ApexOptimWrapper
 from .wrappers.base import MixedPrecisionOptimWrapper
 
-__all__ = ['MixedPrecisionEMAHook', 'FullPrecisionSource', 'check_ema_hooks']
+__all__ = ['MixedPrecisionEMAHook', 'FullPrecisionSource', 'adopt_ema_hooks']
 
 
 def _our_wrappers(runner) -> List[MixedPrecisionOptimWrapper]:
@@ -91,9 +94,10 @@ class MixedPrecisionEMAHook(EMAHook):
 
     Takes exactly ``EMAHook``'s arguments (``ema_type``, ``momentum``, ``update_buffers``,
     ``begin_iter``, ``begin_epoch``, ``strict_load``, ``priority``...); see Note [EMA and masters].
-    Use it in place of ``EMAHook`` whenever the model holds half weights (``ApexOptimWrapper`` O2/O3,
-    ``FP16OptimWrapper``); at O0/O1 it behaves as ``EMAHook``.
-    ``mp_wrappers.MixedPrecisionHook`` refuses a plain ``EMAHook`` in those cases.
+    At O0/O1 it behaves as ``EMAHook``. A configured ``EMAHook`` becomes this hook by itself when
+    one of our wrappers trains half weights (``ApexOptimWrapper`` O2/O3, ``FP16OptimWrapper``; see
+    :func:`adopt_ema_hooks`); naming it in the config says so explicitly, and is needed in place of
+    a subclass of ``EMAHook``.
 
     Examples:
         >>> custom_hooks = [dict(type='mp_wrappers.MixedPrecisionEMAHook', momentum=2e-4,
@@ -104,9 +108,23 @@ class MixedPrecisionEMAHook(EMAHook):
         super().__init__(*args, **kwargs)
         self._kept_src: Optional[List[Tensor]] = None
 
+    @classmethod
+    def adopt(cls, hook: EMAHook) -> 'MixedPrecisionEMAHook':
+        """This hook with everything a configured mmengine ``EMAHook`` holds (arguments, priority,
+        and the averaged copy if ``before_run`` already built it); see :func:`adopt_ema_hooks`."""
+        new = cls.__new__(cls)
+        new.__dict__.update(hook.__dict__)
+        new._kept_src = None
+        if getattr(new, 'ema_model', None) is not None:
+            new._widen_average()
+        return new
+
     def before_run(self, runner) -> None:
         """Build the averaged copy (``EMAHook``), then make it full precision."""
         super().before_run(runner)
+        self._widen_average()
+
+    def _widen_average(self) -> None:
         ema = self.ema_model
         if any(t.dtype in HALF_DTYPES for t in itertools.chain(ema.module.parameters(),
                                                                 ema.module.buffers())):
@@ -154,30 +172,57 @@ class MixedPrecisionEMAHook(EMAHook):
                 self._kept_src = None
 
 
-def _keeps_half_weights(wrapper: MixedPrecisionOptimWrapper) -> bool:
-    if isinstance(wrapper, ApexOptimWrapper):
-        props = wrapper.properties
-        return bool(props.enabled) and props.cast_model_type in HALF_DTYPES
-    return bool(wrapper.full_precision_weights())  # FP16OptimWrapper over a half model
+def _half_trainers(runner) -> List[str]:
+    """Our wrappers in the runner that train half weights, as the messages name them."""
+    return [type(w).__name__ + (f'(opt_level={w.opt_level!r})' if isinstance(w, ApexOptimWrapper)
+                                else '')
+            for w in _our_wrappers(runner) if w.trains_half_weights()]
 
 
-def check_ema_hooks(runner) -> None:
-    """Refuse mmengine's plain ``EMAHook`` when one of our wrappers trains half weights.
+def _ema_hook_config(hook: EMAHook) -> str:
+    """The ``MixedPrecisionEMAHook`` config line that carries over ``hook``'s arguments."""
+    cfg = dict(getattr(hook, 'ema_cfg', {}))
+    args = dict(ema_type=cfg.pop('type', 'ExponentialMovingAverage'), **cfg)
+    for name in ('begin_iter', 'begin_epoch', 'strict_load', 'priority'):
+        if hasattr(hook, name):
+            args[name] = getattr(hook, name)
+    text = ', '.join(f'{k}={v!r}' for k, v in args.items())
+    return f"custom_hooks=[dict(type='mp_wrappers.MixedPrecisionEMAHook', {text})]"
+
+
+def adopt_ema_hooks(runner) -> None:
+    """Make mmengine's ``EMAHook`` average in full precision when our wrappers train half weights.
+
+    Called by the wrappers' lifecycle hook (:mod:`mp_wrappers.lifecycle`) before the first
+    optimizer step, and before ``EMAHook.before_run`` when the wrapper was built by the runner.
+    A plain ``EMAHook`` would crash (O2/O3: ``lerp_`` of its fp32 copy with the half weights) or
+    average in half precision, where small updates round away and the average silently stops
+    moving (a half ``FP16OptimWrapper`` model). So each ``mmengine.hooks.EMAHook`` (exactly that
+    class) is replaced in the runner by a :class:`MixedPrecisionEMAHook` holding the same
+    arguments and priority (Note [EMA and masters]); a subclass of ``EMAHook``, whose own
+    behaviour we cannot keep, stops training with the config line to use instead.
 
     Raises:
-        RuntimeError: with the fix (``mp_wrappers.MixedPrecisionEMAHook``, same arguments).
+        RuntimeError: an ``EMAHook`` subclass would average half weights.
     """
-    plain = [h for h in getattr(runner, 'hooks', [])
+    plain = [h for h in runner.hooks
              if isinstance(h, EMAHook) and not isinstance(h, MixedPrecisionEMAHook)]
     if not plain:
         return
-    half = [type(w).__name__ + (f'(opt_level={w.opt_level!r})' if isinstance(w, ApexOptimWrapper)
-                                else '')
-            for w in _our_wrappers(runner) if _keeps_half_weights(w)]
-    if half:
-        raise RuntimeError(
-            f'EMAHook cannot average a model trained with {", ".join(half)}: its copy is taken '
-            'before the model is cast (lerp_ then fails on the half weights) or is half itself '
-            '(small EMA updates round away and the average silently stops moving). Use '
-            "custom_hooks=[dict(type='mp_wrappers.MixedPrecisionEMAHook', ...)] with the same "
-            'arguments: it keeps the average in fp32 and averages the fp32 master weights.')
+    half = _half_trainers(runner)
+    if not half:
+        return
+    for hook in plain:
+        if type(hook) is not EMAHook:
+            raise RuntimeError(
+                f'{type(hook).__name__} (an EMAHook subclass) cannot average a model trained with '
+                f'{", ".join(half)}: its copy would be taken before the model is cast (lerp_ then '
+                'fails on the half weights) or be half itself (small EMA updates round away and '
+                'the average silently stops moving). mp_wrappers replaces mmengine\'s own EMAHook '
+                f'by itself, but not a subclass whose behaviour it cannot keep. Use {_ema_hook_config(hook)} '
+                f'in place of {type(hook).__name__}, or train at opt_level O0/O1 (fp32 weights).')
+        new = MixedPrecisionEMAHook.adopt(hook)
+        replace_hook(runner, hook, new)
+        print_log(f'mp_wrappers: EMAHook averages the full-precision weights of {", ".join(half)}'
+                  ' (it runs as mp_wrappers.MixedPrecisionEMAHook with the same arguments: '
+                  f'{_ema_hook_config(hook)})', logger='current', level=logging.INFO)

@@ -1,14 +1,11 @@
 """``MixedPrecisionHook``: what mixed precision is doing, in the logs, and schedules that skip with it.
 
-The hook looks after every optimizer wrapper of ours (:class:`~mp_wrappers.MixedPrecisionOptimWrapper`
-subclasses) in ``runner.optim_wrapper``, including those inside an ``OptimWrapperDict``:
+Optional extras for every optimizer wrapper of ours (:class:`~mp_wrappers.MixedPrecisionOptimWrapper`
+subclasses) in ``runner.optim_wrapper``, including those inside an ``OptimWrapperDict``. Nothing
+correct depends on it: the wrappers attach what they need to any mmengine runner by themselves
+(Note [wrapper lifecycle] in :mod:`mp_wrappers.lifecycle`: the cast before training, a full-precision
+``EMAHook``, the ``amp_*`` log values at the LoggerHook's interval). This hook adds:
 
-* **Log cadence.** The wrappers publish ``amp_scale``, ``amp_skipped``, ``amp_skipped_recent`` and
-  ``amp_gnorm`` to the MessageHub. The hook sets ``wrapper.log_interval`` to the LoggerHook's interval
-  and, before each iteration, tells the wrapper whether the LoggerHook will print after it, so the
-  values are read from the device (a host sync on GPU) once per log line and ``amp_skipped_recent``
-  means "skipped since the previous log line". The LoggerHook writes the scalars to every configured
-  visualizer backend (``vis_data/scalars.json``, TensorBoard, ...).
 * **Precision summary.** At the start of training it logs the precision in use (wrapper, opt level
   and properties or model dtype, loss scaler, fused master step or not) and stores it in the
   MessageHub runtime info under ``'mp_wrappers/precision'``.
@@ -24,16 +21,16 @@ subclasses) in ``runner.optim_wrapper``, including those inside an ``OptimWrappe
   parameters with non-finite gradients and whether the loss itself was non-finite, on every skip).
 
 ``tools/train.py`` adds the hook automatically when the config's optimizer wrapper is one of ours
-(:func:`mp_wrappers.runtime.add_mixed_precision_hook`).
+(:func:`mp_wrappers.runtime.add_mixed_precision_hook`); with a toolbox's own train script, list it in
+``custom_hooks`` to get these extras.
 """
 import logging
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from mmengine.hooks import Hook, LoggerHook
+from mmengine.hooks import Hook
 from mmengine.logging import print_log
 from mmengine.optim import OptimWrapperDict
 
-from .ema import check_ema_hooks
 from .registry import HOOKS
 from .wrappers.base import MixedPrecisionOptimWrapper
 
@@ -84,7 +81,6 @@ class MixedPrecisionHook(Hook):
         self.skip_aware_schedules = skip_aware_schedules
         self.overflow_report = overflow_report
         self.log_precision = log_precision
-        self._logger_hook: Optional[LoggerHook] = None
         self._snapshot: Optional[List[Tuple[Any, Dict[str, Any]]]] = None
         self._group_snapshot: Optional[List[Tuple[Any, dict, str, Any]]] = None
         self._skipped_iters = 0
@@ -106,21 +102,11 @@ class MixedPrecisionHook(Hook):
 
     # ---- start of training ---------------------------------------------------------------------
     def before_train(self, runner) -> None:
-        """Align the wrappers' log cadence with the LoggerHook, apply options, log the precision."""
-        check_ema_hooks(runner)  # a plain EMAHook over half weights fails or stalls: refuse it
-        self._logger_hook = next((h for h in runner.hooks if isinstance(h, LoggerHook)), None)
+        """Apply options and log the precision (the wrappers' lifecycle hook ran before: they are
+        prepared and publish at the LoggerHook's cadence, Note [wrapper lifecycle])."""
         self._skipped_iters = int(runner.message_hub.get_info(SKIPPED_ITERS_KEY, 0) or 0)
         summaries = {}
         for name, wrapper in self.wrappers(runner):
-            initialize = getattr(wrapper, 'initialize', None)
-            if callable(initialize) and getattr(wrapper, 'properties', None) is not None \
-                    and wrapper.properties.enabled:
-                # Prepare (cast) now, after load_from and resume, so that no forward of the run
-                # sees the model in another dtype: an OptimWrapperDict does not forward mmengine's
-                # initialize_count_status, and a GAN's discriminator step runs the generator.
-                initialize(runner.model)
-            if self._logger_hook is not None:
-                wrapper.log_interval = int(self._logger_hook.interval)
             if self.overflow_report is not None:
                 wrapper.overflow_report = self.overflow_report
             summaries[name or 'optim_wrapper'] = describe_precision(wrapper, runner.model)
@@ -136,23 +122,12 @@ class MixedPrecisionHook(Hook):
                 print_log(f'mp_wrappers precision ({name}): {text}', logger='current',
                           level=logging.INFO)
 
-    def after_train(self, runner) -> None:
-        """Hand log cadence back to ``log_interval`` (the wrappers may be used without a runner)."""
-        for _, wrapper in self.wrappers(runner):
-            wrapper.publish_now = None
-
     # ---- every iteration -----------------------------------------------------------------------
     def before_train_iter(self, runner, batch_idx: int, data_batch: Any = None) -> None:
-        """Tell the wrappers whether to publish; snapshot the schedules."""
-        ours = [w for _, w in self.wrappers(runner)]
-        if not ours:
-            return
-        due = self._logger_will_log(runner, batch_idx)
-        for wrapper in ours:
-            wrapper.publish_now = due
+        """Snapshot the schedules (at the first iteration of an accumulation window)."""
         # With gradient accumulation the snapshot taken at the first iteration of the window is
         # kept until the window's optimizer step: a skipped step wasted the whole window.
-        if self.skip_aware_schedules and self._snapshot is None:
+        if self.skip_aware_schedules and self._snapshot is None and any(self.wrappers(runner)):
             self._take_snapshot(runner)
 
     def after_train_iter(self, runner, batch_idx: int, data_batch: Any = None,
@@ -182,20 +157,6 @@ class MixedPrecisionHook(Hook):
             self._restore_snapshot({id(w) for w in skipped})
         if stepped:
             self._snapshot = self._group_snapshot = None
-
-    def _logger_will_log(self, runner, batch_idx: int) -> Optional[bool]:
-        """The LoggerHook's own condition for printing a train log line after this iteration."""
-        hook = self._logger_hook
-        if hook is None:
-            return None  # no LoggerHook: the wrappers fall back to log_interval
-        if hook.every_n_inner_iters(batch_idx, hook.interval):
-            return True
-        try:
-            n = len(runner.train_dataloader)
-        except TypeError:  # an iterable dataset without a length: no end-of-epoch line
-            return False
-        return bool(hook.end_of_epoch(runner.train_dataloader, batch_idx)
-                    and (not hook.ignore_last or n <= hook.interval))
 
     # ---- skip-aware schedules ------------------------------------------------------------------
     @staticmethod

@@ -33,7 +33,8 @@ MODELS = Registry('model', parent=MMENGINE_MODELS, scope=_SCOPE,
                   locations=['mp_wrappers.workloads'])
 METRICS = Registry('metric', parent=MMENGINE_METRICS, scope=_SCOPE,
                    locations=['mp_wrappers.workloads'])
-HOOKS = Registry('hook', parent=MMENGINE_HOOKS, scope=_SCOPE, locations=['mp_wrappers.hooks'])
+HOOKS = Registry('hook', parent=MMENGINE_HOOKS, scope=_SCOPE,
+                 locations=['mp_wrappers.hooks', 'mp_wrappers.lifecycle'])
 MODEL_WRAPPERS = Registry('model_wrapper', parent=MMENGINE_MODEL_WRAPPERS, scope=_SCOPE,
                           locations=['mp_wrappers.distributed'])
 LOOPS = Registry('loop', parent=MMENGINE_LOOPS, scope=_SCOPE, locations=['mp_wrappers.loops'])

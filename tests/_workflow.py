@@ -4,11 +4,13 @@ A 8 -> 16 -> 4 MLP with a BatchNorm (kept fp32 when cast) on fixed random sample
 small cost nothing even on a CPU without fp16 units, so every wrapper, level and dtype runs in well
 under a second per Runner.
 """
+import importlib.util
 import os
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
+from mmengine.config import Config
 from mmengine.evaluator import BaseMetric
 from mmengine.hooks import Hook
 from mmengine.model import BaseModel
@@ -17,7 +19,9 @@ from torch import nn
 
 from mp_wrappers.casting import cast_model
 from mp_wrappers.checkpoint import secure_torch_load
-from mp_wrappers.registry import HOOKS, METRICS, MODELS
+from mp_wrappers.registry import DATASETS, HOOKS, METRICS, MODELS
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WRAPPERS = {
     # name: (optim_wrapper config without the optimizer, whether the model is built in half)
@@ -95,6 +99,7 @@ class WorkflowLossMetric(BaseMetric):
         return {'acc': sum(results) / len(results)}
 
 
+@DATASETS.register_module(force=True)
 class WorkflowData(torch.utils.data.Dataset):
     """Fixed random samples; 512 of them, so that no run reaches the end of an epoch (mmengine's
     infinite iterator sleeps 2 s at every epoch boundary)."""
@@ -143,7 +148,9 @@ _RUNS = [0]
 def make_runner(work_dir, wrapper='O2', dtype='bfloat16', optimizer=None, iters=6,
                 model: Optional[dict] = None, ckpt_interval: Optional[int] = None,
                 custom_hooks=(), accumulative_counts: int = 1, val: bool = False,
-                extra_wrapper: Optional[dict] = None, **runner_kwargs: Any) -> Runner:
+                extra_wrapper: Optional[dict] = None, launcher: Optional[str] = None,
+                log_interval: int = 1,
+                **runner_kwargs: Any) -> Runner:
     """A Runner over WorkflowMLP with ``wrapper`` in {'FP16', 'O1', 'O2', 'O3', 'fp32'}."""
     model_cfg = dict(type='mp_wrappers.WorkflowMLP')
     if wrapper == 'fp32':
@@ -157,7 +164,7 @@ def make_runner(work_dir, wrapper='O2', dtype='bfloat16', optimizer=None, iters=
     wrapper_cfg['optimizer'] = optimizer or dict(type='SGD', lr=0.2, momentum=0.9)
     wrapper_cfg['accumulative_counts'] = accumulative_counts
     wrapper_cfg.update(extra_wrapper or {})
-    hooks = dict(logger=dict(type='LoggerHook', interval=1),
+    hooks = dict(logger=dict(type='LoggerHook', interval=log_interval),
                  checkpoint=dict(type='CheckpointHook', interval=ckpt_interval or 10 ** 6,
                                  by_epoch=False, save_last=ckpt_interval is not None,
                                  save_param_scheduler=False))
@@ -165,21 +172,50 @@ def make_runner(work_dir, wrapper='O2', dtype='bfloat16', optimizer=None, iters=
     val_kwargs = {}
     if val:
         val_kwargs = dict(
-            val_dataloader=dict(dataset=WorkflowData(16), batch_size=16, num_workers=0,
+            val_dataloader=dict(dataset=dict(type='mp_wrappers.WorkflowData', n=16), batch_size=16, num_workers=0,
                                 sampler=dict(type='DefaultSampler', shuffle=False),
                                 collate_fn=dict(type='default_collate')),
             val_cfg=dict(), val_evaluator=dict(type='mp_wrappers.WorkflowLossMetric'))
-    return Runner(
+    return runner_from_cfg(dict(
         model=model_cfg, work_dir=str(work_dir), experiment_name=f'workflow_{_RUNS[0]}',
-        train_dataloader=dict(dataset=WorkflowData(), batch_size=16, num_workers=0,
+        train_dataloader=dict(dataset=dict(type='mp_wrappers.WorkflowData'), batch_size=16, num_workers=0,
                               sampler=dict(type='DefaultSampler', shuffle=True),
                               collate_fn=dict(type='default_collate')),
         train_cfg=dict(by_epoch=False, max_iters=iters, val_interval=runner_kwargs.pop(
             'val_interval', 10 ** 6)),
-        optim_wrapper=wrapper_cfg, default_hooks=hooks,
-        custom_hooks=[dict(type='mp_wrappers.MixedPrecisionHook', log_precision=False)]
-        + list(custom_hooks),
-        randomness=dict(seed=0), log_level='WARNING', **val_kwargs, **runner_kwargs)
+        optim_wrapper=wrapper_cfg, default_hooks=hooks, custom_hooks=list(custom_hooks),
+        randomness=dict(seed=0), log_level='WARNING', **val_kwargs, **runner_kwargs),
+        launcher=launcher)
+
+
+# Note [two launchers]: users train a config either with our tools/train.py or with their
+# toolbox's own train script, which is `Runner.from_cfg(cfg).train()` with none of our hooks. The
+# workflow tests run under both (the `launcher` fixture in conftest.py) and assert the same results.
+LAUNCHERS = ('tools_train', 'toolbox')
+LAUNCHER = ['tools_train']  # what make_runner uses when not told; set by the `launcher` fixture
+_TRAIN_TOOL = []
+
+
+def _train_tool():
+    if not _TRAIN_TOOL:
+        spec = importlib.util.spec_from_file_location(
+            'mp_wrappers_train_tool', os.path.join(REPO, 'tools', 'train.py'))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _TRAIN_TOOL.append(module)
+    return _TRAIN_TOOL[0]
+
+
+def runner_from_cfg(cfg: Dict[str, Any], launcher: Optional[str] = None) -> Runner:
+    """A Runner for ``cfg`` as ``launcher`` builds it: ``'tools_train'`` applies what our
+    tools/train.py adds to a config (MixedPrecisionHook, ...), ``'toolbox'`` nothing."""
+    launcher = launcher or LAUNCHER[0]
+    if launcher not in LAUNCHERS:
+        raise ValueError(f'launcher={launcher!r}; expected one of {LAUNCHERS}')
+    cfg = Config(cfg)
+    if launcher == 'tools_train':
+        cfg = _train_tool().configure(cfg, 'none')
+    return Runner.from_cfg(cfg)
 
 
 def train(runner: Runner) -> Runner:

@@ -15,6 +15,16 @@ def _deterministic():
     yield
 
 
+@pytest.fixture(params=['tools_train', 'toolbox'])
+def launcher(request):
+    """Note [two launchers] (tests/_workflow.py): make_runner builds its Runner as our
+    tools/train.py does, then as a toolbox's train script does (no hook of ours)."""
+    import _workflow
+    _workflow.LAUNCHER[0] = request.param
+    yield request.param
+    _workflow.LAUNCHER[0] = 'tools_train'
+
+
 def pytest_configure(config):
     # The reference fallback warns once when the extension is not built; tests cover both paths.
     warnings.filterwarnings('ignore', message='mp_wrappers: the C\\+\\+ extension')

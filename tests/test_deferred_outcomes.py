@@ -227,7 +227,7 @@ class _InFlight(Hook):
 def test_runner_o2_float16_fused_adam_deferred_equals_direct(tmp_path, monkeypatch, with_hook):
     """Through mmengine's Runner (LoggerHook, clip_grad, a NaN loss at iteration 3; with
     MixedPrecisionHook, which reads last_step_skipped every iteration, and without it, where the
-    outcomes stay in flight across iterations): the deferred path trains to the same weights at
+    outcomes stay in flight across the iterations between two log lines): the deferred path trains to the same weights at
     every iteration and logs the same grad_norm and amp_* scalars as the direct path."""
     results = {}
     pushed = []
@@ -240,7 +240,8 @@ def test_runner_o2_float16_fused_adam_deferred_equals_direct(tmp_path, monkeypat
         runner = make_runner(tmp_path / mode, 'O2', 'float16', iters=8,
                              model=dict(nan_loss_iters=(3,)),
                              optimizer=dict(type='mp_wrappers.FusedAdam', lr=1e-2),
-                             extra_wrapper=dict(clip_grad=dict(max_norm=1.0)))
+                             extra_wrapper=dict(clip_grad=dict(max_norm=1.0)),
+                             log_interval=1 if with_hook else 4)
         if not with_hook:
             runner._hooks = [h for h in runner._hooks if type(h).__name__ != 'MixedPrecisionHook']
         runner.register_hook(record, priority='LOWEST')

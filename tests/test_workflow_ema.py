@@ -7,11 +7,15 @@ full-precision weights (the fp32 masters where they exist) into an fp32 copy (No
 """
 import pytest
 import torch
-from mmengine.hooks import Hook
+from mmengine.hooks import EMAHook, Hook
 
 from mp_wrappers import MixedPrecisionEMAHook
+from mp_wrappers.registry import HOOKS
 
 from _workflow import RecordHook, load, make_runner, masters_by_name, train
+
+# Note [two launchers] (tests/_workflow.py): every test runs through both.
+pytestmark = pytest.mark.usefixtures('launcher')
 
 MOMENTUM = 0.25
 
@@ -38,12 +42,17 @@ def _full_precision_sequence(record, wrapper):
     return out
 
 
+# mmengine's own EMAHook is adopted by the wrappers (mp_wrappers.ema.adopt_ema_hooks): a toolbox
+# config that lists it gets exactly what MixedPrecisionEMAHook does.
+EMA_HOOKS = ('mp_wrappers.MixedPrecisionEMAHook', 'EMAHook')
+
+
+@pytest.mark.parametrize('ema_type', EMA_HOOKS)
 @pytest.mark.parametrize('wrapper', ['FP16', 'O1', 'O2', 'O3'])
-def test_ema_averages_the_full_precision_weights_at_every_level(tmp_path, wrapper):
+def test_ema_averages_the_full_precision_weights_at_every_level(tmp_path, wrapper, ema_type):
     record = RecordHook()
     runner = make_runner(tmp_path, wrapper, 'bfloat16', iters=5, ckpt_interval=5,
-                         custom_hooks=[dict(type='mp_wrappers.MixedPrecisionEMAHook',
-                                            momentum=MOMENTUM)])
+                         custom_hooks=[dict(type=ema_type, momentum=MOMENTUM)])
     runner.register_hook(record)
     train(runner)
     ema = dict(_ema_hook(runner).ema_model.module.named_parameters())
@@ -72,13 +81,13 @@ def test_o1_ema_matches_mmengine_ema_hook(tmp_path):
         assert torch.equal(a[name], b[name]), name
 
 
-def test_bf16_ema_keeps_moving(tmp_path):
+@pytest.mark.parametrize('ema_type', EMA_HOOKS)
+def test_bf16_ema_keeps_moving(tmp_path, ema_type):
     """A small momentum over a bf16 model: a bf16 average would round every update away."""
     record = RecordHook()
     runner = make_runner(tmp_path, 'FP16', 'bfloat16', iters=6,
                          optimizer=dict(type='SGD', lr=0.02),
-                         custom_hooks=[dict(type='mp_wrappers.MixedPrecisionEMAHook',
-                                            momentum=1e-3)])
+                         custom_hooks=[dict(type=ema_type, momentum=1e-3)])
     runner.register_hook(record)
     train(runner)
     ema = _ema_hook(runner).ema_model.module.fc1.weight
@@ -94,12 +103,30 @@ def test_bf16_ema_keeps_moving(tmp_path):
     assert torch.equal(stalled.float(), start.bfloat16().float())
 
 
+@HOOKS.register_module(force=True)
+class ToolboxEMAHook(EMAHook):
+    """A toolbox's own EMAHook subclass: its behaviour is not ours to keep."""
+
+
 @pytest.mark.parametrize('wrapper', ['FP16', 'O2', 'O3'])
-def test_plain_ema_hook_over_half_weights_is_refused_with_the_fix(tmp_path, wrapper):
-    runner = make_runner(tmp_path, wrapper, 'bfloat16', iters=3,
-                         custom_hooks=[dict(type='EMAHook', momentum=MOMENTUM)])
-    with pytest.raises(RuntimeError, match="type='mp_wrappers.MixedPrecisionEMAHook'"):
+def test_ema_hook_subclass_over_half_weights_is_refused_with_the_config_line(tmp_path, wrapper):
+    record = RecordHook()
+    runner = make_runner(tmp_path, wrapper, 'bfloat16', iters=3, custom_hooks=[
+        dict(type='mp_wrappers.ToolboxEMAHook', momentum=MOMENTUM, begin_iter=2)])
+    runner.register_hook(record)
+    with pytest.raises(RuntimeError, match=r"ToolboxEMAHook \(an EMAHook subclass\)") as info:
         train(runner)
+    message = str(info.value)
+    assert ("custom_hooks=[dict(type='mp_wrappers.MixedPrecisionEMAHook', "
+            "ema_type='ExponentialMovingAverage', momentum=0.25") in message
+    assert 'begin_iter=2' in message
+    assert record.weights == []  # stopped before the first iteration
+
+
+def test_ema_hook_subclass_at_o1_is_left_alone(tmp_path):
+    runner = train(make_runner(tmp_path, 'O1', 'bfloat16', iters=2, custom_hooks=[
+        dict(type='mp_wrappers.ToolboxEMAHook', momentum=MOMENTUM)]))
+    assert any(type(h) is ToolboxEMAHook for h in runner.hooks)
 
 
 def test_validation_uses_the_ema_and_leaves_training_untouched(tmp_path):

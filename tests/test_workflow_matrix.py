@@ -14,6 +14,9 @@ import torch
 from _workflow import (KEEPS_MASTERS, RecordHook, latest_checkpoint, load, losses, make_runner,
                        save_pretrained, train)
 
+# Note [two launchers] (tests/_workflow.py): every test runs through both.
+pytestmark = pytest.mark.usefixtures('launcher')
+
 WRAPPERS = ('FP16', 'O1', 'O2', 'O3')
 DTYPES = ('float16', 'bfloat16')
 WORKFLOWS = ('load_from', 'ema', 'accumulation', 'resume')

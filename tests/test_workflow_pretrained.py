@@ -17,6 +17,9 @@ from mp_wrappers.wrappers.fp16 import FP32ModelWarning
 from _workflow import (RecordHook, latest_checkpoint, load, make_runner, masters_by_name,
                        save_pretrained, train)
 
+# Note [two launchers] (tests/_workflow.py): every test runs through both.
+pytestmark = pytest.mark.usefixtures('launcher')
+
 DTYPES = ('bfloat16', 'float16')
 LR0 = dict(type='SGD', lr=0.0)  # a fine-tune that must not change the weights at all
 

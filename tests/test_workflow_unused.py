@@ -13,6 +13,9 @@ import torch
 
 from _workflow import RecordHook, make_runner, train
 
+# Note [two launchers] (tests/_workflow.py): every test runs through both.
+pytestmark = pytest.mark.usefixtures('launcher')
+
 OPTIMIZERS = {
     'AdamW': (dict(type='AdamW', lr=0.05, weight_decay=0.1), None),
     'FusedAdam-fused': (dict(type='mp_wrappers.FusedAdam', lr=0.05, weight_decay=0.1), None),

@@ -86,12 +86,19 @@ def build_config(args: argparse.Namespace) -> Config:
         enable_auto_scale_lr(cfg)
     if args.amp:
         enable_amp(cfg)
-    # amp_* log fields, precision summary and skip-aware schedules for our wrappers (opt out with
+    return configure(cfg, args.launcher)
+
+
+def configure(cfg: Config, launcher: str = 'none') -> Config:
+    """What this script adds to a config beyond a toolbox's train script (none of it is needed for
+    correct training: the wrappers attach what they need to the Runner by themselves)."""
+    # Precision summary, skip-aware schedules and overflow reports for our wrappers (opt out with
     # `mixed_precision_hook = False` in the config).
     add_mixed_precision_hook(cfg)
     # val_cfg/test_cfg=dict(fp16=True) evaluate in the training wrapper's dtype (mp_wrappers.loops).
     use_mixed_precision_loops(cfg)
-    return prepare_distributed(cfg, args.launcher)
+    # A gloo group on machines without CUDA, and O2/O3 models cast before DDP wraps them.
+    return prepare_distributed(cfg, launcher)
 
 
 def enable_auto_scale_lr(cfg: Config) -> None:

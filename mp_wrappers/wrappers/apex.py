@@ -297,6 +297,15 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
         """
         super().initialize_count_status(model, init_counts, max_counts)
 
+    def trains_half_weights(self) -> bool:
+        props = self.properties
+        return bool(props.enabled) and props.cast_model_type in HALF_DTYPES
+
+    def prepare_for_training(self, model: nn.Module) -> None:
+        """Cast the model for the level now (Note [wrapper lifecycle]); once."""
+        if self.properties.enabled:
+            self.initialize(model)
+
     def _prepare_model(self, model: nn.Module) -> None:
         """Prepare the model for the level (once), then bind the masters to it."""
         if not self.properties.enabled:

@@ -36,11 +36,13 @@ from mmengine.optim import OptimWrapper
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from .. import runner_adapter
 from ..casting import forget_loaded_full_precision, loaded_full_precision
 from ..distributed import sharding as _sharding
 from ..master import GradStash, MasterParams, MastersInStateDict
 from ..ops import (multi_tensor_l2norm, multi_tensor_scale, multi_tensor_unscale_l2norm,
                    new_found_inf)
+from ..registry import HOOKS
 from ..scaler import LossScaler
 from ..step_outcomes import OutcomeQueue, StepOutcome, defers_host_reads
 
@@ -188,6 +190,36 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self._check_at_first_forward = False
         # (weakref to the model last passed to optim_context, its unwrapped module)
         self._context_of: Optional[Tuple[Any, nn.Module]] = None
+        # Note [wrapper lifecycle]: the runner building this wrapper gets our lifecycle hook.
+        self._runner_ref: Optional['weakref.ref'] = None
+        self._runner_looked_up: set = set()
+        self._attach_to_runner('build')
+
+    # ---- the runner (Note [runner adapter]) ------------------------------------------------------
+    def _attach_to_runner(self, stage: str) -> None:
+        """Register our lifecycle hook in the runner on the call stack (once per wrapper).
+
+        Looked for at most once per stage (``'build'``, ``'count_status'``, ``'forward'``): a
+        wrapper used without a runner pays one stack walk per stage, never per iteration.
+        """
+        if self._runner_ref is not None or stage in self._runner_looked_up:
+            return
+        self._runner_looked_up.add(stage)
+        runner = runner_adapter.find_runner()
+        if runner is None:
+            return
+        hook_type = HOOKS.get('WrapperLifecycleHook')
+        hook = runner_adapter.ensure_hook(runner, hook_type, hook_type)
+        self._runner_ref = weakref.ref(runner)
+        hook.catch_up(runner, stage)
+
+    def trains_half_weights(self) -> bool:
+        """Whether the weights the model computes with are (or will be, once cast) fp16/bf16."""
+        return self._master_params().has_half
+
+    def prepare_for_training(self, model: nn.Module) -> None:
+        """Prepare ``model`` before the first forward of a training run (subclasses that cast the
+        model do it here); called by the lifecycle hook in ``before_train``."""
 
     # ---- masters ---------------------------------------------------------------------------------
     def _new_masters(self, initial_values: Optional[Dict[int, Tensor]] = None) -> MasterParams:
@@ -263,6 +295,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         """mmengine's hook at training start (after init_weights, load_from and resume): also
         binds the masters to the model's weights (Note [masters lifecycle])."""
         super().initialize_count_status(model, init_counts, max_counts)
+        self._attach_to_runner('count_status')
         self._prepare_model(model)
         # Hooks' before_train / before_train_iter run between here and the first forward and may
         # write the weights too: check once more then (one comparison pass).
@@ -288,6 +321,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
                 _sharding.check_elementwise_optimizer(self.optimizer, self._sharding)
             module = model.module if is_model_wrapper(model) else model
             self._context_of = (weakref.ref(model), module)
+            self._attach_to_runner('forward')
         if self._names_for != id(module):
             self._param_names = {id(p): n for n, p in module.named_parameters()}
             self._names_for = id(module)

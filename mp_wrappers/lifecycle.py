@@ -1,0 +1,120 @@
+"""What our optimizer wrappers need from the runner's lifecycle, attached by the wrappers themselves.
+
+Note [wrapper lifecycle]
+    An mp_wrappers optimizer wrapper built by an mmengine runner registers one
+    :class:`WrapperLifecycleHook` in it (found through :mod:`mp_wrappers.runner_adapter`), so a
+    config that only names our wrapper trains the same through any toolbox's ``tools/train.py`` as
+    through ours. The hook does exactly what correctness needs, nothing optional:
+
+    * ``before_run`` (before any other hook's): mmengine's ``EMAHook`` averages the full-precision
+      weights when a wrapper trains half weights (:func:`mp_wrappers.ema.adopt_ema_hooks`);
+    * ``before_train`` (after ``load_from``/``resume``): every wrapper prepares the model (O2/O3
+      and a casting ``FP16OptimWrapper`` cast it and start their masters from its fp32 weights),
+      including the wrappers of an ``OptimWrapperDict``, which mmengine never tells that training
+      starts: no forward of the run, a GAN's discriminator step through the generator included,
+      sees the model in another dtype, so a resumed run continues bitwise;
+    * every iteration: the wrappers publish ``amp_scale``/``amp_skipped``/``amp_gnorm`` to the
+      MessageHub exactly when the ``LoggerHook`` will print (a host read on GPU only then), so
+      every log line and visualizer backend has them at the LoggerHook's interval.
+
+    ``mp_wrappers.MixedPrecisionHook`` adds optional behaviour on top (skip-aware schedules, the
+    precision summary, overflow reports) and is no longer needed for any of the above.
+"""
+from typing import Any, List, Optional
+
+from mmengine.hooks import Hook, LoggerHook
+from mmengine.optim import OptimWrapperDict
+
+from .ema import adopt_ema_hooks
+from .registry import HOOKS
+from .wrappers.base import MixedPrecisionOptimWrapper
+
+__all__ = ['WrapperLifecycleHook', 'our_wrappers']
+
+
+def our_wrappers(runner) -> List[MixedPrecisionOptimWrapper]:
+    """Every mp_wrappers optimizer wrapper in ``runner.optim_wrapper`` (an ``OptimWrapperDict``'s
+    too); none while it is still a config dict (val/test-only runs)."""
+    optim_wrapper = getattr(runner, 'optim_wrapper', None)
+    if isinstance(optim_wrapper, OptimWrapperDict):
+        candidates = list(optim_wrapper.values())
+    else:
+        candidates = [optim_wrapper]
+    return [w for w in candidates if isinstance(w, MixedPrecisionOptimWrapper)]
+
+
+# The stages of Runner.train at which a wrapper can meet its runner (Note [runner adapter]).
+STAGES = ('build', 'count_status', 'forward')
+
+
+@HOOKS.register_module()
+class WrapperLifecycleHook(Hook):
+    """Registered in a runner by our optimizer wrappers themselves (Note [wrapper lifecycle]).
+
+    Not meant for configs: a wrapper built by the runner adds it. Listing it does no harm (the
+    wrappers then use that one).
+    """
+
+    # before_run must precede EMAHook's (which deep-copies the model there).
+    priority = 'HIGHEST'
+
+    def __init__(self) -> None:
+        self._ran: set = set()
+        self._logger_hook: Optional[LoggerHook] = None
+
+    def catch_up(self, runner, stage: str) -> None:
+        """Do now what the events that passed before the wrapper found the runner would have done.
+
+        ``stage``: where the wrapper met the runner (:data:`STAGES`): while being built (nothing
+        has happened yet), at ``initialize_count_status`` (after ``before_run``), or at its first
+        forward (inside the train loop).
+        """
+        if stage not in STAGES:
+            raise ValueError(f'stage={stage!r} is not one of {STAGES}')
+        if stage == 'build':
+            return
+        if 'before_run' not in self._ran:
+            self.before_run(runner)
+        if stage == 'forward' and 'before_train' not in self._ran:
+            self.before_train(runner)
+
+    def before_run(self, runner) -> None:
+        self._ran.add('before_run')
+        adopt_ema_hooks(runner)
+
+    def before_train(self, runner) -> None:
+        self._ran.add('before_train')
+        adopt_ema_hooks(runner)  # an EMAHook registered after before_run, or a late wrapper
+        self._logger_hook = next((h for h in runner.hooks if isinstance(h, LoggerHook)), None)
+        for wrapper in our_wrappers(runner):
+            wrapper.prepare_for_training(runner.model)
+            if self._logger_hook is not None:
+                wrapper.log_interval = int(self._logger_hook.interval)
+
+    def before_train_iter(self, runner, batch_idx: int, data_batch: Any = None) -> None:
+        """Tell the wrappers whether the LoggerHook prints after this iteration."""
+        ours = our_wrappers(runner)
+        if not ours:
+            return
+        due = self._logger_will_log(runner, batch_idx)
+        for wrapper in ours:
+            wrapper.publish_now = due
+
+    def after_train(self, runner) -> None:
+        """Hand log cadence back to ``log_interval`` (the wrappers may be used without a runner)."""
+        for wrapper in our_wrappers(runner):
+            wrapper.publish_now = None
+
+    def _logger_will_log(self, runner, batch_idx: int) -> Optional[bool]:
+        """The LoggerHook's own condition for printing a train log line after this iteration."""
+        hook = self._logger_hook
+        if hook is None:
+            return None  # no LoggerHook: the wrappers fall back to log_interval
+        if hook.every_n_inner_iters(batch_idx, hook.interval):
+            return True
+        try:
+            n = len(runner.train_dataloader)
+        except TypeError:  # an iterable dataset without a length: no end-of-epoch line
+            return False
+        return bool(hook.end_of_epoch(runner.train_dataloader, batch_idx)
+                    and (not hook.ignore_last or n <= hook.interval))
