@@ -8,8 +8,11 @@ or the whole model; both must train the same, bit for bit:
 * a wrapper casts only the modules whose parameters all belong to its own optimizer, and casts
   their inputs where they are called (``self.generator(noise)`` never runs the top ``forward``);
 * every pair of opt levels resumes bitwise: the wrappers prepare the model before the first
-  iteration (``MixedPrecisionHook.before_train``), so the generator's forward inside the first
-  discriminator step of a resumed run sees the same dtype as in an uninterrupted run.
+  iteration (their lifecycle hook's ``before_train``, Note [wrapper lifecycle], with no hook of
+  ours in the config), so the generator's forward inside the first discriminator step of a resumed
+  run sees the same dtype as in an uninterrupted run. The wrappers are built either by the Runner
+  from a config (through a multi-optimizer constructor, as mmagic's configs do) or by hand and
+  handed to it (then they meet the runner at their first forward).
 """
 import itertools
 
@@ -17,7 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from mmengine.model import BaseModel
-from mmengine.optim import OptimWrapperDict
+from mmengine.optim import DefaultOptimWrapperConstructor, OptimWrapperDict
+from mmengine.registry import OPTIM_WRAPPER_CONSTRUCTORS
 from mmengine.runner import Runner
 from torch import nn
 from torch.utils.data import Dataset
@@ -91,11 +95,37 @@ def _wrapper(module: nn.Module, level: str, dtype: str):
 _RUNS = [0]
 
 
+@OPTIM_WRAPPER_CONSTRUCTORS.register_module(force=True)
+class _GANOptimWrapperConstructor:
+    """mmagic's MultiOptimWrapperConstructor in small: one wrapper per named submodule."""
+
+    def __init__(self, optim_wrapper_cfg: dict, paramwise_cfg=None) -> None:
+        self.cfgs = {k: v for k, v in optim_wrapper_cfg.items() if isinstance(v, dict)}
+
+    def __call__(self, model: nn.Module) -> OptimWrapperDict:
+        model = model.module if hasattr(model, 'module') else model
+        return OptimWrapperDict(**{
+            name: DefaultOptimWrapperConstructor(dict(cfg))(getattr(model, name))
+            for name, cfg in self.cfgs.items()})
+
+
+def _wrapper_cfg(level: str, dtype: str) -> dict:
+    return dict(type='mp_wrappers.ApexOptimWrapper', opt_level=level, dtype=dtype, verbosity=0,
+                optimizer=dict(type='Adam', lr=1e-2, betas=(0.5, 0.9)))
+
+
 def _runner(work_dir, g_level, d_level, dtype='bfloat16', whole_model=False, max_iters=4,
-            resume_from=None):
+            resume_from=None, built_by='runner', hooks=()):
+    """``built_by='runner'``: a config's wrappers (a toolbox's way); ``'hand'``: wrapper objects."""
     model = _TinyGAN(whole_model)
-    optim_wrapper = OptimWrapperDict(generator=_wrapper(model.generator, g_level, dtype),
-                                     discriminator=_wrapper(model.discriminator, d_level, dtype))
+    if built_by == 'hand':
+        optim_wrapper = OptimWrapperDict(
+            generator=_wrapper(model.generator, g_level, dtype),
+            discriminator=_wrapper(model.discriminator, d_level, dtype))
+    else:
+        optim_wrapper = dict(constructor='_GANOptimWrapperConstructor',
+                             generator=_wrapper_cfg(g_level, dtype),
+                             discriminator=_wrapper_cfg(d_level, dtype))
     _RUNS[0] += 1
     return Runner(
         model=model, work_dir=str(work_dir), experiment_name=f'test_gan_{_RUNS[0]}',
@@ -106,7 +136,7 @@ def _runner(work_dir, g_level, d_level, dtype='bfloat16', whole_model=False, max
         optim_wrapper=optim_wrapper,
         default_hooks=dict(checkpoint=dict(type='CheckpointHook', interval=2, by_epoch=False),
                            logger=dict(type='LoggerHook', interval=1)),
-        custom_hooks=[dict(type='mp_wrappers.MixedPrecisionHook')],
+        custom_hooks=list(hooks),
         randomness=dict(seed=0, deterministic=True),
         load_from=resume_from, resume=resume_from is not None,
         default_scope='mmengine', log_level='WARNING')
@@ -177,14 +207,27 @@ def test_each_wrapper_casts_only_its_own_modules_however_the_model_is_passed(
         assert torch.equal(runs[True][k], runs[False][k]), k
 
 
-@pytest.mark.parametrize('g_level,d_level', list(itertools.product(LEVELS, LEVELS)))
-def test_gan_resume_is_bitwise_for_every_pair_of_levels(tmp_path, g_level, d_level):
-    _train(_runner(tmp_path / 'full', g_level, d_level))
+def _resume_differences(tmp_path, g_level, d_level, **kwargs):
+    _train(_runner(tmp_path / 'full', g_level, d_level, **kwargs))
     _train(_runner(tmp_path / 'resumed', g_level, d_level,
-                   resume_from=str(tmp_path / 'full' / 'iter_2.pth')))
+                   resume_from=str(tmp_path / 'full' / 'iter_2.pth'), **kwargs))
     full = secure_torch_load(str(tmp_path / 'full' / 'iter_4.pth'))
     resumed = secure_torch_load(str(tmp_path / 'resumed' / 'iter_4.pth'))
-    assert _differences(full, resumed) == []
+    return _differences(full, resumed)
+
+
+@pytest.mark.parametrize('g_level,d_level', list(itertools.product(LEVELS, LEVELS)))
+def test_gan_resume_is_bitwise_for_every_pair_of_levels(tmp_path, g_level, d_level):
+    """A toolbox's config: the Runner builds the wrappers, no hook of ours is listed."""
+    assert _resume_differences(tmp_path, g_level, d_level) == []
+
+
+@pytest.mark.parametrize('hooks', [(), (dict(type='mp_wrappers.MixedPrecisionHook'),)],
+                         ids=['no_hook', 'MixedPrecisionHook'])
+@pytest.mark.parametrize('g_level,d_level', [('O2', 'O0'), ('O3', 'O2')])
+def test_gan_resume_is_bitwise_with_wrappers_built_by_hand(tmp_path, g_level, d_level, hooks):
+    """Wrapper objects handed to the Runner meet it only at their first forward."""
+    assert _resume_differences(tmp_path, g_level, d_level, built_by='hand', hooks=hooks) == []
 
 
 def test_gan_resume_is_bitwise_with_fp16_loss_scaling(tmp_path):

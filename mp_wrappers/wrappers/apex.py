@@ -175,7 +175,7 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
         if self._model is not None:
             if module is not self._model and id(module) not in self._seen_modules:
                 # The same network passed whole or in part (a GAN's generator wrapper prepared
-                # with the whole model by MixedPrecisionHook, then given model.generator) is fine.
+                # with the whole model by the lifecycle hook, then given model.generator) is fine.
                 if not (_contains(self._model, module) or _contains(module, self._model)):
                     raise RuntimeError('this ApexOptimWrapper was initialized with another model; '
                                        'use one wrapper per model (e.g. an OptimWrapperDict for '
@@ -291,9 +291,9 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
         every forward of the run, including those another wrapper's step makes through this
         wrapper's modules, sees one dtype, and a resumed run matches an uninterrupted one. The
         whole model is fine for a GAN: only the modules this optimizer owns are cast
-        (``owned_roots``). An ``OptimWrapperDict`` does not forward this call;
-        ``mp_wrappers.MixedPrecisionHook`` prepares its wrappers in ``before_train``, and the first
-        :meth:`optim_context` prepares any wrapper still unprepared.
+        (``owned_roots``). An ``OptimWrapperDict`` does not forward this call; the wrappers'
+        lifecycle hook prepares its wrappers in ``before_train`` (Note [wrapper lifecycle]), and the
+        first :meth:`optim_context` prepares any wrapper still unprepared.
         """
         super().initialize_count_status(model, init_counts, max_counts)
 

@@ -89,7 +89,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         log_interval (int, optional): Iterations between publications of the ``amp_*`` scalars
             to the MessageHub during training (each costs a host sync on GPU, and, at a static
             scale of 1.0, one read of the gradients for ``amp_gnorm``). None: every 10, the
-            LoggerHook's default; ``mp_wrappers.MixedPrecisionHook`` sets it to the LoggerHook's
+            LoggerHook's default; the wrappers' lifecycle hook sets it to the LoggerHook's
             interval. ``publish_now`` (True/False, set per iteration by that hook) overrides it;
             None (the default) uses ``log_interval``. Outside a training loop (no ``iter`` in the
             MessageHub) every step publishes.
@@ -163,7 +163,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self.sync_found_inf = sync_found_inf
         self.log_interval = log_interval
         self.grad_check = grad_check
-        # Set per iteration by MixedPrecisionHook (True/False) so publications follow the LoggerHook
+        # Set per iteration by the lifecycle hook (True/False) so publications follow the LoggerHook
         # exactly: in epoch-based loops it counts iterations within the epoch and logs the last one
         # of each epoch, which ``log_interval`` arithmetic on the global iteration cannot match.
         self.publish_now: Optional[bool] = None
@@ -837,8 +837,8 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
     def publish_scalars(self) -> None:
         """Write the ``amp_*`` scalars to the MessageHub (reads device state: a host sync).
 
-        Called by :meth:`update_params` at log intervals (see ``log_interval``) and by
-        ``mp_wrappers.MixedPrecisionHook``.
+        Called by :meth:`update_params` when a log line is due (see ``log_interval`` and
+        ``publish_now``).
         """
         self._take_outcomes(wait=True)
         hub = self.message_hub
