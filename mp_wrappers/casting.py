@@ -2,14 +2,17 @@
 
 Everything here works through ``nn.Module`` methods and removable hooks; nothing global is patched.
 """
-from typing import Any, List, Optional, Sequence, Union
+import fnmatch
+import inspect
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 __all__ = ['HALF_DTYPES', 'parse_dtype', 'cast_model', 'cast_floating', 'is_norm_layer',
            'ForwardCaster', 'fp32_state_dict_hook', 'model_cast_dtype', 'loaded_full_precision',
-           'forget_loaded_full_precision', 'owned_roots']
+           'forget_loaded_full_precision', 'owned_roots', 'match_modules', 'check_module_patterns',
+           'Fp32Modules']
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 _DTYPE_NAMES = {
@@ -56,19 +59,23 @@ def _norm_param_names(model: nn.Module):
     return names
 
 
-def cast_model(model: nn.Module, dtype: torch.dtype, keep_norm_fp32: bool = True) -> nn.Module:
+def cast_model(model: nn.Module, dtype: torch.dtype, keep_norm_fp32: bool = True,
+               keep_fp32_modules: Sequence[str] = ()) -> nn.Module:
     """Cast floating parameters and buffers of ``model`` to ``dtype`` in place.
 
     With ``keep_norm_fp32`` the parameters and buffers of normalisation layers stay fp32, and those
     layers get a forward pre-hook that runs them in fp32 and a hook that casts their output back to
-    ``dtype`` (apex's keep_batchnorm_fp32). Parameters keep their identity (``param.data`` is
-    replaced), so optimizers built before the cast still point at them.
+    ``dtype`` (apex's keep_batchnorm_fp32). The submodules named in ``keep_fp32_modules``
+    (qualified names within ``model``, see :func:`match_modules`) keep all their parameters and
+    buffers fp32; :class:`Fp32Modules` runs them. Parameters keep their identity (``param.data``
+    is replaced), so optimizers built before the cast still point at them.
     """
     # A non-float dtype would fail deep inside torch ("data set to a tensor that requires gradients
     # must be floating point"), naming neither the option nor the fix.
     dtype = parse_dtype(dtype, 'cast_model(dtype)', allowed=('float16', 'bfloat16', 'float32'))
     keep = _norm_param_names(model) if keep_norm_fp32 else set()
     keep |= _preprocessor_state_names(model)
+    keep |= _state_names_under(model, keep_fp32_modules)
     for name, p in model.named_parameters():
         if p.is_floating_point() and name not in keep and p.dtype != dtype:
             p.data = p.data.to(dtype)
@@ -139,6 +146,97 @@ def _preprocessor_state_names(model: nn.Module):
             for n, _ in list(module.named_parameters()) + list(module.named_buffers()):
                 names.add(f'{prefix}.{n}' if prefix else n)
     return names
+
+
+def _state_names_under(model: nn.Module, prefixes: Sequence[str]) -> set:
+    names = set()
+    for prefix in prefixes:
+        module = model.get_submodule(prefix) if prefix else model
+        dot = f'{prefix}.' if prefix else ''
+        names.update(dot + n for n, _ in module.named_parameters())
+        names.update(dot + n for n, _ in module.named_buffers())
+    return names
+
+
+def check_module_patterns(patterns: Any, option: str) -> Tuple[str, ...]:
+    """Validate a list of module globs (``fp32_modules``): a list or tuple of non-empty strings.
+
+    Raises:
+        TypeError: with the option's name, the value and what is allowed.
+    """
+    if patterns is None:
+        return ()
+    if isinstance(patterns, str) or not isinstance(patterns, (list, tuple)) or not all(
+            isinstance(p, str) and p for p in patterns):
+        raise TypeError(f'{option}={patterns!r} is not allowed; expected a list of module name or '
+                        "class name patterns, e.g. ['cls_head'], ['backbone.layer4.*'] or "
+                        "['LayerNorm']")
+    return tuple(patterns)
+
+
+def match_modules(model: nn.Module, patterns: Sequence[str]) -> List[Tuple[str, nn.Module]]:
+    """The outermost submodules of ``model`` that a pattern of ``patterns`` names.
+
+    A pattern is a glob (``fnmatch``) over a module's qualified name within ``model``
+    (``'cls_head'``, ``'backbone.layer4.*'``) or its class name (``'LayerNorm'``, ``'*Head'``).
+    Inside a matched module nothing more is listed: the whole subtree is covered.
+    """
+    found: List[Tuple[str, nn.Module]] = []
+    if not patterns:
+        return found
+    for name, module in model.named_modules():
+        if any(name == f or name.startswith(f + '.') for f, _ in found):
+            continue
+        cls = type(module).__name__
+        if any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(cls, p) for p in patterns):
+            found.append((name, module))
+    return found
+
+
+# torch >= 2.1 runs a forward hook registered with always_call=True even when the forward raises,
+# so the autocast state Fp32Modules turned off is always turned back on.
+_ALWAYS_CALL = 'always_call' in inspect.signature(nn.Module.register_forward_hook).parameters
+
+
+class Fp32Modules:
+    """Removable hooks that run submodules in fp32 inside a half-precision model.
+
+    apex's ``keep_batchnorm_fp32`` generalised (the wrappers' ``fp32_modules`` option): for code
+    that cannot take half tensors, e.g. a head that computes its accuracy with numpy (which has no
+    bf16) inside the model's forward. Each module's floating inputs are cast to fp32 and autocast is
+    off while it runs (O1), so its parameters (kept fp32 by the cast at O2/O3) compute in fp32 and
+    its outputs are fp32.
+
+    Args:
+        modules (Sequence[nn.Module]): The modules to run in fp32.
+        device_type (str): The device type whose autocast is turned off (``'cpu'``, ``'cuda'``).
+    """
+
+    def __init__(self, modules: Sequence[nn.Module], device_type: str) -> None:
+        self.device_type = device_type
+        self._contexts: List[Any] = []  # one autocast context per forward in progress (nesting)
+        self._handles = []
+        post_kwargs = dict(always_call=True) if _ALWAYS_CALL else {}
+        for m in modules:
+            self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post, **post_kwargs))
+
+    def _pre(self, module, args, kwargs):
+        context = torch.autocast(self.device_type, enabled=False)
+        context.__enter__()
+        self._contexts.append(context)
+        return (cast_floating(args, torch.float32, data_samples=False),
+                cast_floating(kwargs, torch.float32, data_samples=False))
+
+    def _post(self, module, args, output):
+        if self._contexts:
+            self._contexts.pop().__exit__(None, None, None)
+        return cast_floating(output, torch.float32)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 def owned_roots(model: nn.Module, params) -> List[nn.Module]:

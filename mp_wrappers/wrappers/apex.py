@@ -6,22 +6,19 @@ from typing import Any, Dict, Optional
 
 import torch
 from mmengine.logging import print_log
-from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapper
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from .. import hardware
 from ..autocast import o1_context
-from ..casting import (HALF_DTYPES, ForwardCaster, cast_model, fp32_state_dict_hook,
-                       model_cast_dtype, owned_roots)
-from ..distributed.sharding import check_fsdp_precision, sharding_of
+from ..casting import HALF_DTYPES
 from ..master import MasterParams
 from ..master_modes import LeanMasterParams
 from ..policy import DEFAULT, Properties, resolve_properties
 from ..registry import OPTIM_WRAPPERS
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
-from .base import STATE_KEY, MixedPrecisionOptimWrapper
+from .model_casting import CastPlan, ModelCastingOptimWrapper
 
 __all__ = ['ApexOptimWrapper']
 
@@ -37,7 +34,7 @@ def _optimizer_device(optimizer: Optimizer) -> torch.device:
 
 
 @OPTIM_WRAPPERS.register_module()
-class ApexOptimWrapper(MixedPrecisionOptimWrapper):
+class ApexOptimWrapper(ModelCastingOptimWrapper):
     """apex amp's opt levels O0-O3 for mmengine, on CPU and CUDA, with no apex installed.
 
     A drop-in for ``mmengine.optim.ApexOptimWrapper``: every argument has the same meaning and
@@ -124,11 +121,6 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
                          clip_grad=clip_grad, **kwargs)
         self.num_losses = num_losses
         self.verbosity = verbosity
-        self._model: Optional[nn.Module] = None
-        self._seen_modules: set = set()  # ids of parts or wholes of _model seen by initialize
-        self._forward_caster: Optional[ForwardCaster] = None
-        self._state_dict_hook = None
-        self._deferred_state: Optional[dict] = None
         self._lean_state_dict_hook = None
         if self.properties.lean_storage is not None and self.properties.enabled:
             LeanMasterParams(optimizer, self.properties.lean_storage)  # refuse a wrong optimizer now
@@ -161,84 +153,33 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
         """Whether the model has been prepared (cast, hooks) by :meth:`initialize`."""
         return self._model is not None
 
-    # ---- model preparation (apex's amp.initialize) -------------------------------------------------
-    def initialize(self, model: nn.Module) -> None:
-        """Prepare ``model`` for the opt level. Called by the first :meth:`optim_context`.
-
-        Raises:
-            RuntimeError: the model is wrapped in DDP but was not cast before wrapping (O2/O3), or
-                a different model was already initialized.
-            ValueError: O1 with half-precision parameters.
-        """
-        wrapped = is_model_wrapper(model)
-        module = model.module if wrapped else model
-        if self._model is not None:
-            if module is not self._model and id(module) not in self._seen_modules:
-                # The same network passed whole or in part (a GAN's generator wrapper prepared
-                # with the whole model by the lifecycle hook, then given model.generator) is fine.
-                if not (_contains(self._model, module) or _contains(module, self._model)):
-                    raise RuntimeError('this ApexOptimWrapper was initialized with another model; '
-                                       'use one wrapper per model (e.g. an OptimWrapperDict for '
-                                       'GANs)')
-                self._seen_modules.add(id(module))
-            return
+    # ---- model preparation (apex's amp.initialize, ModelCastingOptimWrapper) ----------------------
+    def _cast_plan(self) -> Optional[CastPlan]:
         props = self.properties
-        params = [p for g in self.optimizer.param_groups for p in g['params']]
-        device = params[0].device
-        # The fp32 weights the cast is about to round (pretrained, init_cfg, resumed): O2's masters
-        # start from them exactly (Note [masters lifecycle]). These are aliases of the fp32
-        # storages, which the cast replaces rather than overwrites: no copy is made here.
-        full_precision = {id(p): p.detach() for p in params if p.dtype == torch.float32}
-        if props.opt_level == 'O1':
-            half = [i for i, p in enumerate(params) if p.dtype in HALF_DTYPES]
-            if half:
-                raise ValueError(f'opt_level O1 expects fp32 model weights, but parameter {half[0]} '
-                                 f'of the optimizer is {params[half[0]].dtype}. O1 casts per op '
-                                 "with autocast; build the model in fp32, or use opt_level 'O2'/'O3'"
-                                 ' for a half-precision model')
+        if not props.enabled:
+            return None
         cast = props.cast_model_type
-        sharding = sharding_of(model)
-        if cast is not None:
-            keep_bn = bool(props.keep_batchnorm_fp32)
-            done = model_cast_dtype(module)
-            if sharding is not None:
-                # FSDP makes the half copies, or the model was cast before sharding.
-                if cast != torch.float32:
-                    check_fsdp_precision(props.opt_level, cast, bool(props.master_weights),
-                                         sharding, params)
-                roots = [module]
-            elif wrapped and isinstance(model, torch.nn.parallel.DistributedDataParallel):
-                # O0 "casts" to fp32: an fp32 model under DDP needs nothing, so nothing to refuse.
-                already_fp32 = cast == torch.float32 and all(
-                    p.dtype == torch.float32 for p in module.parameters() if p.is_floating_point())
-                if (done is None or done[0] != cast) and not already_fp32:
-                    raise RuntimeError(
-                        f'ApexOptimWrapper(opt_level={props.opt_level!r}) must cast the model to '
-                        f'{cast} before DistributedDataParallel wraps it: casting afterwards silently'
-                        ' stops gradient all-reduce. Add to the config:  model_wrapper_cfg=dict('
-                        "type='mp_wrappers.MixedPrecisionDistributedDataParallel', "
-                        f"dtype='{str(cast).replace('torch.', '')}', keep_batchnorm_fp32={keep_bn})"
-                        '  (tools/train.py adds it by itself).')
-                roots = [module]
-            else:
-                # Only the modules this optimizer owns (a GAN's generator wrapper must leave the
-                # discriminator alone, however the model is passed), each with its own input cast:
-                # mmagic's train_step calls self.generator(...) directly, never the top forward.
-                roots = owned_roots(module, self._model_params())
-                if not roots:
-                    warnings.warn(
-                        f'ApexOptimWrapper(opt_level={props.opt_level!r}) found no submodule of '
-                        f'{type(module).__name__} whose parameters all belong to its optimizer, so '
-                        f'nothing is cast to {cast}: its parameters train in their own dtype. Give '
-                        'each wrapper the parameters of whole modules.', UserWarning, stacklevel=3)
-                for root in roots:
-                    if model_cast_dtype(root) != (cast, keep_bn):
-                        cast_model(root, cast, keep_norm_fp32=keep_bn)
-            self._forward_caster = ForwardCaster(
-                roots, cast, props.cast_model_outputs or torch.float32)
-            if cast in HALF_DTYPES and sharding is None:
-                # Checkpoints stay fp32, whatever the training dtype.
-                self._state_dict_hook = module._register_state_dict_hook(fp32_state_dict_hook)
+        keep_bn = bool(props.keep_batchnorm_fp32)
+        ddp = ("model_wrapper_cfg=dict(type='mp_wrappers.MixedPrecisionDistributedDataParallel', "
+               f"dtype='{str(cast).replace('torch.', '')}', keep_batchnorm_fp32={keep_bn})")
+        return CastPlan(label=f'ApexOptimWrapper(opt_level={props.opt_level!r})',
+                        level=props.opt_level, dtype=cast, keep_norm_fp32=keep_bn,
+                        output_dtype=props.cast_model_outputs or torch.float32,
+                        masters=bool(props.master_weights), ddp_config=ddp)
+
+    def _check_model(self, params) -> None:
+        if self.properties.opt_level != 'O1':
+            return
+        half = [i for i, p in enumerate(params) if p.dtype in HALF_DTYPES]
+        if half:
+            raise ValueError(f'opt_level O1 expects fp32 model weights, but parameter {half[0]} '
+                             f'of the optimizer is {params[half[0]].dtype}. O1 casts per op '
+                             "with autocast; build the model in fp32, or use opt_level 'O2'/'O3'"
+                             ' for a half-precision model')
+
+    def _model_prepared(self, module: nn.Module, device: torch.device) -> None:
+        props = self.properties
+        cast = props.cast_model_type
         computes_in = {cast} if cast in HALF_DTYPES else set()
         if props.opt_level == 'O1' and props.dtype in HALF_DTYPES:
             computes_in.add(props.dtype)
@@ -247,38 +188,16 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
             if reason is not None:
                 warnings.warn(f'ApexOptimWrapper(opt_level={props.opt_level!r}, dtype='
                               f"{str(half_dtype).replace('torch.', '')}) on a device without "
-                              f'native {_SHORT[half_dtype]}: {reason}', UserWarning, stacklevel=3)
-        for scaler in self.loss_scalers:
-            scaler.to(device)
-        self._model = module
-        # Masters made before the cast (e.g. by zero_grad) would miss params: make them now.
-        self._rebuild_masters(initial_values=full_precision)
-        # Also for the bind: deferred optimizer state loaded below may disagree with them.
-        self._precast_weights = full_precision
+                              f'native {_SHORT[half_dtype]}: {reason}', UserWarning, stacklevel=5)
         if isinstance(self._masters, LeanMasterParams):
             # After the fp32 hook: the checkpoint's weights are the full-precision ones.
             self._lean_state_dict_hook = self._masters.register_state_dict_hook(module)
-        if self._deferred_state is not None:
-            state, self._deferred_state = self._deferred_state, None
-            super().load_state_dict(state)  # warns nothing twice: the same dict was checked
         if self.verbosity >= 1:
             print_log(props.describe(), logger='current', level=logging.INFO)
 
-    def _model_params(self):
-        """The model parameters this wrapper's optimizer trains (behind masters, if any exist)."""
-        if self._masters is not None and self._masters.optimizer is self.optimizer:
-            return [model_p if model_p is not None else slot
-                    for slot, model_p in self._masters.slots()]
-        return [p for g in self.optimizer.param_groups for p in g['params']]
-
     def release(self) -> None:
         """Remove the hooks this wrapper put on the model (the cast itself stays)."""
-        if self._forward_caster is not None:
-            self._forward_caster.remove()
-            self._forward_caster = None
-        if self._state_dict_hook is not None:
-            self._state_dict_hook.remove()
-            self._state_dict_hook = None
+        super().release()
         if self._lean_state_dict_hook is not None:
             self._lean_state_dict_hook.remove()
             self._lean_state_dict_hook = None
@@ -301,18 +220,6 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
         props = self.properties
         return bool(props.enabled) and props.cast_model_type in HALF_DTYPES
 
-    def prepare_for_training(self, model: nn.Module) -> None:
-        """Cast the model for the level now (Note [wrapper lifecycle]); once."""
-        if self.properties.enabled:
-            self.initialize(model)
-
-    def _prepare_model(self, model: nn.Module) -> None:
-        """Prepare the model for the level (once), then bind the masters to it."""
-        if not self.properties.enabled:
-            return
-        self.initialize(model)
-        super()._prepare_model(model)
-
     @contextlib.contextmanager
     def optim_context(self, model: nn.Module):
         """The forward context: DDP ``no_sync`` while accumulating, and O1's autocast."""
@@ -328,9 +235,6 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
                 yield
 
     # ---- the wrapper contract, with enabled=False as a true no-op ----------------------------------
-    def _needs_initialize(self) -> bool:
-        return self.properties.cast_model_type not in (None, torch.float32) and not self.initialized
-
     def backward(self, loss: Tensor, loss_id: int = 0, **kwargs) -> None:
         """Scale ``loss`` with scaler ``loss_id`` and back-propagate (see ``num_losses``)."""
         if not self.properties.enabled:
@@ -367,7 +271,7 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
         if not self.properties.enabled:
             return OptimWrapper.state_dict(self)
         if self._deferred_state is not None:
-            return dict(self._deferred_state)  # loaded but not applied yet: hand back what we hold
+            return super().state_dict()  # loaded but not applied yet: what we hold
         state = super().state_dict()
         state['apex_amp'] = {f'loss_scaler{k}': dict(loss_scale=s.loss_scale, unskipped=s.unskipped)
                              for k, s in enumerate(self.loss_scalers)}
@@ -381,15 +285,6 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
                 state.pop(key, None)
             OptimWrapper.load_state_dict(self, state)
             return
-        if self._needs_initialize():
-            if not isinstance(state_dict, dict):
-                raise TypeError(f'state_dict must be a dict, got {type(state_dict).__name__}')
-            self._check_optimizer_state(dict(state_dict))
-            ours = state_dict.get(STATE_KEY)
-            if isinstance(ours, dict):
-                self._warn_if_foreign(ours)  # now, at resume time, not at the first forward
-            self._deferred_state = dict(state_dict)
-            return
         super().load_state_dict(state_dict)
 
     def _extra_state(self) -> Dict[str, Any]:
@@ -401,6 +296,3 @@ class ApexOptimWrapper(MixedPrecisionOptimWrapper):
             policy['master_weights'] = self.properties.lean_storage
         return policy
 
-
-def _contains(outer: nn.Module, inner: nn.Module) -> bool:
-    return any(m is inner for m in outer.modules())
