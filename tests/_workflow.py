@@ -33,9 +33,12 @@ WRAPPERS = {
                               verbosity=0), False),
     'O3': (lambda dtype: dict(type='mp_wrappers.ApexOptimWrapper', opt_level='O3', dtype=dtype,
                               verbosity=0), False),
+    # FP16OptimWrapper in a toolbox config: the toolbox builds an fp32 model, the wrapper casts it.
+    'FP16cast': (lambda dtype: dict(type='mp_wrappers.FP16OptimWrapper', dtype=dtype,
+                                    static_loss_scale=1.0), False),
 }
 # Levels that keep fp32 master weights.
-KEEPS_MASTERS = ('FP16', 'O2')
+KEEPS_MASTERS = ('FP16', 'O2', 'FP16cast')
 
 
 @MODELS.register_module(force=True)

@@ -1,8 +1,11 @@
-"""The workflow matrix of issue 10: {FP16OptimWrapper, ApexOptimWrapper O1/O2/O3} x {fp16, bf16} x
-{load_from, EMAHook, accumulation, resume}, through mmengine's Runner.
+"""The workflow matrix: {FP16OptimWrapper over a half model, FP16OptimWrapper casting an fp32 model,
+ApexOptimWrapper O1/O2/O3} x {fp16, bf16} x {load_from, EMAHook, accumulation, resume}, through
+mmengine's Runner, launched as our tools/train.py does and as a toolbox's train script does
+(Note [two launchers]).
 
-Per wrapper and dtype, one run combines the workflows (load_from an fp32 checkpoint,
-``mp_wrappers.MixedPrecisionEMAHook``, ``accumulative_counts=2``, checkpoints at iterations 4 and 8) and
+Per wrapper, dtype and launcher, one run combines the workflows (load_from an fp32 checkpoint, an EMA
+hook: ``mp_wrappers.MixedPrecisionEMAHook`` through tools/train.py, mmengine's ``EMAHook`` through the
+toolbox launcher; ``accumulative_counts=2``, checkpoints at iterations 4 and 8) and
 a second run resumes it from iteration 4; a plain fp32 ``OptimWrapper`` run with mmengine's own
 ``EMAHook`` is the reference. Each cell checks its workflow on those runs, and every cell checks that the
 run trained (the loss decreased), and that the saved weights, the EMA weights and the masters are full
@@ -11,13 +14,13 @@ precision where the level keeps masters.
 import pytest
 import torch
 
-from _workflow import (KEEPS_MASTERS, RecordHook, latest_checkpoint, load, losses, make_runner,
-                       save_pretrained, train)
+from _workflow import (KEEPS_MASTERS, LAUNCHER, RecordHook, latest_checkpoint, load, losses,
+                       make_runner, save_pretrained, train)
 
 # Note [two launchers] (tests/_workflow.py): every test runs through both.
 pytestmark = pytest.mark.usefixtures('launcher')
 
-WRAPPERS = ('FP16', 'O1', 'O2', 'O3')
+WRAPPERS = ('FP16', 'FP16cast', 'O1', 'O2', 'O3')
 DTYPES = ('float16', 'bfloat16')
 WORKFLOWS = ('load_from', 'ema', 'accumulation', 'resume')
 ITERS, ACCUM, MOMENTUM = 8, 2, 0.25
@@ -25,15 +28,18 @@ _RUNS = {}
 
 
 def _runs(tmp_path_factory, wrapper, dtype):
-    key = (wrapper, dtype)
+    launcher = LAUNCHER[0]
+    key = (wrapper, dtype, launcher)
     if key in _RUNS:
         return _RUNS[key]
-    root = tmp_path_factory.mktemp(f'matrix_{wrapper}_{dtype}')
+    root = tmp_path_factory.mktemp(f'matrix_{wrapper}_{dtype}_{launcher}')
     pretrained = save_pretrained(root / 'pretrained.pth')
 
     def run(work_dir, resume=False):
         record = RecordHook()
-        ema = 'EMAHook' if wrapper == 'fp32' else 'mp_wrappers.MixedPrecisionEMAHook'
+        # A toolbox config lists mmengine's EMAHook; ours may name the explicit form.
+        ema = 'EMAHook' if wrapper == 'fp32' or launcher == 'toolbox' else \
+            'mp_wrappers.MixedPrecisionEMAHook'
         load_from = str(root / 'full' / 'iter_4.pth') if resume else str(root / 'pretrained.pth')
         runner = make_runner(work_dir, wrapper, dtype, iters=ITERS, ckpt_interval=4,
                              accumulative_counts=ACCUM, load_from=load_from, resume=resume,

@@ -155,8 +155,8 @@ def test_fp16_wrapper_over_an_fp32_model_says_so_with_the_fix(tmp_path):
         train(runner)
     messages = [str(w.message) for w in caught if issubclass(w.category, FP32ModelWarning)]
     assert len(messages) == 1
-    assert 'trains entirely in fp32' in messages[0] and "opt_level='O2'" in messages[0]
-    assert 'cast_model' in messages[0]
+    assert 'trains entirely in fp32' in messages[0]
+    assert "Add dtype='bfloat16'" in messages[0] and 'casts the model itself' in messages[0]
 
 
 @pytest.mark.parametrize('wrapper', ['FP16', 'O2'])

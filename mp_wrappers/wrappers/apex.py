@@ -216,6 +216,10 @@ class ApexOptimWrapper(ModelCastingOptimWrapper):
         """
         super().initialize_count_status(model, init_counts, max_counts)
 
+    def _prepare_model(self, model: nn.Module) -> None:
+        if self.properties.enabled:  # enabled=False: a plain OptimWrapper, the model untouched
+            super()._prepare_model(model)
+
     def trains_half_weights(self) -> bool:
         props = self.properties
         return bool(props.enabled) and props.cast_model_type in HALF_DTYPES
@@ -240,10 +244,6 @@ class ApexOptimWrapper(ModelCastingOptimWrapper):
         if not self.properties.enabled:
             OptimWrapper.backward(self, loss, **kwargs)
             return
-        if self._needs_initialize():
-            raise RuntimeError(f'ApexOptimWrapper(opt_level={self.opt_level!r}) has not prepared '
-                               'the model yet: run the forward inside optim_context(model) or call '
-                               'initialize(model) first')
         super().backward(loss, loss_id=loss_id, **kwargs)
 
     def update_params(self, loss: Tensor, step_kwargs: Optional[Dict] = None,

@@ -13,18 +13,16 @@ from ..casting import HALF_DTYPES
 from ..policy import DEFAULT
 from ..registry import OPTIM_WRAPPERS
 from ..scaler import DynamicLossScaler, build_loss_scaler
-from .base import MixedPrecisionOptimWrapper
+from .model_casting import CastPlan, ModelCastingOptimWrapper
 
 __all__ = ['FP16OptimWrapper', 'FP32ModelWarning']
 
 _FP32_MODEL_MESSAGE = (
-    'FP16OptimWrapper got an optimizer over fp32 parameters only: it trains entirely in fp32 '
-    '(no half-precision compute, no masters, loss scaling only). FP16OptimWrapper expects a model '
-    "built in half precision: cast it before building the optimizer (the model's own dtype "
-    "option such as dict(type='mp_wrappers.DigitsCNN', dtype='bfloat16'), or "
-    'mp_wrappers.cast_model(model, torch.bfloat16), which keeps norm layers fp32), or use '
-    "optim_wrapper=dict(type='mp_wrappers.ApexOptimWrapper', opt_level='O2', dtype='bfloat16', "
-    '...), which casts the model itself and keeps fp32 masters.')
+    'FP16OptimWrapper got an optimizer over fp32 parameters only and no dtype: it trains entirely '
+    'in fp32 (no half-precision compute, no masters, loss scaling only). Add dtype=\'bfloat16\' '
+    "(or 'float16', or 'auto') to the optim_wrapper config and the wrapper casts the model itself "
+    '(norm layers kept fp32) with fp32 masters; or build the model in half precision; or give '
+    "dtype='float32' to train in fp32 on purpose.")
 
 
 class FP32ModelWarning(UserWarning):
@@ -73,7 +71,7 @@ def _check_model_dtype(optimizer: Optimizer,
 
 
 @OPTIM_WRAPPERS.register_module()
-class FP16OptimWrapper(MixedPrecisionOptimWrapper):
+class FP16OptimWrapper(ModelCastingOptimWrapper):
     """fp32 master weights and static or dynamic loss scaling for fp16/bf16 models.
 
     Build the model in half precision (keeping normalisation layers fp32, see
@@ -86,14 +84,18 @@ class FP16OptimWrapper(MixedPrecisionOptimWrapper):
     2000 clean steps, max 2**24); ``dynamic_loss_args=dict(init_scale=2.**32, scale_window=1000,
     min_loss_scale=1.)`` restores the legacy ``FP16_Optimizer`` scaler.
 
-    The model is cast by the user (the wrapper never sees it), so ``dtype`` *states* the model's
-    precision rather than choosing it: with ``dtype='auto'`` build the model with the same ``'auto'``
-    (``DigitsCNN(dtype='auto')``, or ``cast_model(model, hardware.auto_dtype().dtype)``): bf16 where
-    the device computes it natively, else fp16 where native, else fp32, in which case the wrapper
-    keeps no masters and does no scaling but still skips non-finite steps. The wrapper checks that
-    the parameters are in that dtype (normalisation layers may stay fp32), logs the resolution once,
-    and picks the loss-scaling default from it. Whatever ``dtype`` says, a half parameter dtype the
-    device has no native instructions for is warned about once, with the reason.
+    ``dtype`` says which precision the model trains in. A model built in half precision (apex's way:
+    ``DigitsCNN(dtype='bfloat16')``, ``cast_model(model, torch.bfloat16)``) must be in that dtype
+    (normalisation layers may stay fp32). A model built in fp32 with a half ``dtype`` (an OpenMMLab
+    toolbox builds every model in fp32) is cast by the wrapper itself when training starts, as
+    apex's ``network_to_half`` did (normalisation layers and ``fp32_modules`` kept fp32, inputs
+    cast to the half dtype and outputs back to fp32, checkpoints in fp32, refused after DDP wrapped
+    the model), and its fp32 weights become the masters bit for bit. ``dtype='auto'`` resolves to
+    bf16 where the device computes it natively, else fp16 where native, else fp32, in which case
+    the wrapper keeps no masters and does no scaling but still skips non-finite steps; the
+    resolution is logged once and picks the loss-scaling default. A half dtype the device has no
+    native instructions for is warned about once, with the reason. Without ``dtype`` (apex) the
+    model is taken as it is, and an fp32 model trains in fp32 (with a warning).
 
     Args:
         optimizer (Optimizer): Optimizer over the (half) model parameters.
@@ -107,8 +109,12 @@ class FP16OptimWrapper(MixedPrecisionOptimWrapper):
         verbose (bool): Log skipped steps. Defaults to True.
         accumulative_counts (int): mmengine gradient accumulation. Defaults to 1.
         clip_grad (dict, optional): mmengine's ``clip_grad``, applied to unscaled fp32 master grads.
-        dtype (str, optional): The precision the model was built in: ``'float16'``, ``'bfloat16'``,
-            ``'float32'`` or ``'auto'`` (see above). None (default, apex) checks nothing.
+        dtype (str, optional): The precision the model trains in: ``'float16'``, ``'bfloat16'``,
+            ``'float32'`` or ``'auto'`` (see above): a half model must be in it, an fp32 model is
+            cast to it. None (default, apex) takes the model as it is.
+        fp32_modules (list[str], optional): Submodules kept fp32 (with fp32 inputs and outputs)
+            when the wrapper casts the model; see
+            :class:`~mp_wrappers.wrappers.model_casting.ModelCastingOptimWrapper`.
         **kwargs: Options shared by all our wrappers (``overflow_report``, ``on_scale_collapse``,
             ``collapse_patience``, ``sync_found_inf``, ``log_interval``, ``grad_check``): see
             :class:`~mp_wrappers.wrappers.base.MixedPrecisionOptimWrapper`.
@@ -138,10 +144,47 @@ class FP16OptimWrapper(MixedPrecisionOptimWrapper):
                          accumulative_counts=accumulative_counts, clip_grad=clip_grad, **kwargs)
         self.dynamic_loss_scale = dynamic_loss_scale
         self._master_params()  # create masters now, as FP16_Optimizer does at construction
+        # An fp32 model with a half dtype: the wrapper casts it when training starts.
+        self._casts_to: Optional[torch.dtype] = (
+            self.dtype if self.dtype in HALF_DTYPES and not self._masters.has_half else None)
         # An fp32 model is only a surprise when no dtype says so: dtype='float32', or 'auto' on a
         # device without native half formats, asks for fp32 compute on purpose.
-        if not self._masters.has_half and self.dtype != torch.float32:
+        if not self._masters.has_half and self.dtype is None:
             _warn_fp32_model()
+
+    # ---- model preparation (ModelCastingOptimWrapper) ----------------------------------------------
+    def _cast_plan(self) -> Optional[CastPlan]:
+        cast = getattr(self, '_casts_to', None)
+        if cast is None:
+            # A half model built by the user: only fp32_modules' hooks to place (checked fp32).
+            if not self.fp32_modules:
+                return None
+            return CastPlan(label='FP16OptimWrapper', level='O2', dtype=None,
+                            keep_norm_fp32=True, output_dtype=torch.float32, masters=True,
+                            ddp_config='')
+        name = str(cast).replace('torch.', '')
+        return CastPlan(
+            label=f'FP16OptimWrapper(dtype={name!r})', level='O2', dtype=cast,
+            keep_norm_fp32=True, output_dtype=torch.float32, masters=True,
+            ddp_config=("model_wrapper_cfg=dict(type='mp_wrappers."
+                        f"MixedPrecisionDistributedDataParallel', dtype='{name}', "
+                        'keep_batchnorm_fp32=True)'))
+
+    def _model_prepared(self, module, device: torch.device) -> None:
+        if self._casts_to is None:
+            return
+        name = str(self._casts_to).replace('torch.', '')
+        reason = hardware.slowdown_reason(self._casts_to, device)
+        if reason is not None:
+            warnings.warn(f'FP16OptimWrapper(dtype={name!r}) on a device without native {name}: '
+                          f'{reason}', UserWarning, stacklevel=5)
+        kept = f', {list(self.fp32_modules)} kept fp32' if self.fp32_modules else ''
+        print_log(f'mp_wrappers FP16OptimWrapper: cast {type(module).__name__} to {name} '
+                  f'(normalisation layers{kept} kept fp32); fp32 masters start from its fp32 '
+                  'weights', logger='current', level=logging.INFO)
+
+    def trains_half_weights(self) -> bool:
+        return self._casts_to is not None or super().trains_half_weights()
 
     # ---- apex FP16_Optimizer API -------------------------------------------------------------------
     def backward(self, loss: Tensor, update_master_grads: bool = True, retain_graph: bool = False,

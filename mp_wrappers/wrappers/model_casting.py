@@ -96,10 +96,9 @@ class ModelCastingOptimWrapper(MixedPrecisionOptimWrapper):
             self.initialize(model)
 
     def _prepare_model(self, model: nn.Module) -> None:
-        """Prepare the model (once), then bind the masters to it."""
-        if self._cast_plan() is None:
-            return
-        self.initialize(model)
+        """Prepare the model (once, if the plan says how), then bind the masters to it."""
+        if self._cast_plan() is not None:
+            self.initialize(model)
         super()._prepare_model(model)
 
     def initialize(self, model: nn.Module) -> None:
@@ -230,6 +229,13 @@ class ModelCastingOptimWrapper(MixedPrecisionOptimWrapper):
         if self._state_dict_hook is not None:
             self._state_dict_hook.remove()
             self._state_dict_hook = None
+
+    def backward(self, loss: Tensor, loss_id: int = 0, **kwargs) -> None:
+        if self._needs_initialize():
+            raise RuntimeError(f'{self._cast_plan().label} has not prepared the model yet: run the '
+                               'forward inside optim_context(model) or call initialize(model) '
+                               'first')
+        super().backward(loss, loss_id=loss_id, **kwargs)
 
     # ---- checkpoints before the model is prepared ------------------------------------------------
     def state_dict(self) -> dict:
