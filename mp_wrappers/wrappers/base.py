@@ -39,6 +39,7 @@ from torch.optim import Optimizer
 from .. import runner_adapter
 from ..casting import forget_loaded_full_precision, loaded_full_precision
 from ..distributed import sharding as _sharding
+from ..half_errors import add_half_hint
 from ..master import GradStash, MasterParams, MastersInStateDict
 from ..ops import (multi_tensor_l2norm, multi_tensor_scale, multi_tensor_unscale_l2norm,
                    new_found_inf)
@@ -327,7 +328,13 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             self._names_for = id(module)
         self._prepare_model(model)
         with super().optim_context(model):
-            yield
+            try:
+                yield
+            except (TypeError, RuntimeError, NotImplementedError) as exc:
+                hinted = add_half_hint(exc, module)
+                if hinted is exc:
+                    raise
+                raise hinted from exc
 
     # ---- backward --------------------------------------------------------------------------------
     def _check_loss_id(self, loss_id: int) -> None:
