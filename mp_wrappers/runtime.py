@@ -95,6 +95,8 @@ def _apex_model_wrapper_cfg(cfg: Any) -> None:
         type='mp_wrappers.MixedPrecisionDistributedDataParallel',
         dtype=str(cast).replace('torch.', ''), keep_batchnorm_fp32=bool(props.keep_batchnorm_fp32),
         broadcast_buffers=False, find_unused_parameters=cfg.get('find_unused_parameters', False))
+    if optim.get('fp32_modules', None):
+        cfg.model_wrapper_cfg['fp32_modules'] = list(optim['fp32_modules'])
 
 
 def _cpu_model_wrapper_cfg(cfg: Any) -> None:

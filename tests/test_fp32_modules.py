@@ -155,3 +155,21 @@ def test_other_errors_get_no_hint():
     model = Recognizer()
     assert half_hint(ValueError('unsupported ScalarType BFloat16'), model, 'optim_wrapper') is None
     assert half_hint(TypeError('something else'), model, 'optim_wrapper') is None
+
+
+def test_tools_train_casts_before_ddp_with_the_same_fp32_modules():
+    """Under DDP the model is cast before wrapping (tools/train.py's model_wrapper_cfg): the
+    fp32_modules travel with it, and the cast keeps them fp32."""
+    from mmengine.config import Config
+
+    from mp_wrappers.runtime import _apex_model_wrapper_cfg
+    cfg = Config(dict(optim_wrapper=dict(type='mp_wrappers.ApexOptimWrapper', opt_level='O2',
+                                         dtype='bfloat16', fp32_modules=['cls_head'])))
+    _apex_model_wrapper_cfg(cfg)
+    assert cfg.model_wrapper_cfg.type == 'mp_wrappers.MixedPrecisionDistributedDataParallel'
+    assert cfg.model_wrapper_cfg.fp32_modules == ['cls_head']
+    model = Recognizer()
+    cast_model(model, torch.bfloat16, keep_fp32_modules=[n for n, _ in match_modules(
+        model, cfg.model_wrapper_cfg.fp32_modules)])
+    assert model.backbone[0].weight.dtype == torch.bfloat16
+    assert model.cls_head.fc_cls.weight.dtype == torch.float32

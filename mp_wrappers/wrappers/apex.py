@@ -160,8 +160,9 @@ class ApexOptimWrapper(ModelCastingOptimWrapper):
             return None
         cast = props.cast_model_type
         keep_bn = bool(props.keep_batchnorm_fp32)
+        kept = f', fp32_modules={list(self.fp32_modules)!r}' if self.fp32_modules else ''
         ddp = ("model_wrapper_cfg=dict(type='mp_wrappers.MixedPrecisionDistributedDataParallel', "
-               f"dtype='{str(cast).replace('torch.', '')}', keep_batchnorm_fp32={keep_bn})")
+               f"dtype='{str(cast).replace('torch.', '')}', keep_batchnorm_fp32={keep_bn}{kept})")
         return CastPlan(label=f'ApexOptimWrapper(opt_level={props.opt_level!r})',
                         level=props.opt_level, dtype=cast, keep_norm_fp32=keep_bn,
                         output_dtype=props.cast_model_outputs or torch.float32,

@@ -168,7 +168,9 @@ class FP16OptimWrapper(ModelCastingOptimWrapper):
             keep_norm_fp32=True, output_dtype=torch.float32, masters=True,
             ddp_config=("model_wrapper_cfg=dict(type='mp_wrappers."
                         f"MixedPrecisionDistributedDataParallel', dtype='{name}', "
-                        'keep_batchnorm_fp32=True)'))
+                        'keep_batchnorm_fp32=True'
+                        + (f', fp32_modules={list(self.fp32_modules)!r}' if self.fp32_modules
+                           else '') + ')'))
 
     def _model_prepared(self, module, device: torch.device) -> None:
         if self._casts_to is None:
