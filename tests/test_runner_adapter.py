@@ -106,3 +106,27 @@ def test_a_wrapper_handed_to_the_runner_adopts_the_ema_hook_late(tmp_path):
     for name in b:
         assert a[name].dtype == torch.float32 and torch.equal(a[name], b[name]), name
     assert masters_by_name(late).keys() == masters_by_name(built).keys()
+
+
+def test_flexible_runner_gets_the_same_lifecycle(tmp_path):
+    """mmengine's FlexibleRunner (strategies) builds the wrapper inside its own train() too."""
+    from mmengine.runner import FlexibleRunner
+    runner = FlexibleRunner(
+        model=dict(type='mp_wrappers.WorkflowMLP'), work_dir=str(tmp_path),
+        experiment_name='flexible_lifecycle',
+        train_dataloader=dict(dataset=dict(type='mp_wrappers.WorkflowData'), batch_size=16,
+                              num_workers=0, sampler=dict(type='DefaultSampler', shuffle=True),
+                              collate_fn=dict(type='default_collate')),
+        train_cfg=dict(by_epoch=False, max_iters=3),
+        optim_wrapper=dict(type='mp_wrappers.ApexOptimWrapper', opt_level='O2', dtype='bfloat16',
+                           verbosity=0, optimizer=dict(type='SGD', lr=0.2, momentum=0.9)),
+        default_hooks=dict(logger=dict(type='LoggerHook', interval=1)),
+        custom_hooks=[dict(type='EMAHook', momentum=0.25)], randomness=dict(seed=0),
+        log_level='WARNING')
+    train(runner)
+    assert sum(isinstance(h, WrapperLifecycleHook) for h in runner.hooks) == 1
+    (ema,) = [h for h in runner.hooks if isinstance(h, EMAHook)]
+    assert type(ema) is MixedPrecisionEMAHook
+    assert all(p.dtype == torch.float32 for p in ema.ema_model.module.parameters())
+    assert runner.model.fc1.weight.dtype == torch.bfloat16
+    assert list(runner.message_hub.get_scalar('train/amp_scale').data[0]) == [1.0] * 3
