@@ -5,12 +5,15 @@ on the half weights) and, over a half model, keeps a half average whose small up
 ``mp_wrappers.MixedPrecisionEMAHook`` keeps mmengine's hook and averaged-model classes and averages the
 full-precision weights (the fp32 masters where they exist) into an fp32 copy (Note [EMA and masters]).
 """
+import math
+
 import pytest
 import torch
 from mmengine.hooks import EMAHook, Hook
+from mmengine.model import ExponentialMovingAverage
 
 from mp_wrappers import MixedPrecisionEMAHook
-from mp_wrappers.registry import HOOKS
+from mp_wrappers.registry import HOOKS, MODELS
 
 from _workflow import RecordHook, load, make_runner, masters_by_name, train
 
@@ -159,3 +162,31 @@ def test_validation_uses_the_ema_and_leaves_training_untouched(tmp_path):
         assert torch.equal(a[name], b[name]), name
     assert isinstance(_ema_hook(with_val), MixedPrecisionEMAHook)
     assert 'acc' in str(with_val.message_hub.log_scalars.keys())
+
+
+@MODELS.register_module(force=True)
+class MomentumWarmupEMA(ExponentialMovingAverage):
+    """mmdet's ExpMomentumEMA in kind: an averaged model of a toolbox with its own momentum rule."""
+
+    def avg_func(self, averaged_param, source_param, steps):
+        momentum = (1 - self.momentum) * math.exp(-float(1 + steps) / 2000) + self.momentum
+        averaged_param.lerp_(source_param, momentum)
+
+
+@pytest.mark.parametrize('ema_type', ['ExponentialMovingAverage', 'StochasticWeightAverage',
+                                      'mp_wrappers.MomentumWarmupEMA'])
+@pytest.mark.parametrize('wrapper', ['FP16', 'O2', 'O3'])
+def test_mmengine_ema_hook_with_any_ema_type_is_the_full_precision_one(tmp_path, wrapper, ema_type):
+    """mmengine's EMAHook with any averaged model trains exactly as MixedPrecisionEMAHook."""
+    emas = {}
+    for hook_type in EMA_HOOKS:
+        # StochasticWeightAverage takes no momentum.
+        args = {} if ema_type == 'StochasticWeightAverage' else dict(momentum=MOMENTUM)
+        runner = train(make_runner(tmp_path / hook_type, wrapper, 'bfloat16', iters=4,
+                                   custom_hooks=[dict(type=hook_type, ema_type=ema_type, **args)]))
+        hook = _ema_hook(runner)
+        assert type(hook) is MixedPrecisionEMAHook
+        emas[hook_type] = dict(hook.ema_model.module.named_parameters())
+    a, b = emas.values()
+    for name in a:
+        assert a[name].dtype == torch.float32 and torch.equal(a[name], b[name]), name
