@@ -190,6 +190,26 @@ def _ema_hook_config(hook: EMAHook) -> str:
     return f"custom_hooks=[dict(type='mp_wrappers.MixedPrecisionEMAHook', {text})]"
 
 
+# The EMAHook methods MixedPrecisionEMAHook replaces: a subclass that keeps mmengine's versions of
+# these (mmpretrain's EMAHook only adds evaluate_on_ema/evaluate_on_origin) is combined with it.
+_REPLACED = ('before_run', 'after_train_iter', '_swap_ema_parameters')
+_COMBINED: Dict[type, type] = {}
+
+
+def _full_precision_class(cls: type) -> Optional[type]:
+    """The hook class that runs ``cls`` in full precision, or None when ``cls`` changes what
+    :class:`MixedPrecisionEMAHook` changes (then its behaviour cannot be kept)."""
+    if cls is EMAHook:
+        return MixedPrecisionEMAHook
+    if any(getattr(cls, name) is not getattr(EMAHook, name) for name in _REPLACED):
+        return None
+    if cls not in _COMBINED:
+        # MixedPrecisionEMAHook's methods first, then the subclass's own, then EMAHook's.
+        _COMBINED[cls] = type(f'MixedPrecision{cls.__name__}', (MixedPrecisionEMAHook, cls),
+                              {'__module__': __name__})
+    return _COMBINED[cls]
+
+
 def adopt_ema_hooks(runner) -> None:
     """Make mmengine's ``EMAHook`` average in full precision when our wrappers train half weights.
 
@@ -197,13 +217,15 @@ def adopt_ema_hooks(runner) -> None:
     optimizer step, and before ``EMAHook.before_run`` when the wrapper was built by the runner.
     A plain ``EMAHook`` would crash (O2/O3: ``lerp_`` of its fp32 copy with the half weights) or
     average in half precision, where small updates round away and the average silently stops
-    moving (a half ``FP16OptimWrapper`` model). So each ``mmengine.hooks.EMAHook`` (exactly that
-    class) is replaced in the runner by a :class:`MixedPrecisionEMAHook` holding the same
-    arguments and priority (Note [EMA and masters]); a subclass of ``EMAHook``, whose own
-    behaviour we cannot keep, stops training with the config line to use instead.
+    moving (a half ``FP16OptimWrapper`` model). So each ``EMAHook`` is replaced in the runner by a
+    :class:`MixedPrecisionEMAHook` holding the same arguments, state and priority (Note [EMA and
+    masters]). A toolbox's subclass is combined with it when it keeps mmengine's versions of the
+    methods that precision changes (:data:`_REPLACED`; mmpretrain's ``EMAHook`` does); one that
+    overrides them stops training with the config line to use instead.
 
     Raises:
-        RuntimeError: an ``EMAHook`` subclass would average half weights.
+        RuntimeError: an ``EMAHook`` subclass that overrides those methods would average half
+            weights.
     """
     plain = [h for h in runner.hooks
              if isinstance(h, EMAHook) and not isinstance(h, MixedPrecisionEMAHook)]
@@ -213,16 +235,19 @@ def adopt_ema_hooks(runner) -> None:
     if not half:
         return
     for hook in plain:
-        if type(hook) is not EMAHook:
+        cls = _full_precision_class(type(hook))
+        if cls is None:
             raise RuntimeError(
                 f'{type(hook).__name__} (an EMAHook subclass) cannot average a model trained with '
                 f'{", ".join(half)}: its copy would be taken before the model is cast (lerp_ then '
                 'fails on the half weights) or be half itself (small EMA updates round away and '
-                'the average silently stops moving). mp_wrappers replaces mmengine\'s own EMAHook '
-                f'by itself, but not a subclass whose behaviour it cannot keep. Use {_ema_hook_config(hook)} '
-                f'in place of {type(hook).__name__}, or train at opt_level O0/O1 (fp32 weights).')
-        new = MixedPrecisionEMAHook.adopt(hook)
+                'the average silently stops moving), and it overrides '
+                f'{", ".join(n for n in _REPLACED if getattr(type(hook), n) is not getattr(EMAHook, n))}'
+                ', which full-precision averaging must replace. Use '
+                f'{_ema_hook_config(hook)} in place of {type(hook).__name__}, or train at '
+                'opt_level O0/O1 (fp32 weights).')
+        new = cls.adopt(hook)
         replace_hook(runner, hook, new)
-        print_log(f'mp_wrappers: EMAHook averages the full-precision weights of {", ".join(half)}'
-                  ' (it runs as mp_wrappers.MixedPrecisionEMAHook with the same arguments: '
-                  f'{_ema_hook_config(hook)})', logger='current', level=logging.INFO)
+        print_log(f'mp_wrappers: {type(hook).__name__} averages the full-precision weights of '
+                  f'{", ".join(half)} (it runs as {cls.__name__}, with the same arguments)',
+                  logger='current', level=logging.INFO)

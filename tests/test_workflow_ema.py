@@ -24,7 +24,7 @@ MOMENTUM = 0.25
 
 
 def _ema_hook(runner):
-    (hook,) = [h for h in runner.hooks if type(h).__name__ in ('EMAHook', 'MixedPrecisionEMAHook')]
+    (hook,) = [h for h in runner.hooks if isinstance(h, EMAHook)]
     return hook
 
 
@@ -108,16 +108,58 @@ def test_bf16_ema_keeps_moving(tmp_path, ema_type):
 
 @HOOKS.register_module(force=True)
 class ToolboxEMAHook(EMAHook):
-    """A toolbox's own EMAHook subclass: its behaviour is not ours to keep."""
+    """A toolbox's EMAHook subclass as mmpretrain's: options of its own, mmengine's averaging."""
+
+    def __init__(self, *args, count_train_starts: bool = True, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.count_train_starts = count_train_starts
+        self.train_starts = 0
+
+    def before_train(self, runner) -> None:
+        super().before_train(runner)
+        self.train_starts += int(self.count_train_starts)
+
+
+@HOOKS.register_module(force=True)
+class OwnAveragingEMAHook(EMAHook):
+    """A subclass that averages its own way: precision cannot be changed under it."""
+
+    def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None) -> None:
+        self.ema_model.update_parameters(self.src_model)
 
 
 @pytest.mark.parametrize('wrapper', ['FP16', 'O2', 'O3'])
-def test_ema_hook_subclass_over_half_weights_is_refused_with_the_config_line(tmp_path, wrapper):
+def test_a_toolbox_ema_hook_subclass_runs_in_full_precision_keeping_its_own_behaviour(
+        tmp_path, wrapper):
+    emas = {}
+    for hook_type in ('mp_wrappers.ToolboxEMAHook', 'mp_wrappers.MixedPrecisionEMAHook'):
+        runner = train(make_runner(tmp_path / hook_type, wrapper, 'bfloat16', iters=4,
+                                   custom_hooks=[dict(type=hook_type, momentum=MOMENTUM)]))
+        hook = _ema_hook(runner)
+        emas[hook_type] = dict(hook.ema_model.module.named_parameters())
+    assert isinstance(hook, MixedPrecisionEMAHook)
+    runner = train(make_runner(tmp_path / 'again', wrapper, 'bfloat16', iters=2,
+                               custom_hooks=[dict(type='mp_wrappers.ToolboxEMAHook',
+                                                  momentum=MOMENTUM)]))
+    (toolbox,) = [h for h in runner.hooks if isinstance(h, ToolboxEMAHook)]
+    assert isinstance(toolbox, MixedPrecisionEMAHook)
+    assert type(toolbox).__name__ == 'MixedPrecisionToolboxEMAHook'
+    assert toolbox.train_starts == 1 and toolbox.count_train_starts is True  # its own behaviour
+    a, b = emas.values()
+    for name in a:
+        assert a[name].dtype == torch.float32 and torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize('wrapper', ['FP16', 'O2', 'O3'])
+def test_ema_hook_subclass_with_its_own_averaging_is_refused_with_the_config_line(
+        tmp_path, wrapper):
     record = RecordHook()
     runner = make_runner(tmp_path, wrapper, 'bfloat16', iters=3, custom_hooks=[
-        dict(type='mp_wrappers.ToolboxEMAHook', momentum=MOMENTUM, begin_iter=2)])
+        dict(type='mp_wrappers.OwnAveragingEMAHook', momentum=MOMENTUM, begin_iter=2)])
     runner.register_hook(record)
-    with pytest.raises(RuntimeError, match=r"ToolboxEMAHook \(an EMAHook subclass\)") as info:
+    with pytest.raises(RuntimeError,
+                       match=r"OwnAveragingEMAHook \(an EMAHook subclass\).*it overrides "
+                             r'after_train_iter') as info:
         train(runner)
     message = str(info.value)
     assert ("custom_hooks=[dict(type='mp_wrappers.MixedPrecisionEMAHook', "
@@ -128,8 +170,8 @@ def test_ema_hook_subclass_over_half_weights_is_refused_with_the_config_line(tmp
 
 def test_ema_hook_subclass_at_o1_is_left_alone(tmp_path):
     runner = train(make_runner(tmp_path, 'O1', 'bfloat16', iters=2, custom_hooks=[
-        dict(type='mp_wrappers.ToolboxEMAHook', momentum=MOMENTUM)]))
-    assert any(type(h) is ToolboxEMAHook for h in runner.hooks)
+        dict(type='mp_wrappers.OwnAveragingEMAHook', momentum=MOMENTUM)]))
+    assert any(type(h) is OwnAveragingEMAHook for h in runner.hooks)
 
 
 def test_validation_uses_the_ema_and_leaves_training_untouched(tmp_path):
