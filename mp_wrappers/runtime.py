@@ -14,7 +14,7 @@ skip-aware schedules come without configuration.
 import datetime
 import os
 import subprocess
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -72,31 +72,46 @@ def prepare_distributed(cfg: Any, launcher: str) -> Any:
 
 
 _APEX_TYPES = ('mp_wrappers.ApexOptimWrapper',)
+_FP16_TYPES = ('mp_wrappers.FP16OptimWrapper',)
 _PROPERTY_KEYS = ('enabled', 'loss_scale', 'cast_model_type', 'patch_torch_functions',
                   'keep_batchnorm_fp32', 'master_weights', 'cast_model_outputs', 'dtype')
 
 
 def _apex_model_wrapper_cfg(cfg: Any) -> None:
-    """Cast-before-DDP wrapper for ApexOptimWrapper levels that cast the model (O2/O3)."""
+    """Cast-before-DDP wrapper for the wrappers that cast the model: ApexOptimWrapper O2/O3, and
+    FP16OptimWrapper with a half ``dtype`` (over an fp32 model; a half model is left as it is)."""
     optim = cfg.get('optim_wrapper', None)
     if cfg.get('model_wrapper_cfg', None) is not None or not hasattr(optim, 'get'):
         return
-    from .wrappers import ApexOptimWrapper
-    wrapper_type = optim.get('type', None)
-    if not (wrapper_type in _APEX_TYPES or wrapper_type is ApexOptimWrapper):
+    cast, keep_bn = _model_cast_of(optim)
+    if cast is None:
         return
+    cfg.model_wrapper_cfg = dict(
+        type='mp_wrappers.MixedPrecisionDistributedDataParallel',
+        dtype=str(cast).replace('torch.', ''), keep_batchnorm_fp32=keep_bn,
+        broadcast_buffers=False, find_unused_parameters=cfg.get('find_unused_parameters', False))
+    if optim.get('fp32_modules', None):
+        cfg.model_wrapper_cfg['fp32_modules'] = list(optim['fp32_modules'])
+
+
+def _model_cast_of(optim: Any) -> Tuple[Optional[torch.dtype], bool]:
+    """(the dtype the configured wrapper casts the model to, keep norm layers fp32), or (None, _)."""
+    from .wrappers import ApexOptimWrapper, FP16OptimWrapper
+    wrapper_type = optim.get('type', None)
+    if wrapper_type in _FP16_TYPES or wrapper_type is FP16OptimWrapper:
+        dtype = optim.get('dtype', None)
+        if isinstance(dtype, str) and dtype in ('float16', 'bfloat16'):
+            return getattr(torch, dtype), True
+        return None, True  # None, fp32 or 'auto' (resolved per device by the wrapper)
+    if not (wrapper_type in _APEX_TYPES or wrapper_type is ApexOptimWrapper):
+        return None, True
     from .policy import resolve_properties
     kwargs = {k: optim[k] for k in _PROPERTY_KEYS if optim.get(k, None) is not None}
     props = resolve_properties(optim.get('opt_level', 'O1'), **kwargs)
     cast = props.cast_model_type
     if not props.enabled or cast is None or cast == torch.float32:
-        return
-    cfg.model_wrapper_cfg = dict(
-        type='mp_wrappers.MixedPrecisionDistributedDataParallel',
-        dtype=str(cast).replace('torch.', ''), keep_batchnorm_fp32=bool(props.keep_batchnorm_fp32),
-        broadcast_buffers=False, find_unused_parameters=cfg.get('find_unused_parameters', False))
-    if optim.get('fp32_modules', None):
-        cfg.model_wrapper_cfg['fp32_modules'] = list(optim['fp32_modules'])
+        return None, True
+    return cast, bool(props.keep_batchnorm_fp32)
 
 
 def _cpu_model_wrapper_cfg(cfg: Any) -> None:

@@ -173,3 +173,22 @@ def test_tools_train_casts_before_ddp_with_the_same_fp32_modules():
         model, cfg.model_wrapper_cfg.fp32_modules)])
     assert model.backbone[0].weight.dtype == torch.bfloat16
     assert model.cls_head.fc_cls.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize('dtype,expected', [('bfloat16', 'bfloat16'), ('float16', 'float16'),
+                                            ('auto', None), (None, None)])
+def test_tools_train_casts_before_ddp_for_a_casting_fp16_wrapper(dtype, expected):
+    from mmengine.config import Config
+
+    from mp_wrappers.runtime import _apex_model_wrapper_cfg
+    optim = dict(type='mp_wrappers.FP16OptimWrapper', fp32_modules=['cls_head'])
+    if dtype is not None:
+        optim['dtype'] = dtype
+    cfg = Config(dict(optim_wrapper=optim))
+    _apex_model_wrapper_cfg(cfg)
+    if expected is None:
+        assert cfg.get('model_wrapper_cfg', None) is None
+    else:
+        assert cfg.model_wrapper_cfg.dtype == expected
+        assert cfg.model_wrapper_cfg.keep_batchnorm_fp32 is True
+        assert cfg.model_wrapper_cfg.fp32_modules == ['cls_head']
