@@ -6,7 +6,7 @@ mp_wrappers/csrc/include/mp_wrappers/cuda/multi_tensor_apply.cuh; the host-execu
 For every op this prints bytes per parameter against the minimum (each tensor the op must read read
 once, each tensor it must write written once), and for the fused O2 Adam step (a read-only inf/norm
 pass over the half grads, then one update pass writing the fp32 master, moments and the half model)
-against REFERENCE.md section 7: fp32 Adam 28 B/param, fused O2 ~30, the composed torch pipeline
+against docs/semantics.md section 7: fp32 Adam 28 B/param, fused O2 ~30, the composed torch pipeline
 ~44. The implied step time uses the H100 SXM's *nominal* HBM3 bandwidth (3.35 TB/s), not a
 measurement: a real kernel reaches some fraction of it.
 
@@ -98,9 +98,9 @@ def main():
     o2 = results['unscale_l2norm fp16'] + results['adam O2 update (bf16 grad, bf16 model)']
     print()
     print('fused O2 Adam step (unscale_l2norm over fp16 grads + one update pass):')
-    print(f'  {o2:.2f} B/param; REFERENCE.md section 7: minimum ~30, composed torch pipeline ~44')
+    print(f'  {o2:.2f} B/param; docs/semantics.md section 7: minimum ~30, composed torch pipeline ~44')
     for label, bpp in (('fp32 Adam', results['adam fp32']), ('fused O2 Adam', o2),
-                       ('composed torch O2 (REFERENCE.md)', 44.0)):
+                       ('composed torch O2 (docs/semantics.md)', 44.0)):
         ms = bpp * args.model_params / H100_NOMINAL_BYTES_PER_S * 1e3
         print(f'  implied H100 time, {args.model_params / 1e6:.1f}M params, {label}: {ms:.3f} ms '
               '(nominal 3.35 TB/s HBM3, not measured)')

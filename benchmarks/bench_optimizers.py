@@ -16,7 +16,7 @@ Every pipeline is first checked against the others on one step from the same sta
 with 1 and 2 threads: ``--iters`` rounds after warm-up, one step of each pipeline per round (so load
 from other processes hits all alike), reporting the fastest and the median step. Memory traffic per
 parameter over the fastest time gives GB/s, compared with the in-place read-modify-write bandwidth
-(``a.mul_``), the roofline of these in-place updates (REFERENCE.md section 7), sampled in the same
+(``a.mul_``), the roofline of these in-place updates (docs/semantics.md section 7), sampled in the same
 rounds as the pipelines of each table. The sample streams a DRAM-sized working set: at least the
 largest step's bytes (44 B/param x params) and 4x the last-level cache
 (``hardware.last_level_cache_bytes``). A sample that fits the cache measures the cache: on this
@@ -47,7 +47,7 @@ from mp_wrappers.optim import FusedAdam  # noqa: E402
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 SCALE = 2.0 ** 12
-# Bytes moved per parameter by each pipeline (REFERENCE.md section 7).
+# Bytes moved per parameter by each pipeline (docs/semantics.md section 7).
 BYTES_FP32_ADAM = 28          # read p, g, m, v; write p, m, v
 BYTES_O2_FUSED = 2 + 28       # check pass over g16; g16 + p32/m/v read and written + p16 written
 BYTES_O2_COMPOSED = 4 + 6 + 28 + 6  # unscale g16 in place; g16 -> g32; Adam; p32 -> p16

@@ -1,6 +1,6 @@
 """apex amp's opt levels as data, and the one function that applies and validates overrides.
 
-The table (REFERENCE.md section 1):
+The table (docs/semantics.md section 1):
 
 ===== ================= ===================== =================== ============== ==========
 level cast_model_type   patch_torch_functions keep_batchnorm_fp32 master_weights loss_scale

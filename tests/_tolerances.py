@@ -1,4 +1,4 @@
-"""The one per-dtype tolerance table of the test suite (STYLE rule 10).
+"""The one per-dtype tolerance table of the test suite (docs/semantics.md section 10).
 
 TOL: results of the same math in a different order or precision (kernel vs reference, float32 vs a
 float64 oracle); fp16/bf16 entries are one rounding step apart (an ulp is 2**-10 and 2**-7 relative).

@@ -47,7 +47,7 @@ _RUNS = [0]
 
 def _cfg(tmp_path, skip_aware=True, planted=PLANTED, add_hook_explicitly=True):
     cfg = Config.fromfile(os.path.join(REPO, 'configs', 'digits', 'cnn_fp16_dynamic.py'))
-    # A narrow fp16 CNN: fp16 convolutions are slow on CPU (REFERENCE.md section 8).
+    # A narrow fp16 CNN: fp16 convolutions are slow on CPU (docs/semantics.md section 8).
     cfg.model = dict(type='mp_wrappers._PlantedOverflowCNN', width=4, dtype='float16',
                      inf_iters=list(planted))
     cfg.train_dataloader.dataset.val_fraction = 0.9

@@ -1,6 +1,6 @@
 # O2: half model with fp32 LayerNorm, fp32 master weights stepped by AdamW.
 # float16 with a dynamic loss scale. fp16 matmuls run ~100x slower than fp32 on CPUs without
-# AVX512-FP16/AMX (REFERENCE.md section 8), so on CPU this config runs a smoke-test budget; it is meant
+# AVX512-FP16/AMX (docs/semantics.md section 8), so on CPU this config runs a smoke-test budget; it is meant
 # for GPUs: python tools/train.py configs/charlm/lm_apex_O2_fp16.py --cfg-options train_cfg.max_iters=1000
 _base_ = ['./_base_/charlm_data.py', './_base_/charlm_model.py', './_base_/schedule_1k.py',
           './_base_/default_runtime.py']

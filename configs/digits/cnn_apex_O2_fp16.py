@@ -1,6 +1,6 @@
 # O2: the wrapper casts the model to half with BatchNorm kept fp32 and steps fp32 master weights.
 # float16 with a dynamic loss scale. fp16 convolutions run far slower than fp32 on CPUs without
-# AVX512-FP16/AMX (REFERENCE.md section 8), so this config uses the short 6-epoch schedule
+# AVX512-FP16/AMX (docs/semantics.md section 8), so this config uses the short 6-epoch schedule
 # (_base_/schedule_6e.py says how to run the full one on a GPU).
 _base_ = ['./_base_/digits_data.py', './_base_/cnn_model.py', './_base_/schedule_6e.py',
           './_base_/default_runtime.py']

@@ -2,7 +2,7 @@
 
 Importing ``mp_wrappers`` never fails because the extension is missing or broken: the pure-PyTorch
 references take over, and the original error is reported once, at the first op that had to fall back
-(STYLE rule 9). ``backend()`` tells what is in use.
+(docs/semantics.md section 10). ``backend()`` tells what is in use.
 """
 import os
 import warnings

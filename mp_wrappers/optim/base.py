@@ -7,7 +7,7 @@ Note [fused master step]
     them back into the model: about 44 bytes of memory traffic per parameter. ``fused_master_step``
     hands the half grads and the half model params straight to the update op, which unscales, updates
     the master and its state and writes the rounded value into the model in one pass (about 30 bytes,
-    see REFERENCE.md section 7), with the overflow skip decided on the device.
+    see docs/semantics.md section 7), with the overflow skip decided on the device.
 
 Note [step cohorts]
     Each parameter's state holds ``step``, a 1-element float32 tensor counting the updates applied to

@@ -450,7 +450,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         With an optimizer that implements the fused master step (``mp_wrappers.FusedAdam`` and
         friends) and gradients from a single scaler, the half gradients are read once for the
         inf check and the norm, and once by the fused update, which writes masters, moments and the
-        half model copy together: no fp32 master-gradient buffers (REFERENCE.md section 7).
+        half model copy together: no fp32 master-gradient buffers (docs/semantics.md section 7).
 
         Args:
             **kwargs: Passed on to the inner optimizer's ``step``.
