@@ -66,6 +66,7 @@ val_dataloader = dict(
 test_dataloader = val_dataloader
 train_cfg = dict(max_epochs=2)
 default_hooks = dict(logger=dict(interval=1), checkpoint=dict(interval=1, save_best=None))
+log_processor = dict(window_size=1)  # each iteration's own loss in the log, not a running mean
 randomness = dict(seed=0)
 """
 
@@ -112,7 +113,7 @@ def test_bf16_with_an_fp32_head_trains_like_fp32(mmaction2, level):
     fp32_dir, _ = mmaction2('fp32')
     losses = _losses(work_dir)
     assert len(losses) == 16 and all(torch.isfinite(torch.tensor(losses))), losses
-    assert sum(losses[-4:]) < 0.7 * sum(losses[:4]), losses
+    assert sum(losses[-4:]) < 0.8 * sum(losses[:4]), losses
     assert losses[1:] != _losses(fp32_dir)[1:]  # bf16 arithmetic, not an fp32 run
     # The head's own training accuracy (numpy, inside the forward) is logged.
     assert all('top1_acc' in r for r in train_records(work_dir))
@@ -120,7 +121,10 @@ def test_bf16_with_an_fp32_head_trains_like_fp32(mmaction2, level):
     assert len(accuracy) == 2 and accuracy[-1] >= 0.6, accuracy
     assert abs(accuracy[-1] - fp32_accuracy[-1]) <= 0.3, (accuracy, fp32_accuracy)
     lines = [line for line in log_text(work_dir).splitlines() if 'Epoch(train)' in line]
-    assert len(lines) == 16 and all('amp_scale: ' in x and 'amp_skipped: ' in x for x in lines)
+    # The shipped schedule clips (max_norm=40): amp_gnorm too.
+    assert len(lines) == 16
+    for line in lines:
+        assert 'amp_scale: ' in line and 'amp_skipped: ' in line and 'amp_gnorm: ' in line, line
     ckpt = load_checkpoint(work_dir / 'epoch_2.pth')
     for name, value in float_state(ckpt).items():
         assert value.dtype == torch.float32 and torch.isfinite(value).all(), name
