@@ -135,12 +135,17 @@ def test_bf16_with_an_fp32_head_trains_like_fp32(mmaction2, level):
         assert not torch.equal(conv, conv.bfloat16().float())
 
 
-def test_bf16_head_fails_in_numpy_without_fp32_modules(mmaction2):
-    """Why the key is needed: without it the head's numpy accuracy meets bf16 scores."""
+def test_bf16_head_fails_in_numpy_without_fp32_modules_naming_the_key(mmaction2):
+    """Why the key is needed: without it the head's numpy accuracy meets bf16 scores at the first
+    iteration, and the error names the module and the line to add."""
     work_dir, proc = mmaction2('O2_no_fp32_head', check=False)
     assert proc.returncode != 0
+    assert 'Epoch(train)' not in proc.stdout + proc.stderr
     assert 'top_k_accuracy(cls_scores.detach().cpu().numpy()' in proc.stderr
     assert 'TypeError: Got unsupported ScalarType BFloat16' in proc.stderr
+    assert ("inside TSNHead 'cls_head'" in proc.stderr
+            and "adding fp32_modules=['cls_head'] to the optim_wrapper config" in proc.stderr), \
+        proc.stderr[-2000:]
 
 
 def test_resume_continues_bit_for_bit(mmaction2):
