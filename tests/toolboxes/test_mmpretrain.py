@@ -34,6 +34,9 @@ VARIANTS = {
         " accumulative_counts=2, clip_grad=dict(max_norm=1.0))\n"
         "custom_hooks = [dict(type='mp_wrappers.MixedPrecisionEMAHook', momentum=0.1, "
         "priority='ABOVE_NORMAL')]\n"),
+    'O2_fp32_head': CUSTOM_IMPORTS + (
+        "optim_wrapper = dict(type='mp_wrappers.ApexOptimWrapper', opt_level='O2', dtype='bfloat16',"
+        " fp32_modules=['head'])\n"),
     'FP16OptimWrapper': CUSTOM_IMPORTS + (
         "optim_wrapper = dict(type='mp_wrappers.FP16OptimWrapper', dtype='bfloat16')\n"),
 }
@@ -147,6 +150,24 @@ def test_apex_levels_train_like_fp32(mmpretrain, level):
 def test_o2_masters_are_the_checkpointed_weights(mmpretrain):
     """O2 keeps fp32 masters: the checkpoint holds weights that bf16 cannot represent."""
     state = _params(float_state(load_checkpoint(mmpretrain('O2') / 'epoch_2.pth')))
+    conv = state['backbone.layer1.0.conv1.weight']
+    assert not torch.equal(conv, conv.bfloat16().float())
+
+
+def _bf16_exact(x: float) -> bool:
+    return torch.tensor(x, dtype=torch.float64).bfloat16().double().item() == x
+
+
+def test_o2_computes_the_loss_in_bf16_unless_the_head_is_fp32(mmpretrain):
+    """mmpretrain computes the loss inside the model (``ClsHead.loss``), so at O2 it is a bf16
+    number (as apex's O2 computed it in fp16); ``fp32_modules=['head']`` keeps the head, and the
+    loss, in fp32."""
+    assert all(_bf16_exact(x) for x in _losses(mmpretrain('O2')))
+    work_dir = mmpretrain('O2_fp32_head')
+    _assert_trains(work_dir, mmpretrain('fp32'))
+    assert sum(_bf16_exact(x) for x in _losses(work_dir)) <= 2, _losses(work_dir)
+    # The backbone still trains in bf16, with fp32 masters holding what bf16 cannot.
+    state = float_state(load_checkpoint(work_dir / 'epoch_2.pth'))
     conv = state['backbone.layer1.0.conv1.weight']
     assert not torch.equal(conv, conv.bfloat16().float())
 
