@@ -23,7 +23,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
-pip_q() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
+pip_q() { "$PY" -m pip install -q --disable-pip-version-check --root-user-action=ignore "$@"; }
 
 # torchvision X.Y matches torch 2.(Y-15): 0.28 <-> 2.13. Keep one that already imports.
 if ! "$PY" -c 'import torchvision' 2>/dev/null; then
@@ -31,7 +31,8 @@ if ! "$PY" -c 'import torchvision' 2>/dev/null; then
   echo "install_toolboxes: torchvision==$tv (--no-deps: pip must not replace torch)"
   pip_q --no-deps "torchvision==$tv"
 fi
-pip_q --no-deps mmcv-lite==2.1.0 mmpretrain==1.2.0 mmaction2==1.2.0
+# --no-warn-conflicts: pip would call the requirements left out on purpose (above) an ERROR.
+pip_q --no-deps --no-warn-conflicts mmcv-lite==2.1.0 mmpretrain==1.2.0 mmaction2==1.2.0
 # Their pure-Python requirements that mp_wrappers' own install lacks (mmengine brings matplotlib,
 # rich and opencv-python; scikit-learn, a test requirement, brings scipy).
 pip_q einops==0.8.2 importlib-metadata==10.2.0 mat4py==0.6.0 modelindex==0.0.2
