@@ -189,6 +189,9 @@ def test_our_train_script_gives_the_same_run(mmaction2):
     theirs, _ = mmaction2('O2')
     assert _losses(ours) == _losses(theirs)
     assert _accuracy(ours) == _accuracy(theirs)
+    a, b = load_checkpoint(theirs / 'epoch_2.pth'), load_checkpoint(ours / 'epoch_2.pth')
+    for name, value in float_state(a).items():
+        assert torch.equal(b['state_dict'][name], value), name
 
 
 def test_amp_flag_refuses_our_wrapper(mmaction2):
