@@ -90,8 +90,13 @@ def cast_model(model: nn.Module, dtype: torch.dtype, keep_norm_fp32: bool = True
         model._mp_wrappers_capture_hook = model.register_load_state_dict_pre_hook(
             _capture_full_precision)
     if keep_norm_fp32 and dtype != torch.float32:
+        # Norm layers inside a module kept fp32 run in fp32 with the rest of it: their output must
+        # stay fp32 for the next fp32 layer there.
+        in_fp32_modules = {id(m) for prefix in keep_fp32_modules
+                           for m in (model.get_submodule(prefix) if prefix else model).modules()}
         for module in model.modules():
-            if is_norm_layer(module) and not getattr(module, '_mp_wrappers_fp32_hooks', None):
+            if (is_norm_layer(module) and id(module) not in in_fp32_modules
+                    and not getattr(module, '_mp_wrappers_fp32_hooks', None)):
                 handles = (
                     module.register_forward_pre_hook(_norm_inputs_to_fp32),
                     module.register_forward_hook(_make_output_cast(dtype)),

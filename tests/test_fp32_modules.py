@@ -192,3 +192,14 @@ def test_tools_train_casts_before_ddp_for_a_casting_fp16_wrapper(dtype, expected
         assert cfg.model_wrapper_cfg.dtype == expected
         assert cfg.model_wrapper_cfg.keep_batchnorm_fp32 is True
         assert cfg.model_wrapper_cfg.fp32_modules == ['cls_head']
+
+
+@pytest.mark.parametrize('wrapper', ['O2', 'O3', 'FP16cast'])
+def test_a_module_kept_fp32_with_a_norm_layer_inside_stays_fp32_throughout(tmp_path, wrapper):
+    """The backbone (Linear, BatchNorm, ReLU) kept fp32: its BatchNorm hands fp32 on."""
+    seen = []
+    runner = _runner(tmp_path, wrapper, fp32_modules=['backbone', 'cls_head'], iters=2)
+    runner.model.backbone[1].register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    train(runner)
+    assert set(seen) == {torch.float32}
+    assert all(p.dtype == torch.float32 for p in runner.model.parameters())
