@@ -157,7 +157,11 @@ def is_complete_checkpoint(path: Union[str, Path]) -> bool:
 
     A zip archive's central directory is written last, so a truncated file has none and fails to
     open; the pickle record must be listed too. Reads only the directory at the end of the file.
+    A sharded checkpoint (a ``torch.distributed.checkpoint`` directory, FSDP2) is complete when it
+    has its ``.metadata``, which DCP writes last (by a rename) after every rank's data.
     """
+    if osp.isdir(path):
+        return osp.isfile(osp.join(path, '.metadata'))
     try:
         with zipfile.ZipFile(path) as archive:
             return any(name.endswith('/data.pkl') or name == 'data.pkl'

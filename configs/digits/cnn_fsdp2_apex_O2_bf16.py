@@ -15,8 +15,6 @@ optim_wrapper = dict(
     type='mp_wrappers.ApexOptimWrapper', opt_level='O2', dtype='bfloat16',
     optimizer=dict(type='mp_wrappers.FusedAdam', lr=2e-3, weight_decay=1e-4),
     clip_grad=dict(max_norm=5.0))
-# mmengine's Runner writes checkpoints from rank 0 only, which under FSDP2 holds only its own shards:
-# no Runner checkpoints here. Sharded checkpoints of FSDP2 go through torch.distributed.checkpoint
-# (mp_wrappers.distributed.checkpoint.save_sharded / load_sharded, called on all ranks);
-# for checkpoints through mmengine use FSDP1 (cnn_fsdp_apex_O2_bf16.py) or DDP.
-default_hooks = dict(checkpoint=dict(interval=-1, save_last=False))
+# Checkpoints: FullyShardedRunner writes them from every rank as torch.distributed.checkpoint
+# directories (epoch_N.pth/, each rank's shards); `--resume` continues bitwise on the same rank count
+# and re-slices for another; tools/consolidate_checkpoint.py makes one ordinary file of the weights.

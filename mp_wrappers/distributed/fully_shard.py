@@ -22,6 +22,7 @@ from ..casting import is_norm_layer, parse_dtype
 from mmengine.runner import Runner
 
 from ..registry import MODEL_WRAPPERS, RUNNERS
+from . import runner_checkpoint
 
 __all__ = ['FullyShardedModel', 'FullyShardedRunner']
 
@@ -114,18 +115,49 @@ def _init_and_broadcast(module: nn.Module) -> None:
 
 @RUNNERS.register_module()
 class FullyShardedRunner(Runner):
-    """mmengine's ``Runner`` for :class:`FullyShardedModel` (FSDP2).
+    """mmengine's ``Runner`` for :class:`FullyShardedModel` (FSDP2), with sharded checkpoints.
 
-    The only difference: weights are initialised and broadcast by :class:`FullyShardedModel`
-    before sharding, so the Runner's own init-and-broadcast (which cannot broadcast DTensors) is
-    skipped for it. Other models go through ``Runner`` unchanged.
+    Differences, only when the model is FSDP2-sharded (other models go through ``Runner``
+    unchanged):
+
+    * weights are initialised and broadcast by :class:`FullyShardedModel` before sharding, so the
+      Runner's own init-and-broadcast (which cannot broadcast DTensors) is skipped;
+    * ``save_checkpoint`` runs on every rank and writes a ``torch.distributed.checkpoint``
+      directory holding every rank's shards, ``load_checkpoint`` (``load_from``) reads such a
+      directory or an ordinary full checkpoint, and ``resume`` reads such a directory on any
+      number of ranks (Note [runner checkpoints under FSDP2] in
+      :mod:`mp_wrappers.distributed.runner_checkpoint`). mmengine's ``CheckpointHook`` drives
+      them as it is (``interval``, ``max_keep_ckpts``, ``save_best``, ``save_last``,
+      ``last_checkpoint``).
 
     Examples:
         >>> runner_type = 'mp_wrappers.FullyShardedRunner'
         >>> model_wrapper_cfg = dict(type='mp_wrappers.FullyShardedModel', dtype='bfloat16')
+        >>> default_hooks = dict(checkpoint=dict(type='CheckpointHook', interval=1))
     """
 
     def _init_model_weights(self) -> None:
         if isinstance(self.model, FullyShardedModel):
             return
         super()._init_model_weights()
+
+    def _sharded(self) -> bool:
+        return runner_checkpoint.fsdp2_root(self.model) is not None
+
+    @runner_checkpoint._collective
+    def save_checkpoint(self, out_dir: str, filename: str, *args: Any, **kwargs: Any) -> None:
+        # Not @master_only (mmengine's is): every rank writes its shards.
+        if self._sharded():
+            runner_checkpoint.save_checkpoint(self, out_dir, filename, *args, **kwargs)
+        else:
+            super().save_checkpoint(out_dir, filename, *args, **kwargs)
+
+    def load_checkpoint(self, filename: str, *args: Any, **kwargs: Any) -> dict:
+        if self._sharded():
+            return runner_checkpoint.load_checkpoint(self, filename, *args, **kwargs)
+        return super().load_checkpoint(filename, *args, **kwargs)
+
+    def resume(self, filename: str, *args: Any, **kwargs: Any) -> None:
+        if self._sharded():
+            runner_checkpoint.resume(filename)
+        super().resume(filename, *args, **kwargs)

@@ -1,0 +1,529 @@
+"""mmengine Runner checkpoints of an FSDP2-sharded model through ``torch.distributed.checkpoint``.
+
+Note [runner checkpoints under FSDP2]
+    mmengine 0.10.7's ``Runner.save_checkpoint`` is ``@master_only``: rank 0 pickles
+    ``model.state_dict()``, which under FSDP2 holds DTensors of *rank 0's shards only*, and the other
+    ranks' shards are lost. Such a file resumes "successfully" on the same rank count with rank 0's
+    data on every rank (a silently wrong resume). Every rank has to take part in a sharded save, so
+    :class:`~mp_wrappers.distributed.fully_shard.FullyShardedRunner` overrides ``save_checkpoint``,
+    ``load_checkpoint`` and ``resume`` with the functions of this module; mmengine's
+    ``CheckpointHook`` (``interval``, ``max_keep_ckpts``, ``save_best``, ``save_last``, the
+    ``last_checkpoint`` pointer) drives them unchanged, because it calls ``runner.save_checkpoint``
+    on every rank and removes old checkpoints that are directories (as it does for DeepSpeed's).
+
+    A checkpoint is a DCP directory named like mmengine's file (``epoch_3.pth/``): ``.metadata``
+    plus one ``__{rank}_0.distcp`` per rank. It holds what mmengine's ordinary checkpoint holds, in
+    the same layout (``meta``, ``state_dict``, ``message_hub``, ``optimizer`` with our wrapper's
+    keys, ``param_schedulers``, and what hooks add in ``before_save_checkpoint``, e.g. EMAHook's
+    ``ema_state_dict``): the subtrees holding DTensors (``state_dict``, the optimizer's ``state``,
+    a sharded EMA model) go to DCP as tensors (each rank writes its shards; DCP re-slices them for
+    another rank count on load); everything else is one ``torch.save`` blob read back with the
+    ``weights_only`` loader of :mod:`mp_wrappers.checkpoint`.
+
+    Safety: DCP itself unpickles two things without restrictions, its ``.metadata`` file
+    (``pickle.load``) and non-tensor entries (``torch.load(weights_only=False)``). We write no
+    non-tensor entries, never request any on load (the load state dict holds tensors only), and read
+    ``.metadata`` with :class:`SafeFileSystemReader`, an unpickler that resolves only DCP's own
+    metadata classes and torch dtypes.
+
+    ``load_from`` takes a DCP directory (weights only, re-sliced) or an ordinary full checkpoint
+    (e.g. from a single-GPU run: every rank reads the file and keeps its shards,
+    ``set_model_state_dict(full_state_dict=True)``). ``resume`` needs a DCP directory.
+
+The interface for whatever attaches to a runner (see docs/distributed.md):
+
+* :func:`attach` (``runner``): call once the runner is built, before ``runner.train()`` saves or
+  loads anything. It refuses a runner whose model is FSDP2-sharded but whose ``save_checkpoint``
+  is mmengine's rank-0-only one, naming the config line to change, so that no path writes a
+  partial checkpoint.
+* :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`resume`: the collective versions of the
+  ``Runner`` methods of the same names (all ranks call them).
+"""
+import io
+import os
+import os.path as osp
+import pickle
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .sharding import is_dtensor
+
+__all__ = ['is_sharded_checkpoint', 'fsdp2_root', 'attach', 'save_checkpoint', 'load_checkpoint',
+           'resume', 'SafeFileSystemReader', 'read_sharded_checkpoint']
+
+_TENSOR = '__mp_wrappers_dcp_tensor__'  # marks a leaf that lives in the DCP tensors
+_REST = '_mp_wrappers_rest'  # the torch.save blob of everything else
+_VERSION = 1
+
+
+# ---- reading .metadata without running code from the file -----------------------------------------
+_SAFE_MODULES = ('torch.distributed.checkpoint.metadata', 'torch.distributed.checkpoint.filesystem',
+                 'torch.distributed.checkpoint.planner', 'torch.distributed.checkpoint.storage')
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves DCP's metadata dataclasses and enums, ``torch.Size``, dtypes, layouts, formats."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _SAFE_MODULES:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type):  # dataclasses and enums: the unpickler only sets state
+                return obj
+        if (module, name) == ('torch.serialization', '_get_layout'):
+            return torch.serialization._get_layout  # a lookup of torch.strided & co. by name
+        if module == 'pathlib' and name in ('PosixPath', 'WindowsPath', 'PurePosixPath',
+                                            'PureWindowsPath'):
+            import pathlib
+            return getattr(pathlib, name)  # StorageMeta.checkpoint_id
+        if module == 'torch' and name == 'Size':
+            return torch.Size
+        if module == 'torch' and isinstance(getattr(torch, name, None),
+                                            (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        if module == 'collections' and name == 'OrderedDict':
+            import collections
+            return collections.OrderedDict
+        if module == 'builtins' and name in ('set', 'frozenset', 'slice'):
+            import builtins
+            return getattr(builtins, name)
+        raise pickle.UnpicklingError(
+            f'DCP metadata refers to {module}.{name}, which is not one of its own metadata types; '
+            'refusing to unpickle it (it could run code from the file)')
+
+
+def _make_safe_reader():
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeFileSystemReader(FileSystemReader):
+        """``FileSystemReader`` whose ``.metadata`` is unpickled with a restricted unpickler."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            path = self._get_metadata_path(kwargs.get('rank'))
+            with self.fs.create_stream(path, 'rb') as f:
+                try:
+                    metadata = _MetadataUnpickler(f).load()
+                except pickle.UnpicklingError as exc:
+                    raise pickle.UnpicklingError(f'{self.path}: {exc}') from None
+            if getattr(metadata, 'storage_meta', None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeFileSystemReader
+
+
+def SafeFileSystemReader(path: str) -> Any:  # noqa: N802 - a class built lazily (torch import)
+    """A DCP ``FileSystemReader`` for ``path`` that reads ``.metadata`` without running code."""
+    return _make_safe_reader()(path)
+
+
+def is_sharded_checkpoint(path: Any) -> bool:
+    """Whether ``path`` is a complete DCP directory (DCP writes ``.metadata`` last, by a rename)."""
+    return isinstance(path, (str, os.PathLike)) and osp.isfile(osp.join(path, '.metadata'))
+
+
+# ---- what is sharded ------------------------------------------------------------------------------
+def fsdp2_root(model: nn.Module) -> Optional[nn.Module]:
+    """The FSDP2 root under ``model`` (itself or mmengine's wrapper's ``module``), or None."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch < 2.6
+        return None
+    for m in (model, getattr(model, 'module', None)):
+        if isinstance(m, FSDPModule):
+            return m
+    return None
+
+
+def attach(runner: Any) -> None:
+    """Check that ``runner`` writes whole checkpoints of an FSDP2 model (call before training).
+
+    Under FSDP2 only a runner whose ``save_checkpoint`` is collective (this module's, as
+    :class:`~mp_wrappers.distributed.fully_shard.FullyShardedRunner` has) may save; mmengine's own
+    would write rank 0's shards only (Note [runner checkpoints under FSDP2]). Idempotent; does
+    nothing for models that are not FSDP2-sharded.
+
+    Raises:
+        RuntimeError: the model is FSDP2-sharded, checkpoints would be written or resumed, and
+            the runner's ``save_checkpoint`` is mmengine's rank-0-only one.
+    """
+    if fsdp2_root(getattr(runner, 'model', None)) is None:
+        return
+    if getattr(type(runner).save_checkpoint, '_mp_wrappers_collective', False):
+        return
+    raise RuntimeError(
+        f"{type(runner).__name__}.save_checkpoint writes from rank 0 only, which under FSDP2 holds "
+        "rank 0's shards only (a partial checkpoint that resumes silently wrong). Set "
+        "runner_type = 'mp_wrappers.FullyShardedRunner' in the config: it saves and resumes "
+        'sharded checkpoints (torch.distributed.checkpoint) from every rank')
+
+
+def _collective(fn):
+    fn._mp_wrappers_collective = True
+    return fn
+
+
+# ---- splitting a checkpoint into DCP tensors and a plain blob -------------------------------------
+def _split(tree: Any, sharded_keys: Tuple[str, ...]) -> Tuple[Dict[str, Any], Any]:
+    """``(tensors for DCP, rest)``: every tensor leaf under the top-level ``sharded_keys``
+    goes to DCP (nested dicts of tensors), replaced by a marker in the rest."""
+    tensors: Dict[str, Any] = {}
+    rest = dict(tree)
+
+    def walk(node: Any, out: Dict[str, Any]) -> Any:
+        if isinstance(node, dict):
+            kept = {}
+            for k, v in node.items():
+                if torch.is_tensor(v):
+                    out[str(k)] = v
+                    kept[k] = _TENSOR
+                elif isinstance(v, dict):
+                    sub: Dict[str, Any] = {}
+                    kept[k] = walk(v, sub)
+                    if sub:
+                        out[str(k)] = sub
+                else:
+                    kept[k] = v
+            return kept
+        return node
+
+    for key in sharded_keys:
+        if key in tree and isinstance(tree[key], dict):
+            sub: Dict[str, Any] = {}
+            rest[key] = walk(tree[key], sub)
+            tensors[key] = sub
+    return tensors, rest
+
+
+def _merge(rest: Any, tensors: Dict[str, Any]) -> Any:
+    """Inverse of :func:`_split`."""
+    def walk(node: Any, src: Dict[str, Any]) -> Any:
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for k, v in node.items():
+            if isinstance(v, str) and v == _TENSOR:
+                out[k] = src[str(k)]
+            elif isinstance(v, dict):
+                out[k] = walk(v, src.get(str(k), {}))
+            else:
+                out[k] = v
+        return out
+
+    merged = dict(rest)
+    for key, sub in tensors.items():
+        merged[key] = walk(rest[key], sub)
+    return merged
+
+
+def _sharded_keys(checkpoint: Dict[str, Any]) -> Tuple[str, ...]:
+    """Top-level keys whose subtree holds a DTensor (plus ``state_dict``, ``optimizer``)."""
+    def has_dtensor(node: Any) -> bool:
+        if is_dtensor(node):
+            return True
+        if isinstance(node, dict):
+            return any(has_dtensor(v) for v in node.values())
+        if isinstance(node, (list, tuple)):
+            return any(has_dtensor(v) for v in node)
+        return False
+    keys = [k for k in ('state_dict', 'optimizer') if k in checkpoint]
+    keys += [k for k, v in checkpoint.items() if k not in keys and has_dtensor(v)]
+    return tuple(keys)
+
+
+def _blob(obj: Any) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _unblob(t: torch.Tensor, where: str) -> Any:
+    from ..checkpoint import secure_torch_load
+    f = io.BytesIO(t.numpy().tobytes())
+    f.name = where
+    return secure_torch_load(f)
+
+
+def _check_plain_tensors(tensors: Dict[str, Any], where: str = '') -> None:
+    for k, v in tensors.items():
+        if isinstance(v, dict):
+            _check_plain_tensors(v, f'{where}{k}.')
+        elif not torch.is_tensor(v):  # pragma: no cover - _split only yields tensors
+            raise TypeError(f'{where}{k} is not a tensor')
+
+
+# ---- the checkpoint as mmengine builds it, from every rank ----------------------------------------
+def _wrapper_extras(wrapper: Any) -> Dict[str, Any]:
+    """The wrapper's keys besides the optimizer's own, for an FSDP2 model (no masters of ours)."""
+    from .checkpoint import _check_no_half_masters
+    if hasattr(wrapper, '_master_params'):
+        _check_no_half_masters(wrapper)
+    state = wrapper.state_dict()
+    extras = {k: v for k, v in state.items() if k not in ('state', 'param_groups')}
+    ours = extras.get('mp_wrappers')
+    if isinstance(ours, dict):
+        extras['mp_wrappers'] = {k: v for k, v in ours.items() if k != 'fp32_master_params'}
+    return extras
+
+
+def _optimizer_state(root: nn.Module, wrapper: Any) -> Dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from mmengine.optim import OptimWrapperDict
+    if isinstance(wrapper, OptimWrapperDict):
+        raise NotImplementedError(
+            'sharded checkpoints of an FSDP2 model support one optim wrapper, not an '
+            'OptimWrapperDict (optim_wrapper=dict(constructor=...) with several optimizers)')
+    extras = _wrapper_extras(wrapper)
+    state = dict(get_optimizer_state_dict(root, wrapper.optimizer))
+    state.update(extras)
+    return state
+
+
+def _build_checkpoint(runner: Any, save_optimizer: bool, save_param_scheduler: bool,
+                      meta: Dict[str, Any]) -> Dict[str, Any]:
+    """mmengine's ``Runner.save_checkpoint`` dict, with FSDP2 state kept sharded."""
+    from mmengine.utils import apply_to
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    root = fsdp2_root(runner.model)
+    checkpoint = {
+        'meta': meta,
+        'state_dict': dict(get_model_state_dict(root)),
+        'message_hub': apply_to(runner.message_hub.state_dict(), lambda x: hasattr(x, 'cpu'),
+                                lambda x: x.cpu()),
+    }
+    if save_optimizer:
+        checkpoint['optimizer'] = _optimizer_state(root, runner.optim_wrapper)
+    if save_param_scheduler and runner.param_schedulers is None:
+        runner.logger.warning('`save_param_scheduler` is True but `self.param_schedulers` is '
+                              'None, so skip saving parameter schedulers')
+        save_param_scheduler = False
+    if save_param_scheduler:
+        if isinstance(runner.param_schedulers, dict):
+            checkpoint['param_schedulers'] = {
+                name: [s.state_dict() for s in schedulers]
+                for name, schedulers in runner.param_schedulers.items()}
+        else:
+            checkpoint['param_schedulers'] = [s.state_dict() for s in runner.param_schedulers]
+    return checkpoint
+
+
+def _meta(runner: Any, meta: Optional[dict], by_epoch: bool) -> Dict[str, Any]:
+    """What mmengine's ``Runner.save_checkpoint`` puts in ``meta``."""
+    import mmengine
+    from mmengine.utils import get_git_hash
+    if meta is None:
+        meta = {}
+    elif not isinstance(meta, dict):
+        raise TypeError(f'meta should be a dict or None, but got {type(meta)}')
+    meta = dict(meta)
+    if by_epoch:
+        meta.setdefault('epoch', runner.epoch + 1)
+        meta.setdefault('iter', runner.iter)
+    else:
+        meta.setdefault('epoch', runner.epoch)
+        meta.setdefault('iter', runner.iter + 1)
+    meta.update(cfg=runner.cfg.pretty_text, seed=runner.seed,
+                experiment_name=runner.experiment_name,
+                time=time.strftime('%Y%m%d_%H%M%S', time.localtime()),
+                mmengine_version=mmengine.__version__ + get_git_hash(),
+                world_size=dist.get_world_size() if dist.is_initialized() else 1)
+    if hasattr(runner.train_dataloader.dataset, 'metainfo'):
+        meta.update(dataset_meta=runner.train_dataloader.dataset.metainfo)
+    return meta
+
+
+@_collective
+def save_checkpoint(runner: Any, out_dir: str, filename: str, file_client_args: Optional[dict] = None,
+                    save_optimizer: bool = True, save_param_scheduler: bool = True,
+                    meta: Optional[dict] = None, by_epoch: bool = True,
+                    backend_args: Optional[dict] = None) -> None:
+    """``Runner.save_checkpoint`` for an FSDP2 model: a DCP directory written by every rank.
+
+    Same arguments as mmengine's; ``out_dir`` must be a local path. Hooks'
+    ``before_save_checkpoint`` run on every rank (so that e.g. EMAHook adds its sharded state).
+    """
+    if file_client_args is not None or backend_args is not None:
+        raise ValueError('sharded (DCP) checkpoints are written to a local directory; '
+                         'file_client_args/backend_args are not supported (checkpoint hook config)')
+    import torch.distributed.checkpoint as dcp
+    path = osp.join(out_dir, filename)
+    checkpoint = _build_checkpoint(runner, save_optimizer, save_param_scheduler,
+                                   _meta(runner, meta, by_epoch))
+    runner.call_hook('before_save_checkpoint', checkpoint=checkpoint)
+    keys = _sharded_keys(checkpoint)
+    tensors, rest = _split(checkpoint, keys)
+    rest['_mp_wrappers_sharded'] = dict(version=_VERSION, keys=list(keys))
+    tensors[_REST] = _blob(rest)
+    if osp.isfile(path):  # an ordinary checkpoint of the same name: replace it
+        if dist.get_rank() == 0:
+            os.remove(path)
+    dcp.save(tensors, checkpoint_id=path)
+
+
+# ---- loading ---------------------------------------------------------------------------------------
+def _rest_template(path: str, reader: Any) -> torch.Tensor:
+    meta = reader.read_metadata()
+    entry = meta.state_dict_metadata.get(_REST)
+    if entry is None:
+        raise ValueError(f'{path} is a DCP checkpoint but not a Runner checkpoint of mp_wrappers '
+                         f'(no {_REST!r}); load it with torch.distributed.checkpoint directly')
+    return torch.empty(entry.size, dtype=torch.uint8)
+
+
+def read_sharded_checkpoint(path: str) -> Dict[str, Any]:
+    """The plain part of a Runner DCP checkpoint (meta, message hub, param groups...), no tensors.
+
+    Tensor leaves are the marker string ``'__mp_wrappers_dcp_tensor__'``. Needs no process group.
+    """
+    import torch.distributed.checkpoint as dcp
+    reader = SafeFileSystemReader(path)
+    state = {_REST: _rest_template(path, reader)}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return _unblob(state[_REST], path)
+
+
+def _flat_keys(tree: Dict[str, Any], prefix: str = '') -> List[str]:
+    out = []
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out += _flat_keys(v, f'{prefix}{k}.')
+        else:
+            out.append(prefix + str(k))
+    return out
+
+
+def _load_tensors(path: str, runner: Any, optimizer: bool) -> Dict[str, Any]:
+    """DCP-load the checkpoint at ``path`` into tensors laid out as the live model's (re-sliced)."""
+    import torch.distributed.checkpoint as dcp
+    reader = SafeFileSystemReader(path)
+    state = {_REST: _rest_template(path, reader)}
+    dcp.load(state, storage_reader=reader)
+    rest = _unblob(state[_REST], path)
+    info = rest.pop('_mp_wrappers_sharded', None)
+    if not isinstance(info, dict) or info.get('version', 0) > _VERSION:
+        raise ValueError(f'{path}: not a Runner checkpoint this mp_wrappers can read ({info!r})')
+    keys = tuple(info['keys'])
+    # The live checkpoint, built as at save time, gives each tensor its current sharding.
+    live = _build_checkpoint(runner, save_optimizer='optimizer' in keys and optimizer,
+                             save_param_scheduler=False, meta={})
+    if 'optimizer' not in keys or not optimizer:
+        live.pop('optimizer', None)
+    runner.call_hook('before_save_checkpoint', checkpoint=live)
+    wanted = [k for k in keys if k in live and (optimizer or k != 'optimizer')]
+    templates, _ = _split(live, tuple(wanted))
+    saved = {k for k in reader.read_metadata().state_dict_metadata if k != _REST}
+    asked = set(_flat_keys(templates))
+    missing = sorted(k for k in asked if k not in saved)
+    if missing:
+        raise KeyError(f'{path} lacks {len(missing)} entries the model has: {missing[:8]} '
+                       '(a checkpoint of another model?)')
+    unexpected = sorted(k for k in saved if k.split('.')[0] in wanted and k not in asked)
+    if unexpected and 'optimizer' in wanted:
+        raise KeyError(f'{path} has {len(unexpected)} entries the model lacks: {unexpected[:8]}')
+    # DCP loads in place: fresh buffers, so that nothing live changes before the hooks have run.
+    templates = _clone_tree(templates)
+    _check_plain_tensors(templates)
+    dcp.load(templates, storage_reader=SafeFileSystemReader(path))
+    merged = _merge({k: rest[k] for k in wanted}, templates)
+    checkpoint = dict(rest)
+    checkpoint.update(merged)
+    return checkpoint
+
+
+def _clone_tree(tree: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: _clone_tree(v) if isinstance(v, dict) else v.detach().clone()
+            for k, v in tree.items()}
+
+
+def _apply_model(runner: Any, state_dict: Dict[str, Any], strict: bool) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    root = fsdp2_root(runner.model)
+    result = set_model_state_dict(root, state_dict, options=StateDictOptions(strict=strict))
+    if result is not None and (result.missing_keys or result.unexpected_keys):
+        runner.logger.warning(f'load_from: missing keys {result.missing_keys}, unexpected keys '
+                              f'{result.unexpected_keys}')
+
+
+def _apply_optimizer(runner: Any, state: Dict[str, Any]) -> Dict[str, Any]:
+    """Load FSDP2 optimizer state; return the wrapper's int-keyed dict plus its saved extras."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    root = fsdp2_root(runner.model)
+    wrapper = runner.optim_wrapper
+    osd = {k: state[k] for k in ('state', 'param_groups')}
+    extras = {k: v for k, v in state.items() if k not in osd}
+    set_optimizer_state_dict(root, wrapper.optimizer, osd)
+    loaded = dict(wrapper.optimizer.state_dict())
+    loaded.update(extras)
+    return loaded
+
+
+@_collective
+def load_checkpoint(runner: Any, filename: str, map_location: Any = 'cpu', strict: bool = False,
+                    revise_keys: list = [(r'^module.', '')]) -> Dict[str, Any]:  # noqa: B006
+    """``Runner.load_checkpoint`` for an FSDP2 model (all ranks): a DCP directory or a full file.
+
+    A DCP directory is re-sliced onto the current ranks; with ``runner._resume`` the optimizer
+    state is loaded too and returned in the wrapper's own layout for ``Runner.resume``. An ordinary
+    checkpoint (one file, full tensors) is read by every rank with the ``weights_only`` loader and
+    each keeps its shards.
+    """
+    from mmengine.runner.checkpoint import _load_checkpoint
+    if is_sharded_checkpoint(filename):
+        checkpoint = _load_tensors(filename, runner, optimizer=bool(runner._resume))
+        runner.call_hook('after_load_checkpoint', checkpoint=checkpoint)
+        _apply_model(runner, checkpoint['state_dict'], strict)
+        if runner._resume and 'optimizer' in checkpoint:
+            checkpoint['optimizer'] = _apply_optimizer(runner, checkpoint['optimizer'])
+    else:
+        if osp.isdir(filename):
+            raise FileNotFoundError(f'{filename} is a directory without a .metadata file: not a '
+                                    'complete sharded (DCP) checkpoint (a save that was cut off?)')
+        checkpoint = _load_checkpoint(filename, map_location=map_location)
+        runner.call_hook('after_load_checkpoint', checkpoint=checkpoint)
+        _apply_full_weights(runner, checkpoint, strict, revise_keys)
+    runner._has_loaded = True
+    runner.logger.info(f'Load checkpoint from {filename}')
+    return checkpoint
+
+
+def _apply_full_weights(runner: Any, checkpoint: Any, strict: bool, revise_keys: list) -> None:
+    import re
+    from collections import OrderedDict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    state_dict = checkpoint.get('state_dict', checkpoint) if isinstance(checkpoint, dict) else None
+    if not isinstance(state_dict, dict):
+        raise ValueError(f'no state_dict in the checkpoint to load (got {type(checkpoint)})')
+    metadata = getattr(state_dict, '_metadata', OrderedDict())
+    for p, r in revise_keys:
+        state_dict = OrderedDict({re.sub(p, r, k): v for k, v in state_dict.items()})
+    state_dict._metadata = metadata
+    root = fsdp2_root(runner.model)
+    own = set(root.state_dict().keys())
+    missing = sorted(own - set(state_dict))
+    unexpected = sorted(set(state_dict) - own)
+    if strict and (missing or unexpected):
+        raise RuntimeError(f'load_from: missing keys {missing}, unexpected keys {unexpected}')
+    if missing or unexpected:
+        runner.logger.warning(f'load_from: missing keys {missing}, unexpected keys {unexpected}')
+    state_dict = {k: v for k, v in state_dict.items() if k in own}
+    set_model_state_dict(root, state_dict,
+                         options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def resume(filename: str) -> None:
+    """Check before ``Runner.resume`` of an FSDP2 model: only a DCP directory resumes.
+
+    The rest of ``Runner.resume`` is mmengine's, through :func:`load_checkpoint`.
+    """
+    if not is_sharded_checkpoint(filename):
+        raise ValueError(
+            f'resume={filename!r}: resuming an FSDP2 model needs a sharded (DCP) checkpoint '
+            'directory written by mp_wrappers.FullyShardedRunner (it holds every rank\'s shards '
+            'of the optimizer state). To start from the weights of an ordinary checkpoint, set '
+            'load_from to it with resume=False')
+

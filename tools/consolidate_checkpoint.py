@@ -1,0 +1,123 @@
+"""Turn a sharded checkpoint into one ordinary file: full fp32 weights, ``weights_only``-loadable.
+
+Examples:
+    python tools/consolidate_checkpoint.py work_dirs/cnn_fsdp2_apex_O2_bf16/epoch_20.pth model.pth
+    python tools/consolidate_checkpoint.py work_dirs/.../epoch_20.pth model_bf16.pth --dtype bfloat16
+
+Input: a ``torch.distributed.checkpoint`` directory written by ``mp_wrappers.FullyShardedRunner``
+(FSDP2; any number of ranks). One process, no process group: every tensor is read whole from the
+shards of all ranks. The output is ``{'meta': {...}, 'state_dict': {name: tensor}}``, what
+mmengine's ``load_from``/``load_checkpoint`` and ``torch.load(path, weights_only=True)`` read: the
+fp32 weights (the FSDP shards, i.e. the master weights), or with ``--dtype`` the half model apex O2
+would run (floating tensors cast, BatchNorm layers, recognised by their ``running_mean``, kept
+fp32). With mmengine's EMAHook the ``state_dict`` holds the averaged weights, as in mmengine's own
+checkpoints (its ``before_save_checkpoint`` swaps them in for deployment).
+
+Safety: nothing in the checkpoint is unpickled beyond DCP's own metadata types (read by
+``mp_wrappers.distributed.runner_checkpoint.SafeFileSystemReader``) and the checkpoint's plain part
+(read with ``weights_only=True``); checkpoints holding DCP non-tensor entries (which torch would
+unpickle with ``weights_only=False``) are refused.
+"""
+import argparse
+import os
+import os.path as osp
+import sys
+from typing import Any, Dict, Optional
+
+_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import torch  # noqa: E402
+
+from mp_wrappers.casting import parse_dtype  # noqa: E402
+from mp_wrappers.distributed import runner_checkpoint as rc  # noqa: E402
+
+# meta entries copied to the output: plain values only, so that weights_only loads the file.
+_META_KEYS = ('epoch', 'iter', 'cfg', 'seed', 'experiment_name', 'time', 'mmengine_version',
+              'world_size')
+
+
+def read_full_tensors(path: str) -> Dict[str, torch.Tensor]:
+    """Every tensor of the DCP checkpoint at ``path``, whole, keyed by DCP's flattened name."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    reader = rc.SafeFileSystemReader(path)
+    entries = reader.read_metadata().state_dict_metadata
+    not_tensors = sorted(k for k, v in entries.items() if not isinstance(v, TensorStorageMetadata))
+    if not_tensors:
+        raise ValueError(f'{path} holds non-tensor DCP entries {not_tensors[:5]}, which torch would '
+                         'unpickle with weights_only=False; refusing (mp_wrappers writes none)')
+    tensors = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in entries.items()}
+    dcp.load(tensors, storage_reader=rc.SafeFileSystemReader(path), no_dist=True)
+    return tensors
+
+
+def _is_plain(value: Any) -> bool:
+    import io
+    buf = io.BytesIO()
+    try:
+        torch.save(value, buf)
+        buf.seek(0)
+        torch.load(buf, weights_only=True)
+    except Exception:
+        return False
+    return True
+
+
+def _half(state_dict: Dict[str, torch.Tensor], dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    norm_prefixes = {k[:-len('running_mean')] for k in state_dict if k.endswith('running_mean')}
+    out = {}
+    for k, v in state_dict.items():
+        keep = any(k.startswith(p) for p in norm_prefixes) or not v.is_floating_point()
+        out[k] = v if keep else v.to(dtype)
+    return out
+
+
+def consolidate(path: str, dtype: Optional[torch.dtype] = None) -> Dict[str, Any]:
+    """``{'meta', 'state_dict'}`` of the sharded Runner checkpoint at ``path`` (see the module doc).
+
+    Raises:
+        ValueError: ``path`` is not a complete DCP checkpoint written by mp_wrappers.
+    """
+    if not rc.is_sharded_checkpoint(path):
+        raise ValueError(f'{path} is not a complete sharded (DCP) checkpoint directory (no '
+                         '.metadata); an ordinary checkpoint file needs no consolidation')
+    tensors = read_full_tensors(path)
+    rest = rc._unblob(tensors.pop(rc._REST), path)
+    skeleton = rest.get('state_dict')
+    if not isinstance(skeleton, dict):
+        raise ValueError(f'{path} holds no model state_dict')
+    state_dict = {}
+    for name, value in skeleton.items():
+        if isinstance(value, str) and value == rc._TENSOR:
+            state_dict[name] = tensors[f'state_dict.{name}']
+        elif torch.is_tensor(value):
+            state_dict[name] = value
+    if dtype is not None:
+        state_dict = _half(state_dict, dtype)
+    meta = {k: v for k, v in rest.get('meta', {}).items() if k in _META_KEYS}
+    dataset_meta = rest.get('meta', {}).get('dataset_meta')
+    if dataset_meta is not None and _is_plain(dataset_meta):
+        meta['dataset_meta'] = dataset_meta
+    meta['consolidated_from'] = osp.abspath(path)
+    return {'meta': meta, 'state_dict': state_dict}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('checkpoint', help='sharded checkpoint directory (epoch_N.pth/)')
+    parser.add_argument('out', help='output file')
+    parser.add_argument('--dtype', default=None, choices=('bfloat16', 'float16'),
+                        help='write the half model (norm layers fp32) instead of fp32 weights')
+    args = parser.parse_args(argv)
+    dtype = parse_dtype(args.dtype, option='--dtype') if args.dtype else None
+    result = consolidate(args.checkpoint, dtype)
+    os.makedirs(osp.dirname(osp.abspath(args.out)), exist_ok=True)
+    torch.save(result, args.out)
+    n = sum(t.numel() for t in result['state_dict'].values())
+    print(f'{args.out}: {len(result["state_dict"])} tensors, {n} elements, from {args.checkpoint}')
+
+
+if __name__ == '__main__':
+    main()
