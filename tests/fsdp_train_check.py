@@ -32,6 +32,7 @@ def main() -> None:
     from mmengine.registry import RUNNERS
     from mmengine.runner import Runner
     runner = Runner.from_cfg(cfg) if 'runner_type' not in cfg else RUNNERS.build(cfg)
+    train.attach_sharded_checkpoints(runner)
     runner.train()
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     model = runner.model

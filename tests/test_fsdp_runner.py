@@ -6,8 +6,8 @@ O2 bf16, FusedAdam, clip_grad) with a dynamic loss scale that grows every 10 ste
 second 2-process run resumes from the first epoch's checkpoint and ends bitwise equal, with the
 same loss scale; a 3-process run resumes from the same 2-process checkpoint (N -> M). Each rank's
 optimizer state is about total / N elements (the fp32 shards are the masters: none extra).
-``configs/digits/cnn_fsdp2_apex_O2_bf16.py`` (FSDP2 through mp_wrappers.FullyShardedModel under
-mmengine's Runner) trains with 2 processes too.
+``configs/digits/cnn_fsdp2_apex_O2_bf16.py`` (FSDP2 through mp_wrappers.FullyShardedRunner): training,
+checkpoints and resume in tests/test_fsdp2_checkpoints.py.
 """
 import os
 import subprocess
@@ -84,15 +84,3 @@ def test_checkpoint_of_two_ranks_resumes_on_three(runs):
     assert c['world_size'] == 3 and c['iters'] == 30 + 20  # one more epoch of 20 iterations
     assert sum(c['opt_numel']) == 2 * c['total']
     assert all(torch.isfinite(p).all() for p in c['params'])
-
-
-def test_fsdp2_config_trains_under_runner(tmp_path):
-    result, log = _torchrun(2, tmp_path / 'wd', tmp_path / 'r.pt',
-                            config='configs/digits/cnn_fsdp2_apex_O2_bf16.py',
-                            options=['train_cfg.max_epochs=1', 'train_cfg.val_interval=1'])
-    assert result['world_size'] == 2 and result['iters'] == 23
-    assert all(torch.isfinite(p).all() for p in result['params'])
-    assert sum(result['opt_numel']) == 2 * result['total']  # m and v, as DTensor shards
-    assert all(abs(n - result['total']) <= 64 for n in result['opt_numel'])
-    accuracy = float(log.split('accuracy: ')[1].split()[0])
-    assert accuracy > 80.0

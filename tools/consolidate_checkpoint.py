@@ -3,6 +3,7 @@
 Examples:
     python tools/consolidate_checkpoint.py work_dirs/cnn_fsdp2_apex_O2_bf16/epoch_20.pth model.pth
     python tools/consolidate_checkpoint.py work_dirs/.../epoch_20.pth model_bf16.pth --dtype bfloat16
+    python tools/consolidate_checkpoint.py work_dirs/.../epoch_20.pth full.pth --resumable
 
 Input: a ``torch.distributed.checkpoint`` directory written by ``mp_wrappers.FullyShardedRunner``
 (FSDP2; any number of ranks). One process, no process group: every tensor is read whole from the
@@ -10,7 +11,10 @@ shards of all ranks. The output is ``{'meta': {...}, 'state_dict': {name: tensor
 mmengine's ``load_from``/``load_checkpoint`` and ``torch.load(path, weights_only=True)`` read: the
 fp32 weights (the FSDP shards, i.e. the master weights), or with ``--dtype`` the half model apex O2
 would run (floating tensors cast, BatchNorm layers, recognised by their ``running_mean``, kept
-fp32). With mmengine's EMAHook the ``state_dict`` holds the averaged weights, as in mmengine's own
+fp32). ``--resumable`` adds what ``--resume`` needs (full optimizer state keyed by parameter name,
+our wrapper's scaler state, the message hub, the schedulers): ``FullyShardedRunner`` resumes it on
+any number of ranks; the message hub's history makes it a file for mp_wrappers' ``weights_only``
+loader (mmengine's HistoryBuffer allow-listed), not for a bare ``torch.load``. With mmengine's EMAHook the ``state_dict`` holds the averaged weights, as in mmengine's own
 checkpoints (its ``before_save_checkpoint`` swaps them in for deployment).
 
 Safety: nothing in the checkpoint is unpickled beyond DCP's own metadata types (read by
@@ -74,28 +78,44 @@ def _half(state_dict: Dict[str, torch.Tensor], dtype: torch.dtype) -> Dict[str, 
     return out
 
 
-def consolidate(path: str, dtype: Optional[torch.dtype] = None) -> Dict[str, Any]:
+def _subtree(skeleton: Dict[str, Any], tensors: Dict[str, torch.Tensor], prefix: str) -> Any:
+    """Put the full tensors back into the plain part's skeleton (markers at tensor leaves)."""
+    if isinstance(skeleton, dict):
+        return {k: _subtree(v, tensors, f'{prefix}.{k}') for k, v in skeleton.items()}
+    if isinstance(skeleton, str) and skeleton == rc._TENSOR:
+        return tensors[prefix]
+    return skeleton
+
+
+def consolidate(path: str, dtype: Optional[torch.dtype] = None,
+                resumable: bool = False) -> Dict[str, Any]:
     """``{'meta', 'state_dict'}`` of the sharded Runner checkpoint at ``path`` (see the module doc).
 
     Raises:
-        ValueError: ``path`` is not a complete DCP checkpoint written by mp_wrappers.
+        ValueError: ``path`` is not a complete DCP checkpoint written by mp_wrappers, or
+            ``resumable`` with ``dtype`` or without optimizer state.
     """
+    if resumable and dtype is not None:
+        raise ValueError('--resumable keeps the fp32 weights (the masters); drop --dtype')
     if not rc.is_sharded_checkpoint(path):
         raise ValueError(f'{path} is not a complete sharded (DCP) checkpoint directory (no '
                          '.metadata); an ordinary checkpoint file needs no consolidation')
     tensors = read_full_tensors(path)
     rest = rc._unblob(tensors.pop(rc._REST), path)
-    skeleton = rest.get('state_dict')
-    if not isinstance(skeleton, dict):
+    if not isinstance(rest.get('state_dict'), dict):
         raise ValueError(f'{path} holds no model state_dict')
-    state_dict = {}
-    for name, value in skeleton.items():
-        if isinstance(value, str) and value == rc._TENSOR:
-            state_dict[name] = tensors[f'state_dict.{name}']
-        elif torch.is_tensor(value):
-            state_dict[name] = value
+    state_dict = _subtree(rest['state_dict'], tensors, 'state_dict')
     if dtype is not None:
         state_dict = _half(state_dict, dtype)
+    if resumable:
+        if 'optimizer' not in rest:
+            raise ValueError(f'{path} holds no optimizer state (saved with save_optimizer=False, '
+                             'e.g. a save_best checkpoint): it cannot be made resumable')
+        out = {k: v for k, v in rest.items() if not k.startswith('_mp_wrappers')}
+        for key in rest.get('_mp_wrappers_sharded', {}).get('keys', ()):
+            out[key] = _subtree(rest[key], tensors, key)
+        out['meta'] = dict(out['meta'], consolidated_from=osp.abspath(path))
+        return out
     meta = {k: v for k, v in rest.get('meta', {}).items() if k in _META_KEYS}
     dataset_meta = rest.get('meta', {}).get('dataset_meta')
     if dataset_meta is not None and _is_plain(dataset_meta):
@@ -110,9 +130,12 @@ def main(argv=None) -> None:
     parser.add_argument('out', help='output file')
     parser.add_argument('--dtype', default=None, choices=('bfloat16', 'float16'),
                         help='write the half model (norm layers fp32) instead of fp32 weights')
+    parser.add_argument('--resumable', action='store_true',
+                        help='also write the optimizer, scaler, message hub and scheduler state '
+                        '(resumable by mp_wrappers.FullyShardedRunner on any number of ranks)')
     args = parser.parse_args(argv)
     dtype = parse_dtype(args.dtype, option='--dtype') if args.dtype else None
-    result = consolidate(args.checkpoint, dtype)
+    result = consolidate(args.checkpoint, dtype, resumable=args.resumable)
     os.makedirs(osp.dirname(osp.abspath(args.out)), exist_ok=True)
     torch.save(result, args.out)
     n = sum(t.numel() for t in result['state_dict'].values())

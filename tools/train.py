@@ -31,6 +31,7 @@ from mmengine.runner import Runner  # noqa: E402
 
 import mp_wrappers  # noqa: E402,F401  (installs the secure loader and atomic checkpoint writes)
 from mp_wrappers.atomic_io import resolve_resume_checkpoint  # noqa: E402
+from mp_wrappers.distributed.runner_checkpoint import attach as attach_sharded_checkpoints  # noqa: E402
 from mp_wrappers.loops import use_mixed_precision_loops  # noqa: E402
 from mp_wrappers.runtime import (LAUNCHERS, add_mixed_precision_hook,  # noqa: E402
                                  backend_summary, configure_torch_threads, prepare_distributed)
@@ -118,6 +119,9 @@ def main(argv=None) -> None:
     # runner_type='FlexibleRunner' (e.g. FSDP through a strategy, docs/distributed.md) as in
     # OpenMMLab's train scripts.
     runner = Runner.from_cfg(cfg) if 'runner_type' not in cfg else RUNNERS.build(cfg)
+    # An FSDP2 model under a runner that would save rank 0's shards only is refused here, before
+    # training (mp_wrappers.distributed.runner_checkpoint).
+    attach_sharded_checkpoints(runner)
     print_log(backend_summary(), logger='current')
     runner.train()
     _close_process_group()

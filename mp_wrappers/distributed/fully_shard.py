@@ -124,8 +124,8 @@ class FullyShardedRunner(Runner):
       Runner's own init-and-broadcast (which cannot broadcast DTensors) is skipped;
     * ``save_checkpoint`` runs on every rank and writes a ``torch.distributed.checkpoint``
       directory holding every rank's shards, ``load_checkpoint`` (``load_from``) reads such a
-      directory or an ordinary full checkpoint, and ``resume`` reads such a directory on any
-      number of ranks (Note [runner checkpoints under FSDP2] in
+      directory or an ordinary full checkpoint, and ``resume`` (mmengine's, through
+      ``load_checkpoint``) continues from such a directory on any number of ranks (Note [runner checkpoints under FSDP2] in
       :mod:`mp_wrappers.distributed.runner_checkpoint`). mmengine's ``CheckpointHook`` drives
       them as it is (``interval``, ``max_keep_ckpts``, ``save_best``, ``save_last``,
       ``last_checkpoint``).
@@ -157,7 +157,3 @@ class FullyShardedRunner(Runner):
             return runner_checkpoint.load_checkpoint(self, filename, *args, **kwargs)
         return super().load_checkpoint(filename, *args, **kwargs)
 
-    def resume(self, filename: str, *args: Any, **kwargs: Any) -> None:
-        if self._sharded():
-            runner_checkpoint.resume(filename)
-        super().resume(filename, *args, **kwargs)

@@ -5,8 +5,9 @@ Note [runner checkpoints under FSDP2]
     ``model.state_dict()``, which under FSDP2 holds DTensors of *rank 0's shards only*, and the other
     ranks' shards are lost. Such a file resumes "successfully" on the same rank count with rank 0's
     data on every rank (a silently wrong resume). Every rank has to take part in a sharded save, so
-    :class:`~mp_wrappers.distributed.fully_shard.FullyShardedRunner` overrides ``save_checkpoint``,
-    ``load_checkpoint`` and ``resume`` with the functions of this module; mmengine's
+    :class:`~mp_wrappers.distributed.fully_shard.FullyShardedRunner` overrides ``save_checkpoint``
+    and ``load_checkpoint`` with the functions of this module (mmengine's ``resume`` reads through
+    ``load_checkpoint``); mmengine's
     ``CheckpointHook`` (``interval``, ``max_keep_ckpts``, ``save_best``, ``save_last``, the
     ``last_checkpoint`` pointer) drives them unchanged, because it calls ``runner.save_checkpoint``
     on every rank and removes old checkpoints that are directories (as it does for DeepSpeed's).
@@ -28,7 +29,9 @@ Note [runner checkpoints under FSDP2]
 
     ``load_from`` takes a DCP directory (weights only, re-sliced) or an ordinary full checkpoint
     (e.g. from a single-GPU run: every rank reads the file and keeps its shards,
-    ``set_model_state_dict(full_state_dict=True)``). ``resume`` needs a DCP directory.
+    ``set_model_state_dict(full_state_dict=True)``). ``resume`` takes a DCP directory, or one file
+    written by ``tools/consolidate_checkpoint.py --resumable`` (optimizer state keyed by parameter
+    name, re-sliced the same way).
 
 The interface for whatever attaches to a runner (see docs/distributed.md):
 
@@ -36,8 +39,8 @@ The interface for whatever attaches to a runner (see docs/distributed.md):
   loads anything. It refuses a runner whose model is FSDP2-sharded but whose ``save_checkpoint``
   is mmengine's rank-0-only one, naming the config line to change, so that no path writes a
   partial checkpoint.
-* :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`resume`: the collective versions of the
-  ``Runner`` methods of the same names (all ranks call them).
+* :func:`save_checkpoint`, :func:`load_checkpoint`: the collective versions of the ``Runner``
+  methods of the same names (all ranks call them, with the runner as first argument).
 """
 import io
 import os
@@ -53,7 +56,7 @@ from torch import nn
 from .sharding import is_dtensor
 
 __all__ = ['is_sharded_checkpoint', 'fsdp2_root', 'attach', 'save_checkpoint', 'load_checkpoint',
-           'resume', 'SafeFileSystemReader', 'read_sharded_checkpoint']
+           'SafeFileSystemReader', 'read_sharded_checkpoint']
 
 _TENSOR = '__mp_wrappers_dcp_tensor__'  # marks a leaf that lives in the DCP tensors
 _REST = '_mp_wrappers_rest'  # the torch.save blob of everything else
@@ -486,9 +489,35 @@ def load_checkpoint(runner: Any, filename: str, map_location: Any = 'cpu', stric
         checkpoint = _load_checkpoint(filename, map_location=map_location)
         runner.call_hook('after_load_checkpoint', checkpoint=checkpoint)
         _apply_full_weights(runner, checkpoint, strict, revise_keys)
+        if runner._resume:
+            checkpoint['optimizer'] = _apply_full_optimizer(runner, checkpoint, filename)
     runner._has_loaded = True
     runner.logger.info(f'Load checkpoint from {filename}')
     return checkpoint
+
+
+def _apply_full_optimizer(runner: Any, checkpoint: Any, filename: str) -> Dict[str, Any]:
+    """Resume from one file: a consolidated checkpoint (``consolidate_checkpoint.py --resumable``)
+    whose optimizer state is keyed by parameter name; each rank keeps its shards."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         set_optimizer_state_dict)
+    state = checkpoint.get('optimizer') if isinstance(checkpoint, dict) else None
+    if not (isinstance(state, dict) and isinstance(state.get('state'), dict)
+            and all(isinstance(k, str) for k in state['state'])
+            and 'message_hub' in checkpoint and 'meta' in checkpoint):
+        raise ValueError(
+            f'resume={filename!r}: resuming an FSDP2 model needs a sharded (DCP) checkpoint '
+            'directory, or one file from tools/consolidate_checkpoint.py --resumable (optimizer '
+            'state keyed by parameter name). To start from the weights of an ordinary checkpoint, '
+            'set load_from to it and resume=False')
+    root = fsdp2_root(runner.model)
+    wrapper = runner.optim_wrapper
+    osd = {k: state[k] for k in ('state', 'param_groups')}
+    set_optimizer_state_dict(root, wrapper.optimizer, osd,
+                             options=StateDictOptions(full_state_dict=True))
+    loaded = dict(wrapper.optimizer.state_dict())
+    loaded.update({k: v for k, v in state.items() if k not in osd})
+    return loaded
 
 
 def _apply_full_weights(runner: Any, checkpoint: Any, strict: bool, revise_keys: list) -> None:
@@ -513,17 +542,3 @@ def _apply_full_weights(runner: Any, checkpoint: Any, strict: bool, revise_keys:
     state_dict = {k: v for k, v in state_dict.items() if k in own}
     set_model_state_dict(root, state_dict,
                          options=StateDictOptions(full_state_dict=True, strict=False))
-
-
-def resume(filename: str) -> None:
-    """Check before ``Runner.resume`` of an FSDP2 model: only a DCP directory resumes.
-
-    The rest of ``Runner.resume`` is mmengine's, through :func:`load_checkpoint`.
-    """
-    if not is_sharded_checkpoint(filename):
-        raise ValueError(
-            f'resume={filename!r}: resuming an FSDP2 model needs a sharded (DCP) checkpoint '
-            'directory written by mp_wrappers.FullyShardedRunner (it holds every rank\'s shards '
-            'of the optimizer state). To start from the weights of an ordinary checkpoint, set '
-            'load_from to it with resume=False')
-

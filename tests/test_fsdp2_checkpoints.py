@@ -1,0 +1,227 @@
+"""FSDP2 checkpoints through mmengine's CheckpointHook, as users run them: torchrun + tools/train.py.
+
+``configs/digits/cnn_fsdp2_apex_O2_bf16.py`` (mp_wrappers.FullyShardedRunner, FullyShardedModel,
+ApexOptimWrapper O2 bf16, FusedAdam, clip_grad) with a dynamic loss scale that grows every 10 steps,
+a checkpoint every epoch, ``max_keep_ckpts=2`` and ``save_best='accuracy'``:
+
+* 2 ranks train 3 epochs; each checkpoint is a DCP directory whose metadata covers every element of
+  every tensor, written by both ranks (never rank 0's shards alone); the oldest is removed.
+* ``--resume`` of epoch 2 on 2 ranks ends bitwise equal to the uninterrupted run (weights, loss
+  scale, skip count).
+* Another rank count (2 -> 3 and 3 -> 2): the continued run equals, bitwise, the same number of
+  ranks continued from the consolidated checkpoint (``tools/consolidate_checkpoint.py
+  --resumable``). Bitwise and not "close": both runs hand the same fp32 values to the same sharding
+  and then compute identically (same reduction order). A single-process reference would differ by
+  more than reduction order: BatchNorm's batch statistics depend on the per-rank batch.
+* The consolidated best checkpoint loads with ``torch.load(weights_only=True)`` and, evaluated by a
+  single process (the same O2 bf16 model without FSDP), gives the accuracy logged by the sharded
+  run for that epoch.
+* mmengine's plain ``Runner`` with an FSDP2 model is refused before training (it would save rank 0's
+  shards only), naming ``runner_type``.
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from test_fsdp_runner import REPO, _torchrun
+
+CONFIG = 'configs/digits/cnn_fsdp2_apex_O2_bf16.py'
+SCALE = ['optim_wrapper.loss_scale=dynamic', 'optim_wrapper.init_scale=256.',
+         'optim_wrapper.scale_window=10']
+
+
+def _options(epochs):
+    return [f'train_cfg.max_epochs={epochs}', 'train_cfg.val_interval=1',
+            'default_hooks.checkpoint.interval=1', 'default_hooks.checkpoint.max_keep_ckpts=2',
+            'default_hooks.checkpoint.save_best=accuracy', *SCALE]
+
+
+def _run(nproc, tmp, name, epochs, resume=None):
+    extra = ['--resume', str(resume)] if resume else []
+    return _torchrun(nproc, tmp / name, tmp / f'{name}.pt', extra, accumulate=1, config=CONFIG,
+                     options=_options(epochs))
+
+
+def _consolidate(src, out, *flags):
+    proc = subprocess.run([sys.executable, 'tools/consolidate_checkpoint.py', str(src), str(out),
+                           *flags], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+def _accuracies(log):
+    return {int(e): float(a) for e, a in
+            re.findall(r'Epoch\(val\) \[(\d+)\]\[\d+/\d+\]\s+accuracy: ([\d.]+)', log)}
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('fsdp2_ckpt')
+    a, log_a = _run(2, tmp, 'a', 3)
+    b, _ = _run(2, tmp, 'b', 3, resume=tmp / 'a' / 'epoch_2.pth')
+    # 2 -> 3 (epoch 2 of a, one more epoch), against 3 ranks from the consolidated checkpoint
+    c, _ = _run(3, tmp, 'c', 3, resume=tmp / 'a' / 'epoch_2.pth')
+    full_a = _consolidate(tmp / 'a' / 'epoch_2.pth', tmp / 'a_epoch_2_full.pth', '--resumable')
+    d, _ = _run(3, tmp, 'd', 3, resume=full_a)
+    # 3 -> 2: c's epoch 3 was written by 3 ranks
+    e, _ = _run(2, tmp, 'e', 4, resume=tmp / 'c' / 'epoch_3.pth')
+    full_c = _consolidate(tmp / 'c' / 'epoch_3.pth', tmp / 'c_epoch_3_full.pth', '--resumable')
+    f, _ = _run(2, tmp, 'f', 4, resume=full_c)
+    return dict(tmp=tmp, a=a, b=b, c=c, d=d, e=e, f=f, log_a=log_a)
+
+
+def _equal(x, y):
+    assert x['iters'] == y['iters'] and x['world_size'] == y['world_size']
+    assert x['scale'] == y['scale'] and x['skipped'] == y['skipped']
+    for p, q in zip(x['params'], y['params']):
+        assert torch.equal(p, q)
+
+
+def test_every_rank_writes_its_shards(runs):
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from mp_wrappers.distributed.runner_checkpoint import SafeFileSystemReader
+    work = runs['tmp'] / 'a'
+    # max_keep_ckpts=2 removed epoch 1 (a directory); the best one (no optimizer) is separate
+    assert not (work / 'epoch_1.pth').exists()
+    assert (work / 'epoch_2.pth' / '.metadata').is_file()
+    assert (work / 'last_checkpoint').read_text().strip().endswith('epoch_3.pth')
+    assert sorted(os.listdir(work / 'epoch_3.pth')) == ['.metadata', '__0_0.distcp', '__1_0.distcp']
+    meta = SafeFileSystemReader(str(work / 'epoch_3.pth')).read_metadata().state_dict_metadata
+    sharded = 0
+    for key, entry in meta.items():
+        assert isinstance(entry, TensorStorageMetadata), key  # no pickled objects in DCP
+        covered = sum(torch.Size(c.sizes).numel() for c in entry.chunks)
+        assert covered == entry.size.numel(), key  # every element is in the checkpoint
+        sharded += len(entry.chunks) == 2
+    assert sharded >= 8  # weights and Adam moments come in two shards
+
+
+def test_fsdp2_config_trains(runs):
+    a = runs['a']
+    assert a['world_size'] == 2 and a['iters'] == 3 * 23
+    assert a['scale'] > 256.0 and a['skipped'] == 0  # grew every 10 clean steps
+    assert sum(a['opt_numel']) == 2 * a['total']  # Adam's m and v as DTensor shards, no masters
+    assert all(abs(n - a['total']) <= 64 for n in a['opt_numel'])
+    assert min(_accuracies(runs['log_a']).values()) > 80.0
+
+
+def test_resume_is_bitwise(runs):
+    _equal(runs['a'], runs['b'])
+
+
+def test_two_to_three_ranks_matches_consolidated_reference(runs):
+    assert runs['c']['world_size'] == 3
+    _equal(runs['c'], runs['d'])
+    assert runs['c']['scale'] >= runs['a']['scale'] / 2  # scaler state carried over, not reset
+
+
+def test_three_to_two_ranks_matches_consolidated_reference(runs):
+    assert runs['e']['world_size'] == 2
+    _equal(runs['e'], runs['f'])
+    assert all(torch.isfinite(p).all() for p in runs['e']['params'])
+
+
+def test_consolidated_checkpoint_is_plain_and_evaluates_alike(runs, tmp_path):
+    tmp = runs['tmp']
+    accuracies = _accuracies(runs['log_a'])
+    best_epoch = max(accuracies, key=lambda k: (accuracies[k], -k))
+    best = tmp / 'a' / f'best_accuracy_epoch_{best_epoch}.pth'
+    assert (best / '.metadata').is_file()
+    out = _consolidate(best, tmp_path / 'best.pth')
+    plain = torch.load(out, weights_only=True)
+    assert plain['meta']['epoch'] == best_epoch
+    weights = [v for k, v in plain['state_dict'].items() if 'running' not in k and 'batches' not in k]
+    assert sum(t.numel() for t in weights) == runs['a']['total']
+    assert all(t.dtype in (torch.float32, torch.int64) for t in plain['state_dict'].values())
+    # the last checkpoint's weights are the gathered weights of the finished run
+    last = torch.load(_consolidate(tmp / 'a' / 'epoch_3.pth', tmp_path / 'last.pth'),
+                      weights_only=True)['state_dict']
+    params = [v for k, v in last.items() if 'running' not in k and 'num_batches' not in k]
+    assert all(torch.equal(p, q) for p, q in zip(params, runs['a']['params']))
+    half = torch.load(_consolidate(best, tmp_path / 'half.pth', '--dtype', 'bfloat16'),
+                      weights_only=True)['state_dict']
+    assert half['features.0.weight'].dtype == torch.bfloat16
+    assert half['features.1.weight'].dtype == torch.float32  # BatchNorm stays fp32
+    script = (
+        'import sys; from mmengine.config import Config; from mmengine.runner import Runner; '
+        'import mp_wrappers; '
+        "cfg = Config.fromfile('configs/digits/cnn_apex_O2_bf16.py'); "
+        f"cfg.load_from = {str(out)!r}; cfg.work_dir = {str(tmp_path / 'eval')!r}; "
+        # FSDP2 evaluated with bf16 weights and activations (its MixedPrecisionPolicy), BatchNorm
+        # fp32: the single process under bf16 autocast computes the same
+        "cfg.val_cfg = dict(type='mp_wrappers.MixedPrecisionValLoop', fp16=True, dtype='bfloat16'); "
+        'print("ACC", Runner.from_cfg(cfg).val()["accuracy"])')
+    proc = subprocess.run([sys.executable, '-c', script], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, OMP_NUM_THREADS='1'))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    accuracy = float(proc.stdout.split('ACC')[-1])
+    assert accuracy == pytest.approx(accuracies[best_epoch], abs=1e-3)
+
+
+def test_plain_runner_with_fsdp2_is_refused_before_training(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+           'tools/train.py', CONFIG, '--launcher', 'pytorch', '--work-dir', str(tmp_path),
+           '--cfg-options', 'runner_type=Runner']
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "runner_type = 'mp_wrappers.FullyShardedRunner'" in proc.stderr
+    assert 'Epoch(train)' not in proc.stdout + proc.stderr
+    assert not any(name.endswith('.pth') for name in os.listdir(tmp_path))
+
+
+def test_resume_picks_complete_sharded_checkpoints(tmp_path):
+    from mp_wrappers.atomic_io import is_complete_checkpoint, resolve_resume_checkpoint
+    done, cut = tmp_path / 'epoch_1.pth', tmp_path / 'epoch_2.pth'
+    done.mkdir()
+    (done / '.metadata').write_bytes(b'x')
+    cut.mkdir()
+    (cut / '__0_0.distcp').write_bytes(b'x')  # killed before DCP wrote .metadata
+    (tmp_path / 'last_checkpoint').write_text(str(cut))
+    assert is_complete_checkpoint(done) and not is_complete_checkpoint(cut)
+    assert resolve_resume_checkpoint(tmp_path) == str(done)
+
+
+def test_metadata_reader_refuses_foreign_globals(tmp_path):
+    import pickle
+
+    from mp_wrappers.distributed.runner_checkpoint import SafeFileSystemReader, read_sharded_checkpoint
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ('echo pwned',))
+
+    ckpt = tmp_path / 'evil.pth'
+    ckpt.mkdir()
+    (ckpt / '.metadata').write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(pickle.UnpicklingError, match='system'):
+        SafeFileSystemReader(str(ckpt)).read_metadata()
+    with pytest.raises(pickle.UnpicklingError, match='not one of its own metadata types'):
+        read_sharded_checkpoint(str(ckpt))
+
+
+def test_consolidate_refuses_what_it_cannot_read(tmp_path):
+    sys.path.insert(0, os.path.join(REPO, 'tools'))
+    try:
+        import consolidate_checkpoint as tool
+    finally:
+        sys.path.remove(os.path.join(REPO, 'tools'))
+    plain = tmp_path / 'plain.pth'
+    torch.save({'state_dict': {}}, plain)
+    with pytest.raises(ValueError, match='no consolidation'):
+        tool.consolidate(str(plain))
+    with pytest.raises(ValueError, match='drop --dtype'):
+        tool.consolidate(str(tmp_path), torch.bfloat16, resumable=True)
+    import torch.distributed.checkpoint as dcp
+    foreign = tmp_path / 'foreign'
+    dcp.save({'w': torch.ones(3), 'note': 'a pickled string'}, checkpoint_id=str(foreign),
+             no_dist=True)
+    with pytest.raises(ValueError, match='non-tensor DCP entries'):
+        tool.consolidate(str(foreign))
+    shutil.rmtree(foreign)
