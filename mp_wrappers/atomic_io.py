@@ -159,9 +159,15 @@ def is_complete_checkpoint(path: Union[str, Path]) -> bool:
     open; the pickle record must be listed too. Reads only the directory at the end of the file.
     A sharded checkpoint (a ``torch.distributed.checkpoint`` directory, FSDP2) is complete when it
     has its ``.metadata``, which DCP writes last (by a rename) after every rank's data.
+    An FSDP1 ``state_dict_cfg='local'`` checkpoint (a directory of ``rank{i}.pth``) is complete
+    when ranks 0..n-1 are all there and complete.
     """
     if osp.isdir(path):
-        return osp.isfile(osp.join(path, '.metadata'))
+        if osp.isfile(osp.join(path, '.metadata')):
+            return True
+        ranks = [n for n in os.listdir(path) if n.startswith('rank') and n.endswith('.pth')]
+        return bool(ranks) and all(
+            is_complete_checkpoint(osp.join(path, f'rank{i}.pth')) for i in range(len(ranks)))
     try:
         with zipfile.ZipFile(path) as archive:
             return any(name.endswith('/data.pkl') or name == 'data.pkl'

@@ -33,7 +33,7 @@ import torch
 from mmengine.runner import CheckpointLoader
 
 __all__ = ['ENV_SWITCH', 'LOCAL_PREFIXES', 'UnsafeCheckpointError', 'mmengine_safe_globals',
-           'secure_torch_load', 'install_secure_checkpoint_loader',
+           'sharded_tensor_safe_globals', 'secure_torch_load', 'install_secure_checkpoint_loader',
            'uninstall_secure_checkpoint_loader', 'secure_checkpoint_loader_installed']
 
 ENV_SWITCH = 'MP_WRAPPERS_SECURE_CHECKPOINT_LOADER'
@@ -62,9 +62,21 @@ def _history_buffer_method(owner: Any, name: str) -> Callable:
     from mmengine.logging import HistoryBuffer
     if owner is HistoryBuffer and name in _HISTORY_BUFFER_METHODS:
         return getattr(HistoryBuffer, name)
+    if name == 'ProcessGroupState' and _is_sharded_tensor_class(owner):
+        # FSDP1 'local' checkpoints: ShardedTensor's nested state class. Reachable only while
+        # ShardedTensor itself is allow-listed (sharded_tensor_safe_globals).
+        return owner.ProcessGroupState
     raise pickle.UnpicklingError(
         f'getattr({owner!r}, {name!r}) is not allowed: the secure checkpoint loader resolves only '
         f'getattr(HistoryBuffer, name) for name in {_HISTORY_BUFFER_METHODS}')
+
+
+def _is_sharded_tensor_class(owner: Any) -> bool:
+    try:
+        from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return owner is ShardedTensor
 
 
 def mmengine_safe_globals() -> List[SafeGlobal]:
@@ -88,6 +100,27 @@ def mmengine_safe_globals() -> List[SafeGlobal]:
         entries.append((reconstruct, f'{module}._reconstruct'))
         entries.append((scalar, f'{module}.scalar'))
     return entries
+
+
+def sharded_tensor_safe_globals() -> List[SafeGlobal]:
+    """The globals an FSDP1 ``state_dict_cfg='local'`` checkpoint adds: torch ``ShardedTensor`` objects.
+
+    Allowed only while :class:`mp_wrappers.MixedPrecisionFSDPStrategy` loads such a checkpoint (not
+    by the loader in general). All are torch's data classes: ``ShardedTensor.__setstate__`` stores
+    its local shards and metadata and checks the current process group's rank against the saved
+    one; the metadata classes, the chunk sharding spec and ``_remote_device`` (built from a
+    ``'rank:0/cpu'`` string) hold plain values; ``MEM_FORMAT_ENCODING`` is an enum.
+    """
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import (MEM_FORMAT_ENCODING,
+                                                                  ShardedTensorMetadata,
+                                                                  TensorProperties)
+    from torch.distributed._shard.sharded_tensor.shard import Shard
+    from torch.distributed._shard.sharding_spec.chunk_sharding_spec import ChunkShardingSpec
+    from torch.distributed.remote_device import _remote_device
+    return [ShardMetadata, ShardedTensor, ShardedTensor.ProcessGroupState, MEM_FORMAT_ENCODING,
+            ShardedTensorMetadata, TensorProperties, Shard, ChunkShardingSpec, _remote_device]
 
 
 def _numpy_dtype_classes() -> List[type]:

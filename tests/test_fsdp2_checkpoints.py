@@ -13,6 +13,8 @@ a checkpoint every epoch, ``max_keep_ckpts=2`` and ``save_best='accuracy'``:
   --resumable``). Bitwise and not "close": both runs hand the same fp32 values to the same sharding
   and then compute identically (same reduction order). A single-process reference would differ by
   more than reduction order: BatchNorm's batch statistics depend on the per-rank batch.
+* ``load_from`` a DCP directory and the same weights consolidated into one ordinary file (each rank
+  reads it whole and keeps its shards) train alike, bitwise.
 * The consolidated best checkpoint loads with ``torch.load(weights_only=True)`` and, evaluated by a
   single process (the same O2 bf16 model without FSDP), gives the accuracy logged by the sharded
   run for that epoch.
@@ -72,7 +74,13 @@ def runs(tmp_path_factory):
     e, _ = _run(2, tmp, 'e', 4, resume=tmp / 'c' / 'epoch_3.pth')
     full_c = _consolidate(tmp / 'c' / 'epoch_3.pth', tmp / 'c_epoch_3_full.pth', '--resumable')
     f, _ = _run(2, tmp, 'f', 4, resume=full_c)
-    return dict(tmp=tmp, a=a, b=b, c=c, d=d, e=e, f=f, log_a=log_a)
+    # load_from (weights only, new optimizer state): the DCP directory and an ordinary full file
+    plain = _consolidate(tmp / 'a' / 'epoch_2.pth', tmp / 'a_epoch_2_weights.pth')
+    g, _ = _torchrun(2, tmp / 'g', tmp / 'g.pt', accumulate=1, config=CONFIG,
+                     options=['train_cfg.max_epochs=1', f'load_from={tmp / "a" / "epoch_2.pth"}'])
+    h, _ = _torchrun(2, tmp / 'h', tmp / 'h.pt', accumulate=1, config=CONFIG,
+                     options=['train_cfg.max_epochs=1', f'load_from={plain}'])
+    return dict(tmp=tmp, a=a, b=b, c=c, d=d, e=e, f=f, g=g, h=h, log_a=log_a)
 
 
 def _equal(x, y):
@@ -125,6 +133,12 @@ def test_three_to_two_ranks_matches_consolidated_reference(runs):
     assert runs['e']['world_size'] == 2
     _equal(runs['e'], runs['f'])
     assert all(torch.isfinite(p).all() for p in runs['e']['params'])
+
+
+def test_load_from_sharded_or_ordinary_file_alike(runs):
+    # the same weights, re-sliced by DCP or read whole by every rank, train the same epoch
+    _equal(runs['g'], runs['h'])
+    assert runs['g']['iters'] == 23  # a new run from epoch 0
 
 
 def test_consolidated_checkpoint_is_plain_and_evaluates_alike(runs, tmp_path):

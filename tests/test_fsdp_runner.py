@@ -4,7 +4,9 @@
 O2 bf16, FusedAdam, clip_grad) with a dynamic loss scale that grows every 10 steps and
 ``accumulative_counts=2`` (no_sync): 2 processes train 2 epochs with a full checkpoint per epoch; a
 second 2-process run resumes from the first epoch's checkpoint and ends bitwise equal, with the
-same loss scale; a 3-process run resumes from the same 2-process checkpoint (N -> M). Each rank's
+same loss scale; a 3-process run resumes from the same 2-process checkpoint (N -> M). With
+``state_dict_cfg='local'`` (each rank writes its ShardedTensors) the resume is bitwise too, loaded
+with exactly torch's ShardedTensor classes allow-listed, and refused on another rank count. Each rank's
 optimizer state is about total / N elements (the fp32 shards are the masters: none extra).
 ``configs/digits/cnn_fsdp2_apex_O2_bf16.py`` (FSDP2 through mp_wrappers.FullyShardedRunner): training,
 checkpoints and resume in tests/test_fsdp2_checkpoints.py.
@@ -57,7 +59,13 @@ def runs(tmp_path_factory):
     # on 3 ranks (20 iterations per epoch) overshoots the accumulation bookkeeping's max_iters.
     three, _ = _torchrun(3, tmp / 'c', tmp / 'c.pt', ['--resume', str(tmp / 'a' / 'epoch_1.pth')],
                          accumulate=1)
-    return dict(straight=straight, resumed=resumed, three=three, log=log)
+    # state_dict_cfg='local': each rank writes rank{i}.pth of ShardedTensors (no accumulation)
+    local = [*OPTIONS, 'strategy.state_dict_cfg=local']
+    local_a, _ = _torchrun(2, tmp / 'la', tmp / 'la.pt', accumulate=1, options=local)
+    local_b, _ = _torchrun(2, tmp / 'lb', tmp / 'lb.pt', ['--resume', str(tmp / 'la' / 'epoch_1.pth')],
+                           accumulate=1, options=local)
+    return dict(straight=straight, resumed=resumed, three=three, log=log, local_a=local_a,
+                local_b=local_b, tmp=tmp)
 
 
 def test_trains_with_fsdp_mixed_precision(runs):
@@ -84,3 +92,27 @@ def test_checkpoint_of_two_ranks_resumes_on_three(runs):
     assert c['world_size'] == 3 and c['iters'] == 30 + 20  # one more epoch of 20 iterations
     assert sum(c['opt_numel']) == 2 * c['total']
     assert all(torch.isfinite(p).all() for p in c['params'])
+
+
+def test_local_sharded_checkpoint_resumes_bitwise(runs):
+    a, b = runs['local_a'], runs['local_b']
+    assert sorted(os.listdir(runs['tmp'] / 'la' / 'epoch_1.pth')) == ['rank0.pth', 'rank1.pth']
+    assert a['scale'] > 256.0 and b['iters'] == a['iters'] == 60 and b['scale'] == a['scale']
+    for x, y in zip(a['params'], b['params']):
+        assert torch.equal(x, y)
+
+
+def test_local_checkpoint_loads_only_with_its_allow_list_and_rank_count(runs, tmp_path):
+    from mp_wrappers.checkpoint import UnsafeCheckpointError, secure_torch_load
+    from mp_wrappers.distributed.fsdp import check_local_checkpoint
+    ckpt = runs['tmp'] / 'la' / 'epoch_1.pth'
+    # outside MixedPrecisionFSDPStrategy.load_checkpoint, ShardedTensor is not allow-listed
+    with pytest.raises(UnsafeCheckpointError, match='ShardedTensor'):
+        secure_torch_load(str(ckpt / 'rank0.pth'))
+    with pytest.raises(ValueError, match='shards of 2 rank.*this run has 1'):
+        check_local_checkpoint(str(ckpt))  # no process group: a world of 1
+    (tmp_path / 'rank1.pth').write_bytes(b'x')
+    with pytest.raises(ValueError, match='shards of 1 rank'):
+        check_local_checkpoint(str(tmp_path))  # rank0 missing
+    with pytest.raises(ValueError, match='not an FSDP1'):
+        check_local_checkpoint(str(tmp_path / 'nothing'))

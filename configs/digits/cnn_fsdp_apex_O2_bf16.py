@@ -14,9 +14,9 @@ strategy = dict(
     # local 1-D shard), so param-wise options and FSDP's optimizer state dicts keep parameter names.
     model_wrapper=dict(use_orig_params=True),
     # 'full': rank 0 saves one ordinary checkpoint (fp32 weights, optimizer state and our wrapper
-    # state), loadable on any number of ranks and by mp_wrappers' weights_only loader. 'local' saves
-    # a directory of rank{i}.pth holding torch ShardedTensors, which that loader refuses
-    # (docs/distributed.md); for sharded checkpoints use FSDP2 and torch.distributed.checkpoint.
+    # state), loadable on any number of ranks and by mp_wrappers' weights_only loader. 'local': each
+    # rank writes its own shards (rank{i}.pth of torch ShardedTensors, no gathering: less memory on
+    # rank 0), which resume bitwise on the same number of ranks only (docs/distributed.md).
     state_dict_cfg='full')
 optim_wrapper = dict(
     _delete_=True,

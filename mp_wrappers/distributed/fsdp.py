@@ -19,7 +19,7 @@ from torch import nn
 
 from ..registry import STRATEGIES
 
-__all__ = ['MixedPrecisionFSDPStrategy', 'fsdp_mixed_precision']
+__all__ = ['MixedPrecisionFSDPStrategy', 'fsdp_mixed_precision', 'check_local_checkpoint']
 
 
 def fsdp_mixed_precision(optim_wrapper: Any) -> Optional[dict]:
@@ -56,6 +56,32 @@ def _wrapper_extras(wrapper: Any) -> dict:
             "dict(mixed_precision=dict(param_dtype=...)) (filled in for ApexOptimWrapper O2)")
     state = wrapper.state_dict()
     return {k: v for k, v in state.items() if k not in ('state', 'param_groups')}
+
+
+def check_local_checkpoint(path: str) -> None:
+    """Refuse an FSDP1 ``'local'`` checkpoint written by another number of ranks, or cut off.
+
+    Raises:
+        ValueError: ``path`` is not a directory of ``rank{i}.pth``, or their count differs from
+            the world size (local shards cannot be re-sliced: use ``state_dict_cfg='full'``, or
+            FSDP2, whose DCP checkpoints resume on any rank count).
+    """
+    import os
+    import os.path as osp
+
+    import torch.distributed as dist
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    names = sorted(os.listdir(path)) if osp.isdir(path) else []
+    ranks = [n for n in names if n.startswith('rank') and n.endswith('.pth')]
+    if not ranks:
+        raise ValueError(f"{path} is not an FSDP1 state_dict_cfg='local' checkpoint (a directory "
+                         'of rank{i}.pth files)')
+    if sorted(ranks) != sorted(f'rank{i}.pth' for i in range(len(ranks))) or len(ranks) != world:
+        raise ValueError(
+            f"{path} holds FSDP1 'local' shards of {len(ranks)} rank(s) ({', '.join(ranks)}) but "
+            f'this run has {world}: local shards load on the rank count that wrote them only. '
+            "Resume on that many ranks, or save with the strategy's state_dict_cfg='full' (any "
+            'rank count), or use FSDP2 (DCP checkpoints re-slice)')
 
 
 @STRATEGIES.register_module()
@@ -123,6 +149,21 @@ class MixedPrecisionFSDPStrategy(FSDPStrategy):
                                                optim_state_dict=optim_part)
         loaded.update(extra)
         self.optim_wrapper.load_state_dict(loaded)
+
+    def load_checkpoint(self, filename: str, **kwargs: Any) -> dict:
+        """mmengine's load, plus torch's ``ShardedTensor`` classes allowed for a ``'local'`` one.
+
+        A ``'local'`` checkpoint is a directory of ``rank{i}.pth``, one per rank of the run that
+        wrote it, holding ``ShardedTensor`` objects: it loads on that many ranks only (refused otherwise,
+        before anything is read), with exactly :func:`mp_wrappers.checkpoint.
+        sharded_tensor_safe_globals` added to the ``weights_only`` allow-list for the load.
+        """
+        if self._is_full_state_dict():
+            return super().load_checkpoint(filename, **kwargs)
+        check_local_checkpoint(filename)
+        from ..checkpoint import sharded_tensor_safe_globals
+        with torch.serialization.safe_globals(sharded_tensor_safe_globals()):
+            return super().load_checkpoint(filename, **kwargs)
 
     def prepare(self, model: Any, *, optim_wrapper: Any = None, **kwargs: Any) -> Any:
         # The model is wrapped before the optim wrapper is built: keep its config for

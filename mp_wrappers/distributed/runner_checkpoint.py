@@ -64,18 +64,22 @@ _VERSION = 1
 
 
 # ---- reading .metadata without running code from the file -----------------------------------------
-_SAFE_MODULES = ('torch.distributed.checkpoint.metadata', 'torch.distributed.checkpoint.filesystem',
-                 'torch.distributed.checkpoint.planner', 'torch.distributed.checkpoint.storage')
+# DCP's metadata: dataclasses and enums (the unpickler only sets their fields) and nothing else of
+# those modules (a writer or reader class could be called with arguments from the file).
+_SAFE_CLASSES = {
+    'torch.distributed.checkpoint.metadata': (
+        'Metadata', 'TensorStorageMetadata', 'BytesStorageMetadata', 'ChunkStorageMetadata',
+        'TensorProperties', 'MetadataIndex', 'StorageMeta', '_MEM_FORMAT_ENCODING'),
+    'torch.distributed.checkpoint.filesystem': ('_StorageInfo',),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Resolves DCP's metadata dataclasses and enums, ``torch.Size``, dtypes, layouts, formats."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module in _SAFE_MODULES:
-            obj = super().find_class(module, name)
-            if isinstance(obj, type):  # dataclasses and enums: the unpickler only sets state
-                return obj
+        if name in _SAFE_CLASSES.get(module, ()):
+            return super().find_class(module, name)
         if (module, name) == ('torch.serialization', '_get_layout'):
             return torch.serialization._get_layout  # a lookup of torch.strided & co. by name
         if module == 'pathlib' and name in ('PosixPath', 'WindowsPath', 'PurePosixPath',
