@@ -16,13 +16,22 @@ Note [sharded masters]
     squared norms of the local shards summed over ranks, replicated tensors counted once) and
     gradient synchronisation while accumulating (:func:`no_sync_for_backward`).
 
+Note [HSDP]
+    Hybrid sharding (FSDP2 ``fully_shard(mesh=...)`` on a 2-D ``(replicate, shard)`` mesh, FSDP1
+    ``ShardingStrategy.HYBRID_SHARD``): each replica group (e.g. one node) holds one sharded copy of
+    the model; FSDP reduce-scatters gradients within the shard group and all-reduces them across
+    replicas, so every replica holds the same gradient shards. Elementwise updates of local shards
+    are unchanged; the gradient norm sums squared shard norms over the *shard group* only
+    (:attr:`Sharding.group`), and the overflow flag is all-reduced (MAX) over all ranks, as without
+    HSDP. DTensors then carry placements ``(Replicate(), Shard(dim))``.
+
 Note [DTensor to local]
     FSDP2 parameters, gradients and optimizer state are ``DTensor``. Our multi-tensor ops are
     elementwise over lists (plus norms), and have no DTensor sharding rule, so they are handed the
     local shards (:func:`local_tensor`): for an elementwise update that is exact for any ``Shard``
     or ``Replicate`` placement, and the optimizer state stays a DTensor that torch's distributed
     checkpoint can save and reshard. ``Partial`` placements (pending reductions) are refused, as are
-    meshes of more than one dimension (HSDP), whose norms would need a reduction per mesh dimension.
+    meshes of more than two dimensions and 2-D meshes other than HSDP's (Note [HSDP]).
 """
 import contextlib
 from dataclasses import dataclass
@@ -49,11 +58,15 @@ def is_dtensor(t: object) -> bool:
 def _check_placements(t: Tensor, what: str) -> None:
     from torch.distributed.tensor import Replicate, Shard
     mesh = t.device_mesh
-    if mesh.ndim != 1:
+    placements = tuple(t.placements)
+    hsdp = (mesh.ndim == 2 and isinstance(placements[0], Replicate)
+            and isinstance(placements[1], (Shard, Replicate)))
+    if mesh.ndim > 2 or (mesh.ndim == 2 and not hsdp):
         raise NotImplementedError(
-            f'{what} is a DTensor on a {mesh.ndim}-D device mesh; mp_wrappers supports 1-D meshes '
-            '(FSDP2 fully_shard over one process group), not HSDP / 2-D meshes')
-    for placement in t.placements:
+            f'{what} is a DTensor on a {mesh.ndim}-D device mesh with placements {placements}; '
+            'mp_wrappers supports 1-D meshes (FSDP2 fully_shard over one process group) and HSDP '
+            '(a 2-D mesh (replicate, shard) with placements (Replicate(), Shard(dim)))')
+    for placement in placements:
         if not isinstance(placement, (Shard, Replicate)):
             raise NotImplementedError(
                 f'{what} is a DTensor with placement {placement}; mp_wrappers steps local shards '
@@ -98,11 +111,15 @@ class Sharding:
         model: The FSDP1 wrapper or the FSDP2 root module (what ``no_sync`` applies to).
         param_dtype: The dtype FSDP's mixed precision runs the forward in, or None (FSDP keeps
             the params' own dtype).
+        group: The process group one copy of the model is sharded over (None: all ranks). Under
+            HSDP (FSDP2 on a 2-D mesh, FSDP1 ``HYBRID_SHARD``) each replica's shards live in one
+            group, and norms of shards are summed over that group only (Note [HSDP]).
     """
 
     kind: str
     model: nn.Module
     param_dtype: Optional[torch.dtype]
+    group: Optional[object] = None
 
     def slot_is_sharded(self, t: Tensor) -> bool:
         """Whether the elements of optimizer slot (or grad) ``t`` are split among the ranks."""
@@ -139,23 +156,48 @@ def sharding_of(model: nn.Module) -> Optional[Sharding]:
         FSDPModule = ()  # noqa: N806
     if isinstance(model, FullyShardedDataParallel):
         policy = getattr(model, 'mixed_precision', None)
-        return Sharding('fsdp1', model, getattr(policy, 'param_dtype', None))
+        return Sharding('fsdp1', model, getattr(policy, 'param_dtype', None),
+                        _fsdp1_shard_group(model))
     inner = getattr(model, 'module', None)
     candidates = [model] + ([inner] if isinstance(inner, nn.Module) else [])
     for m in candidates:
         if FSDPModule and isinstance(m, FSDPModule):
-            return Sharding('fsdp2', m, _fsdp2_param_dtype(m))
+            return Sharding('fsdp2', m, _fsdp2_param_dtype(m), _fsdp2_shard_group(m))
     return None
 
 
-def global_norm(norms: Dict[bool, List[Tensor]], norm_type: float = 2.0) -> Tensor:
+def _fsdp1_shard_group(model: nn.Module) -> Optional[object]:
+    """FSDP1's shard group under ``HYBRID_SHARD`` (its ``process_group``), else None (all ranks)."""
+    from torch.distributed.fsdp import ShardingStrategy
+    strategy = getattr(model, 'sharding_strategy', None)
+    if strategy in (ShardingStrategy.HYBRID_SHARD,
+                    getattr(ShardingStrategy, '_HYBRID_SHARD_ZERO2', None)):
+        return model.process_group
+    return None
+
+
+def _fsdp2_shard_group(root: nn.Module) -> Optional[object]:
+    """The shard dimension's group of a 2-D (replicate, shard) mesh, else None (all ranks)."""
+    for p in root.parameters():
+        if is_dtensor(p):
+            mesh = p.device_mesh
+            return mesh.get_group(1) if mesh.ndim == 2 else None
+    return None
+
+
+def global_norm(norms: Dict[bool, List[Tensor]], norm_type: float = 2.0,
+                group: Optional[object] = None) -> Tensor:
     """Combine norms of local tensors into the norm over the whole job.
 
     Args:
         norms: ``{True: norms of local shards, False: norms of replicated tensors}`` (each a
-            0-dim or 1-element float32 tensor). Shards are reduced across ranks (sum of squares, or
-            max for ``inf``); replicated tensors are the same on every rank and counted once.
+            0-dim or 1-element float32 tensor). Shards are reduced across ``group`` (sum of
+            squares, or max for ``inf``); replicated tensors are the same on every rank and
+            counted once.
         norm_type: 2.0 or ``inf``.
+        group: The ranks one copy of the model is sharded over (:attr:`Sharding.group`; None: all
+            ranks). Under HSDP the replicas hold the same (all-reduced) gradients: summing over
+            all ranks would count each element once per replica.
 
     Returns:
         A 1-element float32 tensor, equal on every rank.
@@ -174,9 +216,9 @@ def global_norm(norms: Dict[bool, List[Tensor]], norm_type: float = 2.0) -> Tens
             parts[sharded] = torch.cat(ts).square().sum().reshape(1) if ts else zero
         else:
             parts[sharded] = torch.cat(ts).amax().reshape(1) if ts else zero
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         op = dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX
-        dist.all_reduce(parts[True], op=op)
+        dist.all_reduce(parts[True], op=op, group=group)
     if norm_type == 2.0:
         return (parts[True] + parts[False]).sqrt().float()
     return torch.maximum(parts[True], parts[False]).float()
@@ -200,7 +242,7 @@ def clip_grad_norm_sharded(params: Sequence[Tensor], sharding: Sharding, max_nor
     norms: Dict[bool, List[Tensor]] = {True: [], False: []}
     for g, sharded in grads:
         norms[sharded].append(torch.linalg.vector_norm(local_tensor(g, 'a gradient'), norm_type))
-    total = global_norm(norms, norm_type)
+    total = global_norm(norms, norm_type, sharding.group)
     if error_if_nonfinite and not bool(torch.isfinite(total).all()):
         raise RuntimeError(f'the total norm of order {norm_type} of the gradients is non-finite, '
                            'so it cannot be clipped (error_if_nonfinite=True)')

@@ -559,7 +559,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             # Under FSDP: the norm of the whole model's gradients, equal on every rank.
             total = _sharding.global_norm({True: [n for (_, sh), n in zip(by_dtype, norms) if sh],
                                            False: [n for (_, sh), n in zip(by_dtype, norms)
-                                                   if not sh]})
+                                                   if not sh]}, group=self._sharding.group)
         else:
             # Combined in double: the per-dtype norms are exact up to fp32's max, their fp32
             # squares are not (a norm of 1e30 would square to inf).
@@ -667,7 +667,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         sharded, replicated = _sharding.split_by_sharding(grads, self._sharding)
         return _sharding.global_norm({True: [multi_tensor_l2norm(sharded)[0]] if sharded else [],
                                       False: [multi_tensor_l2norm(replicated)[0]]
-                                      if replicated else []})
+                                      if replicated else []}, group=self._sharding.group)
 
     def _finish_step(self, skipped: bool) -> None:
         """Update the scalers and do the step's bookkeeping, reading the flags on the host."""
