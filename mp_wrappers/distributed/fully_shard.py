@@ -24,7 +24,7 @@ from mmengine.runner import Runner
 from ..registry import MODEL_WRAPPERS, RUNNERS
 from . import runner_checkpoint
 
-__all__ = ['FullyShardedModel', 'FullyShardedRunner']
+__all__ = ['FullyShardedModel', 'FullyShardedRunner', 'hsdp_mesh']
 
 @MODEL_WRAPPERS.register_module()
 class FullyShardedModel(nn.Module):
@@ -39,18 +39,28 @@ class FullyShardedModel(nn.Module):
         keep_norm_fp32 (bool): Shard normalisation layers without ``param_dtype`` (fp32 weights).
             Defaults to True.
         reshard_after_forward (bool): FSDP2's option (free the gathered weights after forward).
+        replicate (int | str, optional): HSDP: shard over groups of ``world_size / replicate``
+            ranks and replicate across ``replicate`` of them (a 2-D ``(replicate, shard)`` device
+            mesh, Note [HSDP]). ``'nodes'``: one replica per machine, sharded within it
+            (``WORLD_SIZE / LOCAL_WORLD_SIZE`` replicas, from torchrun's environment). Defaults
+            to None: shard over all ranks.
 
     Examples:
         >>> model_wrapper_cfg = dict(type='mp_wrappers.FullyShardedModel', dtype='bfloat16')
+        >>> # several machines: shard within each, replicate across them
+        >>> model_wrapper_cfg = dict(type='mp_wrappers.FullyShardedModel', dtype='bfloat16',
+        ...                          replicate='nodes')
         >>> optim_wrapper = dict(type='mp_wrappers.ApexOptimWrapper', opt_level='O2',
         ...                      dtype='bfloat16', optimizer=dict(type='mp_wrappers.FusedAdam'))
     """
 
     def __init__(self, module: nn.Module, dtype: Union[str, torch.dtype, None] = None,
                  reduce_dtype: Union[str, torch.dtype] = 'float32', keep_norm_fp32: bool = True,
-                 reshard_after_forward: bool = True) -> None:
+                 reshard_after_forward: bool = True,
+                 replicate: Union[int, str, None] = None) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         super().__init__()
+        mesh = hsdp_mesh(replicate)
         param_dtype = parse_dtype(dtype, option='FullyShardedModel(dtype)')
         reduce = parse_dtype(reduce_dtype, option='FullyShardedModel(reduce_dtype)',
                              allowed=('float32', 'float16', 'bfloat16'))
@@ -62,9 +72,10 @@ class FullyShardedModel(nn.Module):
                     True for _ in m.parameters(recurse=False)):
                 continue
             keep = keep_norm_fp32 and is_norm_layer(m)
-            fully_shard(m, mp_policy=fp32 if keep else policy,
+            fully_shard(m, mesh=mesh, mp_policy=fp32 if keep else policy,
                         reshard_after_forward=reshard_after_forward)
-        fully_shard(module, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(module, mesh=mesh, mp_policy=policy,
+                    reshard_after_forward=reshard_after_forward)
         self.module = module
 
     # ---- mmengine's model-wrapper contract (as MMDistributedDataParallel) ------------------------
@@ -100,6 +111,36 @@ class FullyShardedModel(nn.Module):
     @property
     def sharded_root(self) -> Optional[nn.Module]:
         return self.module
+
+
+def hsdp_mesh(replicate: Union[int, str, None]) -> Any:
+    """The 2-D ``(replicate, shard)`` device mesh for ``FullyShardedModel(replicate=...)``, or None.
+
+    Raises:
+        ValueError: ``replicate`` is not a positive int dividing the world size, nor ``'nodes'``
+            (which needs torchrun's ``LOCAL_WORLD_SIZE``).
+    """
+    import os
+
+    import torch.distributed as dist
+    if replicate is None:
+        return None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if replicate == 'nodes':
+        local = os.environ.get('LOCAL_WORLD_SIZE')
+        if local is None:
+            raise ValueError("FullyShardedModel(replicate='nodes') needs LOCAL_WORLD_SIZE (set by "
+                             'torchrun: the processes per machine); give the number of replicas '
+                             'as an int instead')
+        replicate = world // int(local)
+    if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1 \
+            or world % replicate:
+        raise ValueError(f'FullyShardedModel(replicate={replicate!r}): need a positive int that '
+                         f"divides the world size ({world}), or 'nodes'")
+    from torch.distributed.device_mesh import init_device_mesh
+    device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    return init_device_mesh(device, (replicate, world // replicate),
+                            mesh_dim_names=('replicate', 'shard'))
 
 
 def _init_and_broadcast(module: nn.Module) -> None:
