@@ -10,6 +10,10 @@ uses, so they resolve from ``default_scope='mmengine'``.
 * ``RelTestGradFaultHook(iters, rank, value, param)``: during the given iterations (1-based; ``from_iter``
   for all later ones too), plants ``value`` into the gradient of one parameter on one rank (all
   ranks when ``rank`` is None) via a tensor hook, i.e. inside backward, before DDP's all-reduce.
+* ``RelTestShardFaultHook(iters, rank)``: during the given iterations (1-based), on one rank, plants
+  inf into the first non-empty local gradient shard after backward, just before the optimizer
+  wrapper's step (under FSDP the gradients are reduce-scattered during backward: a fault planted
+  there reaches the other ranks' shards too; this one stays on one rank).
 * ``RelTestRecordHook(out_dir)``: after every iteration records the flat parameters, the fp32
   masters, the loss scale and the skipped-step count; writes ``rank{r}.pt`` after the run.
 """
@@ -77,6 +81,47 @@ class RelTestGradFaultHook(Hook):
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+
+@HOOKS.register_module()
+class RelTestShardFaultHook(Hook):
+    priority = 'NORMAL'
+
+    def __init__(self, iters: Sequence[int] = (), rank: int = 1) -> None:
+        self.iters = set(iters)
+        self.rank = rank
+        self._restore = None
+
+    def before_train_iter(self, runner, batch_idx, data_batch=None) -> None:
+        if runner.iter + 1 not in self.iters or _rank() != self.rank:
+            return
+        wrapper = runner.optim_wrapper
+        own = vars(wrapper).get('step')  # a replacement set on the instance, if any
+        step = wrapper.step
+
+        def restore():
+            if own is None:
+                vars(wrapper).pop('step', None)
+            else:
+                wrapper.step = own
+
+        def planted_step(*args, **kwargs):
+            from mp_wrappers.distributed.sharding import local_tensor
+            for p in _module(runner).parameters():
+                g = local_tensor(p.grad)
+                if g is not None and g.numel():
+                    g.view(-1)[0] = float('inf')
+                    break
+            restore()  # once
+            return step(*args, **kwargs)
+
+        wrapper.step = planted_step
+        self._restore = restore
+
+    def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None) -> None:
+        if self._restore is not None:
+            self._restore()  # not reached while accumulating: do not leave it for later
+        self._restore = None
 
 
 @HOOKS.register_module()

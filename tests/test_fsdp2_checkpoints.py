@@ -1,8 +1,11 @@
 """FSDP2 checkpoints through mmengine's CheckpointHook, as users run them: torchrun + tools/train.py.
 
 ``configs/digits/cnn_fsdp2_apex_O2_bf16.py`` (mp_wrappers.FullyShardedRunner, FullyShardedModel,
-ApexOptimWrapper O2 bf16, FusedAdam, clip_grad) with a dynamic loss scale that grows every 10 steps,
-a checkpoint every epoch, ``max_keep_ckpts=2`` and ``save_best='accuracy'``:
+ApexOptimWrapper O2 bf16, FusedAdam, clip_grad, evaluation) with a dynamic loss scale that grows
+every 10 steps, a checkpoint every epoch, ``max_keep_ckpts=2`` and ``save_best='accuracy'``, and inf
+planted into rank 1's local gradient shard at iterations 6, 50 and 70 (tests/configs/
+fsdp2_shard_fault.py): rank 0 skips those steps too, at 2 and 3 ranks, with and without
+accumulation.
 
 * 2 ranks train 3 epochs; each checkpoint is a DCP directory whose metadata covers every element of
   every tensor, written by both ranks (never rank 0's shards alone); the oldest is removed.
@@ -32,7 +35,8 @@ import torch
 
 from test_fsdp_runner import REPO, _torchrun
 
-CONFIG = 'configs/digits/cnn_fsdp2_apex_O2_bf16.py'
+# the shipped config + inf planted into rank 1's local gradient shard at iterations 6, 50 and 70
+CONFIG = 'tests/configs/fsdp2_shard_fault.py'
 SCALE = ['optim_wrapper.loss_scale=dynamic', 'optim_wrapper.init_scale=256.',
          'optim_wrapper.scale_window=10']
 
@@ -76,10 +80,12 @@ def runs(tmp_path_factory):
     f, _ = _run(2, tmp, 'f', 4, resume=full_c)
     # load_from (weights only, new optimizer state): the DCP directory and an ordinary full file
     plain = _consolidate(tmp / 'a' / 'epoch_2.pth', tmp / 'a_epoch_2_weights.pth')
-    g, _ = _torchrun(2, tmp / 'g', tmp / 'g.pt', accumulate=1, config=CONFIG,
-                     options=['train_cfg.max_epochs=1', f'load_from={tmp / "a" / "epoch_2.pth"}'])
-    h, _ = _torchrun(2, tmp / 'h', tmp / 'h.pt', accumulate=1, config=CONFIG,
-                     options=['train_cfg.max_epochs=1', f'load_from={plain}'])
+    # ... with accumulation (the fault at iteration 6 falls on a step)
+    opts = ['train_cfg.max_epochs=1', *SCALE]
+    g, _ = _torchrun(2, tmp / 'g', tmp / 'g.pt', accumulate=2, config=CONFIG,
+                     options=[*opts, f'load_from={tmp / "a" / "epoch_2.pth"}'])
+    h, _ = _torchrun(2, tmp / 'h', tmp / 'h.pt', accumulate=2, config=CONFIG,
+                     options=[*opts, f'load_from={plain}'])
     return dict(tmp=tmp, a=a, b=b, c=c, d=d, e=e, f=f, g=g, h=h, log_a=log_a)
 
 
@@ -113,7 +119,9 @@ def test_every_rank_writes_its_shards(runs):
 def test_fsdp2_config_trains(runs):
     a = runs['a']
     assert a['world_size'] == 2 and a['iters'] == 3 * 23
-    assert a['scale'] > 256.0 and a['skipped'] == 0  # grew every 10 clean steps
+    # one-rank overflow through the Runner: inf in rank 1's shard at iterations 6 and 50, and
+    # rank 0 skipped both (the flag is all-reduced); the scale grew every 10 clean steps
+    assert a['scale'] > 256.0 and a['skipped'] == 2
     assert sum(a['opt_numel']) == 2 * a['total']  # Adam's m and v as DTensor shards, no masters
     assert all(abs(n - a['total']) <= 64 for n in a['opt_numel'])
     assert min(_accuracies(runs['log_a']).values()) > 80.0
@@ -125,12 +133,14 @@ def test_resume_is_bitwise(runs):
 
 def test_two_to_three_ranks_matches_consolidated_reference(runs):
     assert runs['c']['world_size'] == 3
+    assert runs['c']['skipped'] == 2  # 6 (in the checkpoint), then 50 on 3 ranks
     _equal(runs['c'], runs['d'])
     assert runs['c']['scale'] >= runs['a']['scale'] / 2  # scaler state carried over, not reset
 
 
 def test_three_to_two_ranks_matches_consolidated_reference(runs):
     assert runs['e']['world_size'] == 2
+    assert runs['e']['skipped'] == 3  # 6 and 50 (in the checkpoint), then 70
     _equal(runs['e'], runs['f'])
     assert all(torch.isfinite(p).all() for p in runs['e']['params'])
 
@@ -139,6 +149,7 @@ def test_load_from_sharded_or_ordinary_file_alike(runs):
     # the same weights, re-sliced by DCP or read whole by every rank, train the same epoch
     _equal(runs['g'], runs['h'])
     assert runs['g']['iters'] == 23  # a new run from epoch 0
+    assert runs['g']['skipped'] == 1  # the fault at iteration 6, with accumulative_counts=2
 
 
 def test_consolidated_checkpoint_is_plain_and_evaluates_alike(runs, tmp_path):
@@ -181,7 +192,8 @@ def test_consolidated_checkpoint_is_plain_and_evaluates_alike(runs, tmp_path):
 def test_plain_runner_with_fsdp2_is_refused_before_training(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS='1')
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-           'tools/train.py', CONFIG, '--launcher', 'pytorch', '--work-dir', str(tmp_path),
+           'tools/train.py', 'configs/digits/cnn_fsdp2_apex_O2_bf16.py', '--launcher', 'pytorch',
+           '--work-dir', str(tmp_path),
            '--cfg-options', 'runner_type=Runner']
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
@@ -239,3 +251,25 @@ def test_consolidate_refuses_what_it_cannot_read(tmp_path):
     with pytest.raises(ValueError, match='non-tensor DCP entries'):
         tool.consolidate(str(foreign))
     shutil.rmtree(foreign)
+
+
+def test_attach_refuses_without_processes(monkeypatch):
+    from mmengine.hooks import EMAHook
+    from mmengine.runner import Runner
+    from torch import nn
+
+    from mp_wrappers.distributed import runner_checkpoint
+    from mp_wrappers.distributed.fully_shard import FullyShardedRunner
+
+    def runner(cls, hooks=()):
+        r = cls.__new__(cls)  # only what attach() reads
+        r.model, r._hooks = nn.Linear(1, 1), list(hooks)
+        return r
+
+    runner_checkpoint.attach(runner(Runner))  # not FSDP2-sharded: nothing to check
+    monkeypatch.setattr(runner_checkpoint, 'fsdp2_root', lambda model: model)
+    runner_checkpoint.attach(runner(FullyShardedRunner))
+    with pytest.raises(RuntimeError, match="runner_type = 'mp_wrappers.FullyShardedRunner'"):
+        runner_checkpoint.attach(runner(Runner))
+    with pytest.raises(NotImplementedError, match='EMAHook under FSDP2'):
+        runner_checkpoint.attach(runner(FullyShardedRunner, [EMAHook()]))

@@ -1,7 +1,8 @@
 """FSDP1 through mmengine's FlexibleRunner, launched as users launch it: torchrun + tools/train.py.
 
 ``configs/digits/cnn_fsdp_apex_O2_bf16.py`` (mp_wrappers.MixedPrecisionFSDPStrategy, ApexOptimWrapper
-O2 bf16, FusedAdam, clip_grad) with a dynamic loss scale that grows every 10 steps and
+O2 bf16, FusedAdam, clip_grad, evaluation), with inf planted into rank 1's local gradient shard at
+iterations 10 and 40 (skipped on every rank, at 2 and 3 ranks), a dynamic loss scale that grows every 10 steps and
 ``accumulative_counts=2`` (no_sync): 2 processes train 2 epochs with a full checkpoint per epoch; a
 second 2-process run resumes from the first epoch's checkpoint and ends bitwise equal, with the
 same loss scale; a 3-process run resumes from the same 2-process checkpoint (N -> M). With
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = 'configs/digits/cnn_fsdp_apex_O2_bf16.py'
+CONFIG = 'tests/configs/fsdp_shard_fault.py'  # the shipped FSDP1 config + a one-rank fault
 OPTIONS = ['train_cfg.max_epochs=2', 'train_cfg.val_interval=2', 'default_hooks.checkpoint.interval=1',
            'optim_wrapper.loss_scale=dynamic', 'optim_wrapper.init_scale=256.',
            'optim_wrapper.scale_window=10',
@@ -29,7 +30,10 @@ OPTIONS = ['train_cfg.max_epochs=2', 'train_cfg.val_interval=2', 'default_hooks.
 
 
 def _torchrun(nproc, work_dir, result, extra=(), accumulate=2, config=CONFIG, options=None):
-    env = dict(os.environ, OMP_NUM_THREADS='1')
+    # tests/ on the path: the configs import tests/_reliability_hooks.py
+    env = dict(os.environ, OMP_NUM_THREADS='1',
+               PYTHONPATH=os.pathsep.join([os.path.join(REPO, 'tests'), REPO,
+                                           os.environ.get('PYTHONPATH', '')]))
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
            'tests/fsdp_train_check.py', config, str(result), '--launcher', 'pytorch',
            '--work-dir', str(work_dir), *extra, '--cfg-options',
@@ -71,8 +75,10 @@ def runs(tmp_path_factory):
 def test_trains_with_fsdp_mixed_precision(runs):
     a = runs['straight']
     assert a['world_size'] == 2 and a['iters'] == 60
-    assert a['scale'] > 256.0  # grew every 10 clean steps: no overflow, and the state is live
-    assert a['skipped'] == 0
+    # inf planted in rank 1's local shard at iterations 10 and 40 (steps 5 and 20 of 30): rank 0
+    # skipped both (the overflow flag is all-reduced), and nothing else; the scale halved at each
+    # and doubled after 10 clean steps: 256 -> 128 -> 256 -> 128 -> 256
+    assert a['skipped'] == 2 and a['scale'] == 256.0
     assert all(torch.isfinite(p).all() for p in a['params'])
     # FSDP's fp32 shards are the masters: Adam's m and v only, split between the ranks
     assert sum(a['opt_numel']) == 2 * a['total']
@@ -90,6 +96,7 @@ def test_resume_from_full_checkpoint_is_bitwise(runs):
 def test_checkpoint_of_two_ranks_resumes_on_three(runs):
     c = runs['three']
     assert c['world_size'] == 3 and c['iters'] == 30 + 20  # one more epoch of 20 iterations
+    assert c['skipped'] == 2  # iteration 10 (in the checkpoint) and 40 on 3 ranks
     assert sum(c['opt_numel']) == 2 * c['total']
     assert all(torch.isfinite(p).all() for p in c['params'])
 
@@ -97,7 +104,8 @@ def test_checkpoint_of_two_ranks_resumes_on_three(runs):
 def test_local_sharded_checkpoint_resumes_bitwise(runs):
     a, b = runs['local_a'], runs['local_b']
     assert sorted(os.listdir(runs['tmp'] / 'la' / 'epoch_1.pth')) == ['rank0.pth', 'rank1.pth']
-    assert a['scale'] > 256.0 and b['iters'] == a['iters'] == 60 and b['scale'] == a['scale']
+    assert a['skipped'] == b['skipped'] == 2 and b['iters'] == a['iters'] == 60
+    assert b['scale'] == a['scale']
     for x, y in zip(a['params'], b['params']):
         assert torch.equal(x, y)
 

@@ -38,7 +38,7 @@ The interface for whatever attaches to a runner (see docs/distributed.md):
 * :func:`attach` (``runner``): call once the runner is built, before ``runner.train()`` saves or
   loads anything. It refuses a runner whose model is FSDP2-sharded but whose ``save_checkpoint``
   is mmengine's rank-0-only one, naming the config line to change, so that no path writes a
-  partial checkpoint.
+  partial checkpoint (and an EMAHook under FSDP2, which fails later otherwise).
 * :func:`save_checkpoint`, :func:`load_checkpoint`: the collective versions of the ``Runner``
   methods of the same names (all ranks call them, with the runner as first argument).
 """
@@ -156,11 +156,19 @@ def attach(runner: Any) -> None:
     nothing for models that are not FSDP2-sharded.
 
     Raises:
-        RuntimeError: the model is FSDP2-sharded, checkpoints would be written or resumed, and
-            the runner's ``save_checkpoint`` is mmengine's rank-0-only one.
+        RuntimeError: the model is FSDP2-sharded and the runner's ``save_checkpoint`` is
+            mmengine's rank-0-only one.
+        NotImplementedError: the model is FSDP2-sharded and an ``EMAHook`` is registered.
     """
     if fsdp2_root(getattr(runner, 'model', None)) is None:
         return
+    from mmengine.hooks import EMAHook
+    ema = [type(h).__name__ for h in getattr(runner, 'hooks', []) if isinstance(h, EMAHook)]
+    if ema:
+        raise NotImplementedError(
+            f'{ema[0]} under FSDP2: its averaged model is a deepcopy of the model, which torch '
+            "refuses for fully_shard modules ('FSDP does not support deepcopy'). Remove it from "
+            'custom_hooks, or train with DDP or FSDP1 for EMA')
     if getattr(type(runner).save_checkpoint, '_mp_wrappers_collective', False):
         return
     raise RuntimeError(
