@@ -289,6 +289,25 @@ def _fsdp1_cases(rank, world):
     return out
 
 
+def _lean_cases(rank, world):
+    """Lean master modes (no fp32 copy) over a bf16 model sharded as it is, vs one process."""
+    from mp_wrappers import ApexOptimWrapper, FusedAdam, cast_model
+    out = {}
+    for mode in ('split', 'kahan'):
+        for sharded in (True, False):
+            model = cast_model(_model(), torch.bfloat16)
+            if sharded:
+                _shard(model, param_dtype=None)
+            wrapper = ApexOptimWrapper(FusedAdam(model.parameters(), lr=0.02, eps=1e-3),
+                                       opt_level='O2', dtype='bfloat16', master_weights=mode,
+                                       verbosity=0, clip_grad=dict(max_norm=0.1))
+            stats = _run(model, wrapper, _batches(world), rank, world if sharded else 1,
+                         dtype=torch.bfloat16)
+            out[(mode, sharded)] = dict(stats, params=_full(model),
+                                        opt_numel=_optimizer_numel(wrapper))
+    return out
+
+
 def _worker(rank, world, port, out_dir):
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -304,7 +323,8 @@ def _worker(rank, world, port, out_dir):
             fault=_fault(rank, world),
             resume=_resume(rank, world, out_dir),
             errors=_errors(rank, world),
-            fsdp1=_fsdp1_cases(rank, world))
+            fsdp1=_fsdp1_cases(rank, world),
+            lean=_lean_cases(rank, world))
         torch.save(result, os.path.join(out_dir, f'rank{rank}.pt'))
     finally:
         dist.destroy_process_group()
@@ -445,3 +465,18 @@ def test_fsdp1_planted_inf_on_one_rank_skips_everywhere(ranks):
         assert f['faulty']['scales'] == [2.**15]
         for a, b in zip(f['before'], f['after']):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize('mode', ['split', 'kahan'])
+def test_lean_master_modes_on_shards_match_single_process(ranks, mode):
+    for r in ranks:
+        got, ref = r['lean'][(mode, True)], r['lean'][(mode, False)]
+        # bf16 gradients reduced in bf16 (no reduce_dtype for a bf16 model) vs one bf16 backward
+        _close(got['params'], ref['params'], rtol=2e-2, atol=4e-3)
+        assert got['norms'] == pytest.approx(ref['norms'], rel=3e-2)
+        assert got['skipped'] == ref['skipped'] == [False] * 4
+    # the extra state (uint16 low half / bf16 compensation) is sharded with the moments
+    world = len(ranks)
+    assert sum(r['lean'][(mode, True)]['opt_numel'] for r in ranks) == \
+        ranks[0]['lean'][(mode, False)]['opt_numel']
+    assert world > 1

@@ -402,9 +402,11 @@ class FusedOptimizer(Optimizer):
                             1, dtype=torch.float32, device=param.device)
                     state = self._init_state(param, group, step)
                 target, model = self._update_target(param, state, model)
-                if is_dtensor(target):  # FSDP2: update the local shards (mp_wrappers.distributed)
-                    target, grad, model, state = local_slot(self, target, grad, model, state, keys)
                 slot_keys = self._slot_state_keys(group, target) if self._has_slot_keys else keys
+                if is_dtensor(target):  # FSDP2: update the local shards (mp_wrappers.distributed)
+                    # (every slot key: a lean storage's extra state is a DTensor too)
+                    target, grad, model, state = local_slot(self, target, grad, model, state,
+                                                            slot_keys)
                 for what, t in (('gradient', grad), ('model param', model)):
                     if t is None:
                         continue
