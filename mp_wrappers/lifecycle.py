@@ -6,8 +6,11 @@ Note [wrapper lifecycle]
     config that only names our wrapper trains the same through any toolbox's ``tools/train.py`` as
     through ours. The hook does exactly what correctness needs, nothing optional:
 
-    * ``before_run`` (before any other hook's): mmengine's ``EMAHook`` averages the full-precision
-      weights when a wrapper trains half weights (:func:`mp_wrappers.ema.adopt_ema_hooks`);
+    * ``before_run`` (before any other hook's): an FSDP2 model under a runner whose checkpoints
+      would hold rank 0's shards only is refused
+      (:func:`mp_wrappers.distributed.runner_checkpoint.attach`); mmengine's ``EMAHook`` averages
+      the full-precision weights when a wrapper trains half weights
+      (:func:`mp_wrappers.ema.adopt_ema_hooks`);
     * ``before_train`` (after ``load_from``/``resume``): every wrapper prepares the model (O2/O3
       and a casting ``FP16OptimWrapper`` cast it and start their masters from its fp32 weights),
       including the wrappers of an ``OptimWrapperDict``, which mmengine never tells that training
@@ -25,6 +28,7 @@ from typing import Any, List, Optional
 from mmengine.hooks import Hook, LoggerHook
 from mmengine.optim import OptimWrapperDict
 
+from .distributed.runner_checkpoint import attach as attach_sharded_checkpoints
 from .ema import adopt_ema_hooks
 from .registry import HOOKS
 from .wrappers.base import MixedPrecisionOptimWrapper
@@ -80,6 +84,10 @@ class WrapperLifecycleHook(Hook):
 
     def before_run(self, runner) -> None:
         self._ran.add('before_run')
+        # An FSDP2 model under a runner that would save rank 0's shards only, or with an
+        # EMAHook, is refused before anything is saved or averaged (Note [runner checkpoints
+        # under FSDP2]).
+        attach_sharded_checkpoints(runner)
         adopt_ema_hooks(runner)
 
     def before_train(self, runner) -> None:

@@ -273,3 +273,7 @@ def test_attach_refuses_without_processes(monkeypatch):
         runner_checkpoint.attach(runner(Runner))
     with pytest.raises(NotImplementedError, match='EMAHook under FSDP2'):
         runner_checkpoint.attach(runner(FullyShardedRunner, [EMAHook()]))
+    # the wrappers' own lifecycle hook checks it too, before anything is saved (no tools/train.py)
+    from mp_wrappers.lifecycle import WrapperLifecycleHook
+    with pytest.raises(RuntimeError, match="runner_type = 'mp_wrappers.FullyShardedRunner'"):
+        WrapperLifecycleHook().before_run(runner(Runner))
