@@ -16,6 +16,9 @@ Note [wrapper lifecycle]
       including the wrappers of an ``OptimWrapperDict``, which mmengine never tells that training
       starts: no forward of the run, a GAN's discriminator step through the generator included,
       sees the model in another dtype, so a resumed run continues bitwise;
+    * ``after_load_checkpoint``: a full checkpoint of a sharded run (FSDP1 ``'full'``, a
+      consolidated FSDP2 one), whose optimizer state is keyed by parameter name, resumes an
+      unsharded model (:func:`mp_wrappers.distributed.runner_checkpoint.adapt_loaded_checkpoint`);
     * every iteration: the wrappers publish ``amp_scale``/``amp_skipped``/``amp_gnorm`` to the
       MessageHub exactly when the ``LoggerHook`` will print (a host read on GPU only then), so
       every log line and visualizer backend has them at the LoggerHook's interval.
@@ -28,6 +31,7 @@ from typing import Any, List, Optional
 from mmengine.hooks import Hook, LoggerHook
 from mmengine.optim import OptimWrapperDict
 
+from .distributed.runner_checkpoint import adapt_loaded_checkpoint
 from .distributed.runner_checkpoint import attach as attach_sharded_checkpoints
 from .ema import adopt_ema_hooks
 from .registry import HOOKS
@@ -89,6 +93,11 @@ class WrapperLifecycleHook(Hook):
         # under FSDP2]).
         attach_sharded_checkpoints(runner)
         adopt_ema_hooks(runner)
+
+    def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
+        """A sharded run's full checkpoint resumed without sharding: the optimizer state keyed
+        by parameter name is re-keyed by position (``runner_checkpoint.adapt_loaded_checkpoint``)."""
+        adapt_loaded_checkpoint(runner, checkpoint)
 
     def before_train(self, runner) -> None:
         self._ran.add('before_train')

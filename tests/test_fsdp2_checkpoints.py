@@ -277,3 +277,28 @@ def test_attach_refuses_without_processes(monkeypatch):
     from mp_wrappers.lifecycle import WrapperLifecycleHook
     with pytest.raises(RuntimeError, match="runner_type = 'mp_wrappers.FullyShardedRunner'"):
         WrapperLifecycleHook().before_run(runner(Runner))
+
+
+def test_state_keyed_by_name_is_rekeyed_by_position_or_refused():
+    from torch import nn
+
+    from mp_wrappers.distributed.runner_checkpoint import optimizer_state_by_position
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    opt = torch.optim.Adam([{'params': [model[1].weight, model[1].bias]},
+                            {'params': [model[0].weight, model[0].bias], 'lr': 0.1}])
+    names = ['1.weight', '1.bias', '0.weight', '0.bias']
+    saved = {'state': {n: {'step': torch.tensor(1.), 'exp_avg': torch.full((1,), float(i))}
+                       for i, n in enumerate(names)},
+             'param_groups': [dict(opt.param_groups[0], params=names[:2]),
+                              dict(opt.param_groups[1], params=names[2:])], 'extra': 1}
+    saved['param_groups'] = [{k: v for k, v in g.items()} for g in saved['param_groups']]
+    out = optimizer_state_by_position(saved, model, opt)
+    assert [g['params'] for g in out['param_groups']] == [[0, 1], [2, 3]] and out['extra'] == 1
+    assert [float(out['state'][i]['exp_avg']) for i in range(4)] == [0.0, 1.0, 2.0, 3.0]
+    opt.load_state_dict({k: out[k] for k in ('state', 'param_groups')})  # torch's own layout
+    with pytest.raises(KeyError, match='param groups'):
+        optimizer_state_by_position(dict(saved, param_groups=saved['param_groups'][:1]), model, opt)
+    swapped = dict(saved, param_groups=[dict(saved['param_groups'][0], params=['x', 'y']),
+                                        saved['param_groups'][1]])
+    with pytest.raises(KeyError, match="'1.weight' is not in the checkpoint"):
+        optimizer_state_by_position(swapped, model, opt)

@@ -124,3 +124,47 @@ def test_local_checkpoint_loads_only_with_its_allow_list_and_rank_count(runs, tm
         check_local_checkpoint(str(tmp_path))  # rank0 missing
     with pytest.raises(ValueError, match='not an FSDP1'):
         check_local_checkpoint(str(tmp_path / 'nothing'))
+
+
+def test_full_checkpoint_of_two_ranks_resumes_on_one_process_without_fsdp(runs, tmp_path):
+    """FSDP1 'full' (optimizer state keyed by parameter name, FSDP's fp32 shards as the masters)
+    -> one process with mmengine's Runner, no FSDP, ApexOptimWrapper O2 keeping its own masters."""
+    ckpt = runs['tmp'] / 'a' / 'epoch_1.pth'
+    out = tmp_path / 'loaded.pt'
+    script = f"""
+import sys, torch
+sys.path.insert(0, 'tools')
+import train
+args = train.parse_args(['{CONFIG}', '--work-dir', '{tmp_path / "w"}', '--resume', '{ckpt}',
+                         '--cfg-options', 'runner_type=Runner', 'train_cfg.max_epochs=1'])
+cfg = train.build_config(args)
+from mmengine.registry import RUNNERS
+runner = RUNNERS.build(cfg)
+runner.train()  # resumed at the end of epoch 1 of 1: prepares the wrapper, trains nothing
+w = runner.optim_wrapper
+names = {{id(p): n for n, p in runner.model.named_parameters()}}
+masters = {{names[id(p)]: m.clone() for m, p in w._master_params().half_pairs()}}
+state = {{}}
+for m, p in w._master_params().half_pairs():
+    state[names[id(p)]] = {{k: v.clone() for k, v in w.optimizer.state[m].items()
+                           if torch.is_tensor(v) and v.numel() > 1}}
+torch.save(dict(masters=masters, state=state, scale=w.loss_scale, iter=runner.iter,
+                fsdp=type(runner.model).__name__), '{out}')
+"""
+    env = dict(os.environ, OMP_NUM_THREADS='1',
+               PYTHONPATH=os.pathsep.join([os.path.join(REPO, 'tests'), REPO,
+                                           os.environ.get('PYTHONPATH', '')]))
+    proc = subprocess.run([sys.executable, '-c', script], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    got = torch.load(out, weights_only=True)
+    from mp_wrappers.checkpoint import secure_torch_load
+    saved = secure_torch_load(str(ckpt))
+    assert got['iter'] == 30 and 'FullyShardedDataParallel' not in got['fsdp']
+    assert got['scale'] == saved['optimizer']['mp_wrappers']['loss_scalers'][0]['loss_scale']
+    assert len(got['masters']) >= 8
+    for name, master in got['masters'].items():
+        # the masters start from the checkpoint's fp32 weights (FSDP's shards), bit for bit
+        assert torch.equal(master, saved['state_dict'][name]), name
+        for key, value in got['state'][name].items():
+            assert torch.equal(value, saved['optimizer']['state'][name][key]), (name, key)

@@ -56,7 +56,8 @@ from torch import nn
 from .sharding import is_dtensor
 
 __all__ = ['is_sharded_checkpoint', 'fsdp2_root', 'attach', 'save_checkpoint', 'load_checkpoint',
-           'SafeFileSystemReader', 'read_sharded_checkpoint']
+           'SafeFileSystemReader', 'read_sharded_checkpoint', 'adapt_loaded_checkpoint',
+           'optimizer_state_by_position']
 
 _TENSOR = '__mp_wrappers_dcp_tensor__'  # marks a leaf that lives in the DCP tensors
 _REST = '_mp_wrappers_rest'  # the torch.save blob of everything else
@@ -554,3 +555,66 @@ def _apply_full_weights(runner: Any, checkpoint: Any, strict: bool, revise_keys:
     state_dict = {k: v for k, v in state_dict.items() if k in own}
     set_model_state_dict(root, state_dict,
                          options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+# ---- a sharded run's full checkpoint, resumed without sharding -------------------------------------
+def optimizer_state_by_position(state: Dict[str, Any], model: nn.Module,
+                                optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """An optimizer state dict keyed by parameter name (FSDP1 ``'full'``, consolidated FSDP2)
+    re-keyed by position in ``optimizer``'s groups, torch's own layout, for an unsharded model.
+
+    Raises:
+        KeyError: a parameter of ``optimizer`` has no name in ``model``, or the checkpoint's
+            groups name other parameters.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    out_groups, out_state, index = [], {}, 0
+    if len(state['param_groups']) != len(optimizer.param_groups):
+        raise KeyError(f"the checkpoint has {len(state['param_groups'])} param groups, the "
+                       f'optimizer {len(optimizer.param_groups)}')
+    for saved, group in zip(state['param_groups'], optimizer.param_groups):
+        ids = []
+        for p in group['params']:
+            name = names.get(id(p))
+            if name is None or name not in saved['params']:
+                raise KeyError(f'optimizer parameter {name!r} is not in the checkpoint\'s group '
+                               f"(it names {saved['params'][:4]}...)")
+            if name in state['state']:
+                out_state[index] = state['state'][name]
+            ids.append(index)
+            index += 1
+        out_groups.append(dict(saved, params=ids))
+    converted = {k: v for k, v in state.items() if k not in ('state', 'param_groups')}
+    converted.update(state=out_state, param_groups=out_groups)
+    return converted
+
+
+def adapt_loaded_checkpoint(runner: Any, checkpoint: Dict[str, Any]) -> None:
+    """Make a sharded run's full checkpoint resumable by an unsharded model (in place).
+
+    For ``after_load_checkpoint`` (before ``Runner.resume`` loads the optimizer): when the model
+    is not sharded and ``checkpoint['optimizer']`` is keyed by parameter name (FSDP1
+    ``state_dict_cfg='full'``, ``tools/consolidate_checkpoint.py --resumable``), re-key it by
+    position (:func:`optimizer_state_by_position`) and drop the empty master list a sharded
+    wrapper writes (its fp32 shards were the masters: the unsharded wrapper starts its masters
+    from the checkpoint's fp32 weights, bit for bit). Does nothing otherwise.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    state = checkpoint.get('optimizer') if isinstance(checkpoint, dict) else None
+    model = getattr(runner, 'model', None)
+    wrapper = getattr(runner, 'optim_wrapper', None)
+    optimizer = getattr(wrapper, 'optimizer', None)
+    if not (isinstance(state, dict) and isinstance(state.get('state'), dict)
+            and isinstance(state.get('param_groups'), list) and state['param_groups']
+            and all(isinstance(n, str) for g in state['param_groups'] for n in g['params'])
+            and isinstance(optimizer, torch.optim.Optimizer) and model is not None):
+        return
+    module = getattr(model, 'module', model)
+    if fsdp2_root(model) is not None or isinstance(model, FullyShardedDataParallel) or \
+            isinstance(module, FullyShardedDataParallel):
+        return
+    converted = optimizer_state_by_position(state, module, optimizer)
+    ours = converted.get('mp_wrappers')
+    if isinstance(ours, dict) and not any(ours.get('fp32_master_params') or []):
+        converted['mp_wrappers'] = {k: v for k, v in ours.items() if k != 'fp32_master_params'}
+    checkpoint['optimizer'] = converted
