@@ -53,10 +53,17 @@ def _run(nproc, tmp, name, epochs, resume=None):
                      options=_options(epochs))
 
 
+def _tool():
+    sys.path.insert(0, os.path.join(REPO, 'tools'))
+    try:
+        import consolidate_checkpoint
+    finally:
+        sys.path.remove(os.path.join(REPO, 'tools'))
+    return consolidate_checkpoint
+
+
 def _consolidate(src, out, *flags):
-    proc = subprocess.run([sys.executable, 'tools/consolidate_checkpoint.py', str(src), str(out),
-                           *flags], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _tool().main([str(src), str(out), *flags])  # the command line, in this process
     return out
 
 
@@ -233,11 +240,7 @@ def test_metadata_reader_refuses_foreign_globals(tmp_path):
 
 
 def test_consolidate_refuses_what_it_cannot_read(tmp_path):
-    sys.path.insert(0, os.path.join(REPO, 'tools'))
-    try:
-        import consolidate_checkpoint as tool
-    finally:
-        sys.path.remove(os.path.join(REPO, 'tools'))
+    tool = _tool()
     plain = tmp_path / 'plain.pth'
     torch.save({'state_dict': {}}, plain)
     with pytest.raises(ValueError, match='no consolidation'):
