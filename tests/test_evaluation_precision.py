@@ -28,8 +28,9 @@ ACCURACY_BAR = 1.0  # points, docs/precision_comparison.md
 _RUNS = [0]
 
 
-def _cfg(tmp_path, level, dtype, val_cfg, test=False):
-    """A config file extending the digits O2 config, prepared by tools/train.py's build_config."""
+def _cfg(tmp_path, level, dtype, val_cfg, test=False, launcher='tools_train'):
+    """A config file extending the digits O2 config, prepared by tools/train.py's build_config,
+    or read as it is, as a toolbox's train script does (``launcher='toolbox'``)."""
     _RUNS[0] += 1
     name = f'test_eval_precision_{_RUNS[0]}'
     lines = [
@@ -55,6 +56,10 @@ def _cfg(tmp_path, level, dtype, val_cfg, test=False):
                   f'test_cfg = {val_cfg!r}']
     path = tmp_path / f'{name}.py'
     path.write_text('\n'.join(lines) + '\n')
+    if launcher == 'toolbox':
+        cfg = Config.fromfile(str(path))
+        cfg.work_dir = str(tmp_path / name)
+        return cfg
     args = train_tool.parse_args([str(path), '--work-dir', str(tmp_path / name)])
     return train_tool.build_config(args)
 
@@ -112,9 +117,10 @@ def test_val_fp16_autocasts_to_the_wrappers_dtype(tmp_path, dtype):
     assert abs(accuracy - _fp32_accuracy(runner)) <= ACCURACY_BAR
 
 
+@pytest.mark.parametrize('launcher', ['tools_train', 'toolbox'])
 @pytest.mark.parametrize('level', ['O2', 'O3'])
-def test_o2_o3_models_evaluate_in_their_own_dtype_by_default(tmp_path, level):
-    runner = _runner(_cfg(tmp_path, level, 'bfloat16', dict()))
+def test_o2_o3_models_evaluate_in_their_own_dtype_by_default(tmp_path, level, launcher):
+    runner = _runner(_cfg(tmp_path, level, 'bfloat16', dict(), launcher=launcher))
     accuracy = _train(runner)
     assert set(runner.eval_dtypes) == {torch.bfloat16}
     assert abs(accuracy - _fp32_accuracy(runner)) <= ACCURACY_BAR
@@ -151,3 +157,15 @@ def test_loop_options_are_checked(tmp_path):
                                                  fp16=True, dtype='float64'))
     with pytest.raises(ValueError, match=r"MixedPrecisionValLoop\(dtype\)='float64'"):
         _run(Runner.from_cfg(cfg).train)
+
+
+def test_a_toolbox_script_evaluates_in_the_wrappers_dtype_with_the_loop_named(tmp_path):
+    """A toolbox's train script keeps mmengine's ValLoop, whose fp16=True picks bf16 on any CPU and
+    fp16 on any GPU; naming our loop in the config gives what tools/train.py picks by itself."""
+    cfg = _cfg(tmp_path, 'O1', 'float16',
+               dict(type='mp_wrappers.MixedPrecisionValLoop', fp16=True), launcher='toolbox')
+    runner = _runner(cfg)
+    accuracy = _train(runner)
+    assert isinstance(runner.val_loop, MixedPrecisionValLoop)
+    assert set(runner.eval_dtypes) == {torch.float16}
+    assert abs(accuracy - _fp32_accuracy(runner)) <= ACCURACY_BAR
