@@ -51,8 +51,11 @@ def one_rank_group(tmp_path):
 _RUNS = [0]
 
 
-def _train(tmp_path, optim_wrapper):
+def _train(tmp_path, optim_wrapper, launcher='toolbox'):
+    """``launcher``: Note [two launchers] (tests/_workflow.py); what tools/train.py adds to a
+    config here is MixedPrecisionHook."""
     _RUNS[0] += 1
+    hooks = [dict(type='mp_wrappers.MixedPrecisionHook')] if launcher == 'tools_train' else []
     runner = Runner(
         model=_Net(), work_dir=str(tmp_path / str(_RUNS[0])), experiment_name=f'zero_{_RUNS[0]}',
         train_dataloader=dict(dataset=_Data(), batch_size=4, num_workers=0,
@@ -60,7 +63,7 @@ def _train(tmp_path, optim_wrapper):
                               collate_fn=dict(type='default_collate')),
         train_cfg=dict(by_epoch=False, max_iters=3), optim_wrapper=optim_wrapper,
         default_hooks=dict(checkpoint=dict(type='CheckpointHook', interval=1000)),
-        default_scope='mmengine', log_level='WARNING')
+        custom_hooks=hooks, default_scope='mmengine', log_level='WARNING')
     threads = torch.get_num_threads()
     try:
         runner.train()
@@ -85,12 +88,13 @@ def test_masters_with_zero_are_refused_with_what_to_use(tmp_path, one_rank_group
 
 
 @pytest.mark.parametrize('level', ['O1', 'O3'])
-def test_levels_without_masters_train_with_zero_like_without(tmp_path, one_rank_group, level):
+def test_levels_without_masters_train_with_zero_like_without(tmp_path, one_rank_group, level,
+                                                             launcher):
     cfg = dict(type='mp_wrappers.ApexOptimWrapper', opt_level=level, dtype='bfloat16',
                verbosity=0)
     init = _Net().state_dict()
-    with_zero = _train(tmp_path, dict(cfg, optimizer=_zero()))
-    plain = _train(tmp_path, dict(cfg, optimizer=dict(type='SGD', lr=0.5)))
+    with_zero = _train(tmp_path, dict(cfg, optimizer=_zero()), launcher)
+    plain = _train(tmp_path, dict(cfg, optimizer=dict(type='SGD', lr=0.5)), launcher)
     for (name, a), b in zip(with_zero.state_dict().items(), plain.state_dict().values()):
         assert torch.equal(a, b), name
         assert not torch.equal(a.float(), init[name].to(a.dtype).float()), f'{name} did not train'
