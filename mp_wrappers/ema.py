@@ -30,25 +30,19 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 from mmengine.hooks import EMAHook
 from mmengine.logging import print_log
-from mmengine.optim import OptimWrapperDict
 from torch import Tensor, nn
 
 from .casting import HALF_DTYPES
 from .registry import HOOKS
 from .runner_adapter import replace_hook
 from .wrappers.apex import ApexOptimWrapper
-from .wrappers.base import MixedPrecisionOptimWrapper
+from .wrappers.base import MixedPrecisionOptimWrapper, mixed_precision_wrappers
 
 __all__ = ['MixedPrecisionEMAHook', 'FullPrecisionSource', 'adopt_ema_hooks']
 
 
 def _our_wrappers(runner) -> List[MixedPrecisionOptimWrapper]:
-    optim_wrapper = getattr(runner, 'optim_wrapper', None)
-    if isinstance(optim_wrapper, OptimWrapperDict):
-        candidates = list(optim_wrapper.values())
-    else:
-        candidates = [optim_wrapper]
-    return [w for w in candidates if isinstance(w, MixedPrecisionOptimWrapper)]
+    return [w for _, w in mixed_precision_wrappers(getattr(runner, 'optim_wrapper', None))]
 
 
 class FullPrecisionSource:

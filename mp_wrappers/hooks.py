@@ -29,10 +29,9 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from mmengine.hooks import Hook
 from mmengine.logging import print_log
-from mmengine.optim import OptimWrapperDict
 
 from .registry import HOOKS
-from .wrappers.base import MixedPrecisionOptimWrapper
+from .wrappers.base import MixedPrecisionOptimWrapper, mixed_precision_wrappers
 
 __all__ = ['MixedPrecisionHook', 'PRECISION_INFO_KEY', 'SKIPPED_INFO_KEY', 'SKIPPED_ITERS_KEY']
 
@@ -89,16 +88,7 @@ class MixedPrecisionHook(Hook):
     @staticmethod
     def wrappers(runner) -> Iterator[Tuple[str, MixedPrecisionOptimWrapper]]:
         """``(name, wrapper)`` for every wrapper of ours in ``runner.optim_wrapper``."""
-        optim_wrapper = getattr(runner, 'optim_wrapper', None)
-        if isinstance(optim_wrapper, OptimWrapperDict):
-            items = list(optim_wrapper.items())
-        elif optim_wrapper is None or isinstance(optim_wrapper, dict):
-            items = []  # not built (val/test only runs)
-        else:
-            items = [('', optim_wrapper)]
-        for name, wrapper in items:
-            if isinstance(wrapper, MixedPrecisionOptimWrapper):
-                yield name, wrapper
+        return iter(mixed_precision_wrappers(getattr(runner, 'optim_wrapper', None)))
 
     # ---- start of training ---------------------------------------------------------------------
     def before_train(self, runner) -> None:

@@ -29,26 +29,20 @@ Note [wrapper lifecycle]
 from typing import Any, List, Optional
 
 from mmengine.hooks import Hook, LoggerHook
-from mmengine.optim import OptimWrapperDict
 
 from .distributed.runner_checkpoint import adapt_loaded_checkpoint
 from .distributed.runner_checkpoint import attach as attach_sharded_checkpoints
 from .ema import adopt_ema_hooks
 from .registry import HOOKS
-from .wrappers.base import MixedPrecisionOptimWrapper
+from .wrappers.base import MixedPrecisionOptimWrapper, mixed_precision_wrappers
 
 __all__ = ['WrapperLifecycleHook', 'our_wrappers']
 
 
 def our_wrappers(runner) -> List[MixedPrecisionOptimWrapper]:
     """Every mp_wrappers optimizer wrapper in ``runner.optim_wrapper`` (an ``OptimWrapperDict``'s
-    too); none while it is still a config dict (val/test-only runs)."""
-    optim_wrapper = getattr(runner, 'optim_wrapper', None)
-    if isinstance(optim_wrapper, OptimWrapperDict):
-        candidates = list(optim_wrapper.values())
-    else:
-        candidates = [optim_wrapper]
-    return [w for w in candidates if isinstance(w, MixedPrecisionOptimWrapper)]
+    too)."""
+    return [w for _, w in mixed_precision_wrappers(getattr(runner, 'optim_wrapper', None))]
 
 
 # The stages of Runner.train at which a wrapper can meet its runner (Note [runner adapter]).

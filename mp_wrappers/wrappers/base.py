@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from mmengine.logging import print_log
 from mmengine.model import is_model_wrapper
-from mmengine.optim import OptimWrapper
+from mmengine.optim import OptimWrapper, OptimWrapperDict
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -1081,3 +1081,14 @@ def _check_params(optimizer: Optimizer) -> None:
         if not p.is_floating_point():
             raise TypeError(f'parameter {i} has dtype {p.dtype}; only floating-point parameters '
                             'can be optimized')
+
+
+def mixed_precision_wrappers(optim_wrapper: Any) -> List[Tuple[str, 'MixedPrecisionOptimWrapper']]:
+    """``(name, wrapper)`` for each of our wrappers in a runner's ``optim_wrapper``: the wrapper
+    itself (name ``''``) or the members of an ``OptimWrapperDict``; none while it is still a config
+    dict (val/test-only runs)."""
+    if isinstance(optim_wrapper, OptimWrapperDict):
+        items = list(optim_wrapper.items())
+    else:
+        items = [('', optim_wrapper)]
+    return [(name, w) for name, w in items if isinstance(w, MixedPrecisionOptimWrapper)]

@@ -11,6 +11,7 @@ import glob
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from typing import Dict, List, Optional
@@ -84,6 +85,18 @@ def run_script(script: str, config: str, work_dir, *args: str, cwd=None,
                              f'(exit {proc.returncode}):\n'
                              f'{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}')
     return proc
+
+
+def resume_from_epoch_1(toolbox, full, name: str, variant) -> str:
+    """``--resume`` with the toolbox's own script, in a fresh work dir holding only epoch 1 of the
+    uninterrupted run ``full`` (as its last checkpoint); returns the new work dir."""
+    resumed = toolbox.root / name
+    resumed.mkdir()
+    shutil.copy(full / 'epoch_1.pth', resumed / 'epoch_1.pth')
+    (resumed / 'last_checkpoint').write_text(str(resumed / 'epoch_1.pth'))
+    run_script(toolbox.script, toolbox.config(name, variant), resumed, '--resume')
+    assert 'resumed epoch: 1, iter: 8' in log_text(resumed)
+    return resumed
 
 
 def scalars(work_dir) -> List[dict]:

@@ -11,12 +11,12 @@ TSN's head computes its training accuracy inside the forward with numpy
 has no bf16: at O1/O2 bf16 the head must stay fp32, ``fp32_modules=['cls_head']``.
 """
 import os
-import shutil
 
 import pytest
 import torch
 
 from _toolbox_runs import (CUSTOM_IMPORTS, REPO, float_state, load_checkpoint, log_text,
+                           resume_from_epoch_1,
                            make_rawframes, require_toolbox, run_script, train_records, val_records,
                            write_config)
 
@@ -150,13 +150,7 @@ def test_bf16_head_fails_in_numpy_without_fp32_modules_naming_the_key(mmaction2)
 
 def test_resume_continues_bit_for_bit(mmaction2):
     full, _ = mmaction2('O2')
-    resumed = mmaction2.root / 'O2_resumed'
-    resumed.mkdir()
-    shutil.copy(full / 'epoch_1.pth', resumed / 'epoch_1.pth')
-    (resumed / 'last_checkpoint').write_text(str(resumed / 'epoch_1.pth'))
-    run_script(mmaction2.script, mmaction2.config('O2_resumed', VARIANTS['O2']), resumed,
-               '--resume')
-    assert 'resumed epoch: 1, iter: 8' in log_text(resumed)
+    resumed = resume_from_epoch_1(mmaction2, full, 'O2_resumed', VARIANTS['O2'])
     assert _losses(resumed) == _losses(full)[8:]
     a, b = load_checkpoint(full / 'epoch_2.pth'), load_checkpoint(resumed / 'epoch_2.pth')
     for name, value in a['state_dict'].items():

@@ -7,12 +7,12 @@ the toolbox's script. Each variant here is that: a config that inherits mmpretra
 only the wrapper lines; the script runs in a subprocess. No hook or loop of ours is listed.
 """
 import os
-import shutil
 
 import pytest
 import torch
 
 from _toolbox_runs import (CUSTOM_IMPORTS, REPO, float_state, load_checkpoint, log_text,
+                           resume_from_epoch_1,
                            make_image_folder, require_toolbox, run_script, train_records,
                            val_records, write_config)
 
@@ -251,13 +251,7 @@ def test_resume_continues_bit_for_bit(mmpretrain):
     """``--resume`` (the last checkpoint of the work dir) from epoch 1 of the O2 run: epoch 2's
     losses, weights, optimizer state and loss scaler equal the uninterrupted run's."""
     full = mmpretrain('O2')
-    resumed = mmpretrain.root / 'O2_resumed'
-    resumed.mkdir()
-    shutil.copy(full / 'epoch_1.pth', resumed / 'epoch_1.pth')
-    (resumed / 'last_checkpoint').write_text(str(resumed / 'epoch_1.pth'))
-    run_script(mmpretrain.script, mmpretrain.config('O2_resumed', VARIANTS['O2']), resumed,
-               '--resume')
-    assert 'resumed epoch: 1, iter: 8' in log_text(resumed)
+    resumed = resume_from_epoch_1(mmpretrain, full, 'O2_resumed', VARIANTS['O2'])
     assert _losses(resumed) == _losses(full)[8:]
     a, b = load_checkpoint(full / 'epoch_2.pth'), load_checkpoint(resumed / 'epoch_2.pth')
     assert set(a['state_dict']) == set(b['state_dict'])
