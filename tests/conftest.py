@@ -15,6 +15,18 @@ def _deterministic():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _guard_canaries():
+    """The guards of every tensor a test made with tests/_guards.py must be intact at its end."""
+    import _guards
+    _guards.reset()
+    yield
+    try:
+        _guards.check_all('at the end of the test')
+    finally:
+        _guards.reset()
+
+
 @pytest.fixture(params=['tools_train', 'toolbox'])
 def launcher(request):
     """Note [two launchers] (tests/_workflow.py): make_runner builds its Runner as our

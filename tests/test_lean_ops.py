@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 
+from _guards import checked, flat, guarded
 from _tolerances import KAHAN_TOL, TOL
 from mp_wrappers.ops import (backend, multi_tensor_adam, multi_tensor_adam_lean, multi_tensor_sgd,
                              multi_tensor_sgd_lean, reference)
@@ -63,21 +64,37 @@ class Lean:
                         if storage == 'kahan' else [])
         self.m = [(torch.randn(n, generator=g) * 0.1).to(state_dtype) for n in sizes]
         self.v = [torch.rand(n, generator=g).to(state_dtype) * 0.01 for n in sizes]
-        self.bufs = self.m if momentum else []
         self.step = torch.full((1,), 2.0)
+        self._guard(self)
+        self.bufs = self.m if momentum else []
         self.gen = g
         self.sizes = sizes
 
     def grads(self):
         return [(torch.randn(n, generator=self.gen) * 64).bfloat16() for n in self.sizes]
 
+    @staticmethod
+    def _guard(lean):
+        """Every tensor a kernel writes between guard canaries (tests/_guards.py)."""
+        for k in ('master', 'params', 'aux', 'm', 'v'):
+            setattr(lean, k, [guarded(t) for t in getattr(lean, k)])
+        lean.step = guarded(lean.step)
+
     def clone(self):
         c = Lean.__new__(Lean)
         c.__dict__.update(self.__dict__)
-        for k in ('master', 'params', 'aux', 'm', 'v'):
-            setattr(c, k, [t.clone() for t in getattr(self, k)])
+        self._guard(c)
         c.bufs = c.m if self.bufs else []
-        c.step = self.step.clone()
+        return c
+
+    def flat(self, shift=0):
+        """A copy whose every list is adjacent views of one flat buffer (tests/_guards.py
+        ``flat``: no gap, guards at the ends): a write past one tensor lands in its neighbour."""
+        c = self.clone()
+        for k in ('params', 'aux', 'm', 'v'):
+            lst = getattr(self, k)
+            setattr(c, k, flat(lst, shift) if lst else [])
+        c.bufs = c.m if self.bufs else []
         return c
 
     def value(self):
@@ -101,8 +118,8 @@ class Lean:
 
 
 def _kernel_or_ref(use_kernel, name):
-    if use_kernel:
-        return getattr(torch.ops.mp_wrappers, name)
+    if use_kernel:  # followed by the check of every guard canary (tests/_guards.py)
+        return getattr(checked(torch.ops.mp_wrappers), name)
     return getattr(reference, name)
 
 
@@ -115,10 +132,10 @@ def _kernel_or_ref(use_kernel, name):
 def test_split_masters_equal_o2_bitwise(use_kernel, opt, hp):
     lean = Lean('split', SIZES)
     lean.step.zero_()
-    o2_master = [m.clone() for m in lean.master]
-    o2_model = [torch.empty(n, dtype=torch.bfloat16) for n in SIZES]
-    o2_m, o2_v = [t.clone() for t in lean.m], [t.clone() for t in lean.v]
-    o2_step = lean.step.clone()
+    o2_master = [guarded(m) for m in lean.master]
+    o2_model = [guarded(torch.empty(n, dtype=torch.bfloat16)) for n in SIZES]
+    o2_m, o2_v = [guarded(t) for t in lean.m], [guarded(t) for t in lean.v]
+    o2_step = guarded(lean.step)
     scale = torch.full((1,), 1024.0)
     o2_op = _kernel_or_ref(use_kernel, f'multi_tensor_{opt}_')
     lean_op = _kernel_or_ref(use_kernel, f'multi_tensor_{opt}_lean_')
@@ -152,8 +169,8 @@ def test_kernel_matches_reference(opt, hp, storage, state_dtype):
     scale = torch.full((1,), 64.0)
     for _ in range(3):
         grads = ker.grads()
-        getattr(ker, opt)(getattr(torch.ops.mp_wrappers, f'multi_tensor_{opt}_lean_'), grads, hp,
-                          scale)
+        getattr(ker, opt)(getattr(checked(torch.ops.mp_wrappers), f'multi_tensor_{opt}_lean_'),
+                          grads, hp, scale)
         getattr(ref, opt)(getattr(reference, f'multi_tensor_{opt}_lean_'), grads, hp, scale)
     if opt == 'sgd':  # no sqrt: the same fp32 operations give the same bits
         for a, b in zip(ker.tensors(), ref.tensors()):
@@ -312,3 +329,21 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.mp_wrappers.multi_tensor_adam_lean_,
                           (lean.params, lean.aux, grads, lean.m, lean.v, lean.step,
                            *ADAM.values(), 'split', 0, None, None))
+
+
+@needs_kernels
+@pytest.mark.parametrize('shift', [0, 1])
+@pytest.mark.parametrize('storage', ['split', 'kahan', 'stochastic'])
+@pytest.mark.parametrize('opt,hp', [('adam', ADAM), ('sgd', SGD)], ids=['adam', 'sgd'])
+def test_flat_buffers_match_separate_tensors(opt, hp, storage, shift):
+    """Every list as adjacent views of one flat buffer: the same bits as separate tensors after two
+    steps (a write past one tensor would change its neighbour's input or value)."""
+    sep = Lean(storage, [777, 65537, 1, 31, 555], seed=8)
+    got = sep.flat(shift)
+    fn = _kernel_or_ref(True, f'multi_tensor_{opt}_lean_')
+    for _ in range(2):
+        grads = sep.grads()
+        getattr(got, opt)(fn, grads, hp, torch.full((1,), 8.0))
+        getattr(sep, opt)(fn, grads, hp, torch.full((1,), 8.0))
+    for a, b in zip(got.tensors(), sep.tensors()):
+        _assert_same_bits(a, b, f'{storage} {opt}: flat buffers differ from separate tensors')

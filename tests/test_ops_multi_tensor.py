@@ -17,6 +17,7 @@ import torch
 import mp_wrappers.ops as mops
 from mp_wrappers.ops import _extension, reference
 
+from _guards import checked, guarded
 from _tolerances import TOL
 
 
@@ -86,12 +87,19 @@ def _kernel_threads(n=2):
 
 
 def _make_list(sizea, sizeb, repeat, dtype, device, seed=0, scale=10.0):
+    """Each tensor between guard canaries (tests/_guards.py): in-place ops write these."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for i in range(repeat):
         for n in (sizea, sizeb):
-            out.append((torch.randn(n, generator=gen) * scale).to(dtype=dtype, device=device))
+            out.append(guarded((torch.randn(n, generator=gen) * scale).to(dtype=dtype,
+                                                                           device=device)))
     return out
+
+
+def _flag(device):
+    """A found_inf flag between guard canaries."""
+    return guarded(mops.new_found_inf(device))
 
 
 def _plant(tensors, where, value):
@@ -118,7 +126,7 @@ def _scale(impl, inputs, outputs, scale, found_inf):
     if impl == 'api':
         return mops.multi_tensor_scale(inputs, outputs, scale, found_inf)
     s = torch.tensor([scale], dtype=torch.float32, device=found_inf.device)
-    torch.ops.mp_wrappers.multi_tensor_scale_(inputs, outputs, s, found_inf)
+    checked(torch.ops.mp_wrappers).multi_tensor_scale_(inputs, outputs, s, found_inf)
     return found_inf
 
 
@@ -129,12 +137,12 @@ def test_scale_matches_reference_and_oracle(device, in_dtype, out_dtype, sizea, 
     # Fuzz sizes through the public API; the direct-op path is covered by the tests below.
     scale = 1.0 / 3.0  # not a power of two: the products need rounding
     inputs = _make_list(sizea, sizeb, repeat, in_dtype, device)
-    outputs = [torch.full_like(t, 7.0, dtype=out_dtype) for t in inputs]
+    outputs = [guarded(torch.full_like(t, 7.0, dtype=out_dtype)) for t in inputs]
     expected = [torch.empty_like(t) for t in outputs]
-    ref_flag = mops.new_found_inf(device)
+    ref_flag = _flag(device)
     reference.multi_tensor_scale_(inputs, expected, torch.tensor([scale], device=device), ref_flag)
     with _kernel_threads():
-        flag = _scale('api', inputs, outputs, scale, mops.new_found_inf(device))
+        flag = _scale('api', inputs, outputs, scale, _flag(device))
     assert flag.item() == 0.0 and ref_flag.item() == 0.0
     _assert_same(torch.cat(outputs), torch.cat(expected))
     oracle = torch.cat(inputs).double() * torch.tensor(scale, dtype=torch.float32).double()
@@ -148,7 +156,7 @@ def test_scale_matches_reference_and_oracle(device, in_dtype, out_dtype, sizea, 
 def test_scale_in_place(device, impl, dtype):
     grads = _make_list(65537, 777, 3, dtype, device)
     expected = [(g.float() * 0.25).to(dtype) for g in grads]
-    flag = _scale(impl, grads, grads, 0.25, mops.new_found_inf(device))
+    flag = _scale(impl, grads, grads, 0.25, _flag(device))
     assert flag.item() == 0.0
     for g, e in zip(grads, expected):
         _assert_same(g, e)
@@ -164,8 +172,8 @@ def test_scale_in_place(device, impl, dtype):
 def test_scale_flags_nonfinite(device, impl, value, where, in_dtype, out_dtype):
     inputs = _make_list(65537, 555, 2, in_dtype, device)
     _plant(inputs, where, value)
-    outputs = [torch.empty_like(t, dtype=out_dtype) for t in inputs]
-    flag = _scale(impl, inputs, outputs, 0.5, mops.new_found_inf(device))
+    outputs = [guarded(torch.empty_like(t, dtype=out_dtype)) for t in inputs]
+    flag = _scale(impl, inputs, outputs, 0.5, _flag(device))
     assert flag.item() == 1.0
     expected = [(t.float() * 0.5).to(out_dtype) for t in inputs]
     for out, exp in zip(outputs, expected):  # the outputs are still written
@@ -177,18 +185,18 @@ def test_scale_flags_nonfinite(device, impl, value, where, in_dtype, out_dtype):
 def test_scale_checks_input_not_product(device, impl):
     # inf * 0 = nan and huge * huge = inf: only the first is an input overflow.
     flag = _scale(impl, [torch.tensor([1.0, INF, 2.0], device=device)],
-                  [torch.empty(3, device=device)], 0.0, mops.new_found_inf(device))
+                  [torch.empty(3, device=device)], 0.0, _flag(device))
     assert flag.item() == 1.0
     out = torch.empty(3, device=device)
     flag = _scale(impl, [torch.tensor([3e38, 1.0, 2.0], device=device)], [out], 1e10,
-                  mops.new_found_inf(device))
+                  _flag(device))
     assert flag.item() == 0.0 and out[0].item() == INF
 
 
 @pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('impl', IMPLS)
 def test_found_inf_accumulates(device, impl):
-    flag = mops.new_found_inf(device)
+    flag = _flag(device)
     bad = [torch.tensor([NAN, 1.0], device=device)]
     good = [torch.tensor([1.0, 2.0], device=device)]
     _scale(impl, bad, [torch.empty(2, device=device)], 1.0, flag)
@@ -241,13 +249,13 @@ def test_l2norm_matches_reference_and_oracle(device, dtype, unscale, sizea, size
                                             cpu_isa):
     tensors = _make_list(sizea, sizeb, repeat, dtype, device, seed=1)
     inv = 1.0 / 1024.0 + 1e-4 if unscale else 1.0
-    flag = mops.new_found_inf(device)
+    flag = _flag(device)
     with _kernel_threads():
         total, per = _l2norm('api', tensors, True, inv if unscale else None, flag)
     o_total, o_per = _oracle_norms(tensors, inv)
     if unscale:
         r_total, r_per = reference.multi_tensor_unscale_l2norm(
-            tensors, torch.tensor([inv], device=device), mops.new_found_inf(device), True)
+            tensors, torch.tensor([inv], device=device), _flag(device), True)
     else:
         r_total, r_per = reference.multi_tensor_l2norm(tensors, True)
     tol = tolerance(torch.float32)
@@ -266,7 +274,7 @@ def test_l2norm_mixed_dtypes_and_empty_tensors(device, impl, per_tensor, unscale
     gen = torch.Generator().manual_seed(2)
     tensors = [(torch.randn(n, generator=gen) * 3).to(device=device, dtype=d)
                for n, d in zip([65537, 0, 31, 100000, 1], itertools.cycle(FLOATS))]
-    flag = mops.new_found_inf(device)
+    flag = _flag(device)
     total, per = _l2norm(impl, tensors, per_tensor, 0.5 if unscale else None, flag)
     o_total, o_per = _oracle_norms(tensors, 0.5 if unscale else 1.0)
     torch.testing.assert_close(total.double().cpu(), o_total, **tolerance(torch.float32))
@@ -285,7 +293,7 @@ def test_l2norm_mixed_dtypes_and_empty_tensors(device, impl, per_tensor, unscale
 def test_unscale_l2norm_flags_nonfinite(device, impl, value, where, dtype):
     tensors = _make_list(65537, 777, 2, dtype, device)
     _plant(tensors, where, value)
-    flag = mops.new_found_inf(device)
+    flag = _flag(device)
     total, per = _l2norm(impl, tensors, True, 0.5, flag)
     assert flag.item() == 1.0
     assert not torch.isfinite(total).item() and not torch.isfinite(per[-1]).item()
@@ -327,7 +335,7 @@ def test_l2norm_does_not_flag_large_finite_values(device):
     # The sum of squares of 1e30 overflows fp32 but the values are finite: no flag, and the
     # double accumulation still gives the right norm.
     tensors = [torch.full((1000,), 1e30, device=device)]
-    flag = mops.new_found_inf(device)
+    flag = _flag(device)
     total, _, flag = mops.multi_tensor_unscale_l2norm(tensors, 1.0, flag)
     assert flag.item() == 0.0
     if device == 'cpu':
@@ -341,7 +349,8 @@ def test_l2norm_does_not_flag_large_finite_values(device):
 def _axpby(impl, x, y, out, a, b, arg_to_check, found_inf):
     if impl == 'api':
         return mops.multi_tensor_axpby(x, y, out, a, b, arg_to_check, found_inf)
-    torch.ops.mp_wrappers.multi_tensor_axpby_(x, y, out, a, b, arg_to_check, found_inf)
+    checked(torch.ops.mp_wrappers).multi_tensor_axpby_(x, y, out, a, b, arg_to_check,
+                                                      found_inf)
     return found_inf
 
 
@@ -352,11 +361,11 @@ def _axpby(impl, x, y, out, a, b, arg_to_check, found_inf):
 def test_axpby_all_dtype_combinations(device, impl, x_dtype, y_dtype, out_dtype):
     x = _make_list(777, 65537, 2, x_dtype, device, seed=3)
     y = _make_list(777, 65537, 2, y_dtype, device, seed=4)
-    out = [torch.empty_like(t, dtype=out_dtype) for t in x]
+    out = [guarded(torch.empty_like(t, dtype=out_dtype)) for t in x]
     expected = [torch.empty_like(t) for t in out]
     a, b = 0.3, -1.7
-    reference.multi_tensor_axpby_(x, y, expected, a, b, -1, mops.new_found_inf(device))
-    flag = _axpby(impl, x, y, out, a, b, -1, mops.new_found_inf(device))
+    reference.multi_tensor_axpby_(x, y, expected, a, b, -1, _flag(device))
+    flag = _axpby(impl, x, y, out, a, b, -1, _flag(device))
     assert flag.item() == 0.0
     o, xd, yd = torch.cat(out), torch.cat(x).double(), torch.cat(y).double()
     _assert_same(o, torch.cat(expected))
@@ -388,17 +397,17 @@ def test_axpby_arg_to_check(device, impl, where, planted_in, arg_to_check, flagg
     x = _make_list(65537, 555, 2, torch.float16, device, seed=7)
     y = _make_list(65537, 555, 2, torch.float32, device, seed=8)
     _plant(x if planted_in == 'x' else y, where, NAN)
-    out = [torch.empty_like(t) for t in y]
-    flag = _axpby(impl, x, y, out, 1.0, 1.0, arg_to_check, mops.new_found_inf(device))
+    out = [guarded(torch.empty_like(t)) for t in y]
+    flag = _axpby(impl, x, y, out, 1.0, 1.0, arg_to_check, _flag(device))
     assert flag.item() == (1.0 if flagged else 0.0)
 
 
 # ---- update_scale_hysteresis_ ------------------------------------------------------------------
 
 def _scaler_state(device, scale, growth=0, hyst=2, dtype=torch.int32):
-    return (torch.tensor([scale], dtype=torch.float32, device=device),
-            torch.tensor([growth], dtype=dtype, device=device),
-            torch.tensor([hyst], dtype=dtype, device=device))
+    return (guarded(torch.tensor([scale], dtype=torch.float32, device=device)),
+            guarded(torch.tensor([growth], dtype=dtype, device=device)),
+            guarded(torch.tensor([hyst], dtype=dtype, device=device)))
 
 
 @pytest.mark.parametrize('device', DEVICES)
@@ -516,7 +525,7 @@ def test_public_api_rejects_bad_input():
 def _opcheck_cases(device):
     x = _make_list(777, 65537, 1, torch.float16, device)
     y = _make_list(777, 65537, 1, torch.float32, device)
-    f = mops.new_found_inf(device)
+    f = _flag(device)
     s = torch.tensor([0.5], device=device)
     i32 = dict(dtype=torch.int32, device=device)
     return {

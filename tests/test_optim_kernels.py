@@ -13,6 +13,7 @@ skipped without a GPU.
 import pytest
 import torch
 
+from _guards import checked, flat, guarded
 from _tolerances import TOL
 from mp_wrappers.ops import backend, reference
 from mp_wrappers.ops._dispatch import _op_has_kernel
@@ -129,16 +130,36 @@ class State:
         self.grad_scale = torch.full((1,), scale, device=device)
         self.found_inf = torch.zeros(1, device=device)
         self.gnorm = torch.ones(1, device=device)
+        self._guard(self)
+
+    @staticmethod
+    def _guard(st, copy=guarded):
+        """Every tensor (grads and model copies, written or not, too) between guard canaries
+        (tests/_guards.py): a kernel writing past one is caught at the next check."""
+        for k, v in st.__dict__.items():
+            if isinstance(v, torch.Tensor):
+                st.__dict__[k] = copy(v)
+            elif k == 'state':
+                st.state = [[copy(t) for t in lst] for lst in v]
+            else:
+                st.__dict__[k] = [copy(t) for t in v]
 
     def clone(self):
         other = object.__new__(State)
-        for k, v in self.__dict__.items():
-            if isinstance(v, torch.Tensor):
-                other.__dict__[k] = v.clone()
-            elif k == 'state':
-                other.state = [[t.clone() for t in lst] for lst in v]
-            else:
-                other.__dict__[k] = [t.clone() for t in v]
+        other.__dict__.update(self.__dict__)
+        self._guard(other)
+        return other
+
+    def flat(self, shift=0):
+        """A copy whose every list is adjacent views of one flat buffer (tests/_guards.py
+        ``flat``: no gap between tensors, guards at the buffer's ends), as FSDP's flat parameters
+        and flat master or state buffers are: a write past one tensor lands in its neighbour."""
+        other = self.clone()
+
+        def one(lst):
+            return flat(lst, shift) if lst else []
+        other.params, other.grads, other.model = map(one, (self.params, self.grads, self.model))
+        other.state = [one(lst) for lst in self.state]
         return other
 
     def tensors(self):
@@ -201,7 +222,8 @@ def _assert_states_equal(a: State, b: State, what: str) -> None:
 
 
 def _kernel(op):
-    return getattr(torch.ops.mp_wrappers, op)
+    """The compiled op, followed by the check of every guard canary (tests/_guards.py)."""
+    return getattr(checked(torch.ops.mp_wrappers), op)
 
 
 # ---- kernel vs reference ------------------------------------------------------------------------------
@@ -280,6 +302,32 @@ def test_many_small_tensors(op, device):
         want = got.clone()
 
 
+# Element-wise updates: the same bits whatever the alignment; LAMB's and NovoGrad's norms may be
+# summed in another order when the vector path starts elsewhere.
+BITWISE_OPS = ('multi_tensor_adam_', 'multi_tensor_sgd_', 'multi_tensor_adagrad_')
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('shift', [0, 1])
+@pytest.mark.parametrize('op', OPS)
+def test_flat_buffers_match_separate_tensors(op, shift, device):
+    """Every list as adjacent views of one flat buffer (FSDP's flat parameters, flat master and
+    state buffers): two steps give what separate tensors give, so no kernel writes past a tensor
+    into its neighbour (which the neighbour's own update or value would then show)."""
+    if not _kernel_available(op, device):
+        pytest.skip(f'no {device} kernel built')
+    hp = VARIANTS[op][0][1]
+    sep = State(op, [777, 65537, 1, 31, 555], DTYPES[1], device, seed=7)
+    got = sep.flat(shift)
+    for i in range(2):
+        _kernel(op)(*got.args(op, hp))
+        _kernel(op)(*sep.args(op, hp))
+        if op in BITWISE_OPS:
+            _assert_states_equal(got, sep, f'{op} flat step {i + 1}')
+        else:
+            _assert_states_close(got, sep, f'{op} flat step {i + 1}')
+
+
 @pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('op', OPS)
 def test_skip_on_first_step_keeps_everything(op, device):
@@ -323,7 +371,7 @@ def test_opcheck(op, device):
         pytest.skip(f'no {device} kernel built')
     hp = VARIANTS[op][0][1]
     st = State(op, [37, 5], DTYPES[1], device, seed=4)
-    torch.library.opcheck(_kernel(op), st.args(op, hp))
+    torch.library.opcheck(getattr(torch.ops.mp_wrappers, op), st.args(op, hp))
 
 
 @pytest.mark.parametrize('op', OPS)
