@@ -19,6 +19,7 @@ import shutil
 import pytest
 import torch
 
+from _guards import checked, flat, guarded, guarded_empty
 from _tolerances import TOL
 from mp_wrappers.ops import backend, cuda_host, reference
 from test_optim_kernels import DTYPES as OPT_DTYPES
@@ -45,7 +46,8 @@ class Host:
         if self.module is None:
             pytest.skip(f'cuda host module {variant!r} is not built: run `bash '
                         'tools/cuda_host_check.sh` or set MP_WRAPPERS_CUDA_ON_HOST=1')
-        self.ops = getattr(torch.ops, self.module.namespace)
+        # Every launch is followed by the check of every guard canary of the test (tests/_guards.py).
+        self.ops = checked(getattr(torch.ops, self.module.namespace))
         self.geometry = self.module.geometry
         self.chunk = self.geometry['chunk_size']
 
@@ -87,13 +89,9 @@ def host(request):
 
 
 def _shifted(t, shift):
-    """A copy of t that starts `shift` elements into its storage (misaligned for shift % 4)."""
-    if shift == 0:
-        return t.clone()
-    buf = torch.empty(t.numel() + shift, dtype=t.dtype)
-    out = buf[shift:].view(t.shape)
-    out.copy_(t)
-    return out
+    """A copy of t that starts `shift` elements past an aligned start of its storage (misaligned
+    for shift % 4), between guard canaries (tests/_guards.py)."""
+    return guarded(t, shift)
 
 
 def _rand(sizes, dtype, seed, scale=1.0):
@@ -120,7 +118,7 @@ def test_scale_bitwise(host, din, dout, shift):
     outs = [_shifted(torch.full_like(t, 7.0, dtype=dout), shift) for t in xs]
     want = [torch.empty_like(o) for o in outs]
     scale = torch.tensor([0.3])
-    fi, fi_ref = torch.zeros(1), torch.zeros(1)
+    fi, fi_ref = guarded(torch.zeros(1)), torch.zeros(1)
     host.ops.multi_tensor_scale_(xs, outs, scale, fi)
     reference.multi_tensor_scale_(xs, want, scale, fi_ref)
     for i, (o, w) in enumerate(zip(outs, want)):
@@ -139,8 +137,8 @@ def test_scale_flags_nonfinite(host, where, bad):
     t = {'first': 0, 'middle': 5, 'last': len(xs) - 1}[where]
     i = {'first': 0, 'middle': xs[t].numel() // 2, 'last': xs[t].numel() - 1}[where]
     xs[t][i] = bad
-    outs = [torch.empty_like(x, dtype=torch.float16) for x in xs]
-    fi = torch.zeros(1)
+    outs = [guarded_empty(x.shape, torch.float16) for x in xs]
+    fi = guarded(torch.zeros(1))
     host.ops.multi_tensor_scale_(xs, outs, torch.tensor([0.0]), fi)
     assert fi.item() == 1.0
     want = [torch.empty_like(o) for o in outs]
@@ -160,9 +158,9 @@ def test_axpby(host, dtypes, arg_to_check):
     x = [_shifted(t, int(arg_to_check == 1)) for t in _rand(sizes, dtypes[0], 3)]
     y = _rand(sizes, dtypes[1], 4)
     y[-2][3] = math.inf
-    out = [torch.empty(n, dtype=dtypes[2]) for n in sizes]
+    out = [guarded_empty(n, dtypes[2]) for n in sizes]
     want = [torch.empty_like(o) for o in out]
-    fi, fi_ref = torch.zeros(1), torch.zeros(1)
+    fi, fi_ref = guarded(torch.zeros(1)), torch.zeros(1)
     host.ops.multi_tensor_axpby_(x, y, out, 0.7, -1.3, arg_to_check, fi)
     reference.multi_tensor_axpby_(x, y, want, 0.7, -1.3, arg_to_check, fi_ref)
     assert all(_bits_equal(o, w) for o, w in zip(out, want))
@@ -207,7 +205,7 @@ def test_l2norm_does_not_overflow(host):
     assert math.isfinite(total.item())
     torch.testing.assert_close(total.double(), want_total, rtol=NORM_RTOL, atol=0)
     torch.testing.assert_close(norms.double(), torch.stack(want_per), rtol=NORM_RTOL, atol=0)
-    fi = torch.zeros(1)
+    fi = guarded(torch.zeros(1))
     total, _ = host.ops.multi_tensor_unscale_l2norm(xs, torch.tensor([0.5]), fi, False)
     assert fi.item() == 0.0 and math.isfinite(total.item())
 
@@ -216,7 +214,7 @@ def test_l2norm_does_not_overflow(host):
 def test_unscale_l2norm(host, bad):
     xs = [t.half() for t in _rand(host.sizes(), torch.float32, 6, scale=100.0)]
     inv = torch.tensor([1.0 / 1000.0])
-    fi = torch.zeros(1)
+    fi = guarded(torch.zeros(1))
     total, norms = host.ops.multi_tensor_unscale_l2norm(xs, inv, fi, True)
     want_total, want_per = _oracle_norms(xs, inv.item())
     assert fi.item() == 0.0
@@ -248,10 +246,11 @@ def test_norms_of_empty_lists_and_tensors(host):
 def test_update_scale_hysteresis(host, itype):
     """A sequence of overflows and clean steps: bit-identical to the reference at every step."""
     representative(host, itype == torch.int32)
-    got = [torch.tensor([65536.0]), torch.zeros(1, dtype=itype), torch.full((1,), 2, dtype=itype)]
+    got = [guarded(t) for t in (torch.tensor([65536.0]), torch.zeros(1, dtype=itype),
+                                torch.full((1,), 2, dtype=itype))]
     want = [t.clone() for t in got]
     for flag in [1, 0, 0, 1, 1, 1, 0, 0, 0, 0]:
-        fi = torch.tensor([float(flag)])
+        fi = guarded(torch.tensor([float(flag)]))
         args = (fi, 2.0, 0.5, 3, 2, 1.0, 2.0 ** 24)
         host.ops.update_scale_hysteresis_(*got, *args)
         reference.update_scale_hysteresis_(*want, *args)
@@ -273,7 +272,7 @@ def _host_state(op, sizes, dtypes, seed, shift, scale=1000.0):
     st.grads = [_shifted(t, shift) for t in st.grads]
     st.model = [_shifted(t, shift) for t in st.model]
     st.state = [[_shifted(t, shift) for t in lst] for lst in st.state]
-    return st
+    return st  # the 1-element tensors and NovoGrad's norms are guarded by State itself
 
 
 def _compare(op, got, want, what, bitwise):
@@ -415,3 +414,40 @@ def test_novograd_overflowing_grad_norm_stays_finite(host):
     getattr(torch.ops.mp_wrappers, op)(*cpu.args(op, hp))
     assert torch.isfinite(st.norms).all()
     _compare(op, st, cpu, 'novograd large grads', False)
+
+
+@pytest.mark.parametrize('shift', [0, 1])
+@pytest.mark.parametrize('op', OPT_OPS)
+def test_optimizer_on_flat_buffers(host, op, shift):
+    """Every list as adjacent views of one flat buffer (no gap; FSDP's flat parameters, flat
+    master and state buffers), sizes around chunk boundaries: two steps against the CPU kernel on
+    separate tensors. A write past a tensor's end lands in its neighbour's first element before the
+    neighbour reads it, so its update differs; past the last tensor, in the trailing guard."""
+    representative(host, op == 'multi_tensor_adam_' and shift == 1)
+    hp = OPT_VARIANTS[op][0][1]
+    cpu = _host_state(op, host.sizes(), OPT_DTYPES[1], seed=18, shift=0)
+    got = cpu.flat(shift)
+    for i in range(2):
+        getattr(host.ops, op)(*got.args(op, hp))
+        getattr(torch.ops.mp_wrappers, op)(*cpu.args(op, hp))
+        _compare(op, got, cpu, f'{op} flat buffers step {i + 1}', op in BITWISE_OPS)
+        cpu = got.clone()
+
+
+@pytest.mark.parametrize('shift', [0, 1])
+def test_scale_and_axpby_on_flat_buffers(host, shift):
+    """In place on one flat buffer (scale: out is x; axpby: out is y): a stray write changes the
+    neighbour's input before it is read."""
+    representative(host, shift == 1)
+    xs = _rand(host.sizes(), torch.float32, 19)
+    got = flat(xs, shift)
+    fi = guarded(torch.zeros(1))
+    host.ops.multi_tensor_scale_(got, got, torch.tensor([0.3]), fi)
+    want = [x.clone() for x in xs]
+    reference.multi_tensor_scale_(want, want, torch.tensor([0.3]), torch.zeros(1))
+    assert all(_bits_equal(a, b) for a, b in zip(got, want))
+    x = flat(_rand(host.sizes(), torch.bfloat16, 20), shift)
+    host.ops.multi_tensor_axpby_(x, got, got, 0.7, -1.3, -1, fi)
+    reference.multi_tensor_axpby_(x, want, want, 0.7, -1.3, -1, torch.zeros(1))
+    assert all(_bits_equal(a, b) for a, b in zip(got, want))
+    assert fi.item() == 0.0

@@ -118,3 +118,23 @@ def test_lean_host_rejects_bad_arguments_naming_them(host):
     with pytest.raises(RuntimeError, match="storage='stochastic' keeps no aux"):
         op(lean.params, lean.aux, grads, lean.m, lean.v, lean.step, **ADAM, storage='stochastic',
            seed=0, grad_scale=None, found_inf=None)
+
+
+@pytest.mark.parametrize('shift', [0, 1])
+@pytest.mark.parametrize('storage', ['split', 'kahan', 'stochastic'])
+@pytest.mark.parametrize('opt,name,hp', CASES[::2], ids=[c[1] for c in CASES[::2]])
+def test_lean_on_flat_buffers(host, opt, name, hp, storage, shift):
+    """Every list as adjacent views of one flat buffer (tests/_guards.py ``flat``): two steps give
+    the CPU kernel's bits on separate tensors; a write past a tensor lands in its neighbour."""
+    representative(host, (name, storage, shift) == ('adamw', 'kahan', 1))
+    sizes = host.sizes()
+    cpu = _lean(storage, sizes, torch.float32, hp, seed=26)
+    got = cpu.flat(shift)
+    g = torch.Generator().manual_seed(27)
+    for i in range(2):
+        grads = [(torch.randn(n, generator=g) * 64).bfloat16() for n in sizes]
+        scale, found_inf = torch.full((1,), 1024.0), torch.zeros(1)
+        _call(got, host.ops, opt, grads, hp, scale, found_inf)
+        _call(cpu, torch.ops.mp_wrappers, opt, grads, hp, scale, found_inf)
+        for a, b in zip(got.tensors(), cpu.tensors()):
+            assert _bits_equal(a, b), f'{opt} {name} {storage} flat step {i + 1}'

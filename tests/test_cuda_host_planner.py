@@ -11,6 +11,7 @@ cut by a launch continues in the next one. See tests/test_cuda_host.py for how t
 import pytest
 import torch
 
+from _guards import guarded
 from mp_wrappers.ops import reference
 from test_cuda_host import Host, VARIANT_NAMES, _bits_equal, _rand, backend, representative
 
@@ -70,9 +71,10 @@ def test_launches_follow_the_plan(host, case):
     representative(host, case in ('many_small', 'with_empty'))
     sizes = _cases(host)[case]
     xs = _rand(sizes, torch.float32, 21)
-    outs = [torch.full_like(x, float('nan')) for x in xs]
+    # Between guard canaries (tests/_guards.py), checked after the launches.
+    outs = [guarded(torch.full_like(x, float('nan'))) for x in xs]
     want = [torch.empty_like(x) for x in xs]
-    host.ops.multi_tensor_scale_(xs, outs, torch.tensor([2.5]), torch.zeros(1))
+    host.ops.multi_tensor_scale_(xs, outs, torch.tensor([2.5]), guarded(torch.zeros(1)))
     reference.multi_tensor_scale_(xs, want, torch.tensor([2.5]), torch.zeros(1))
     # Every element written exactly as the reference (an element no block covers stays NaN).
     for i, (o, w) in enumerate(zip(outs, want)):

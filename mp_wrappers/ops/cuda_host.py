@@ -20,8 +20,12 @@ and ``benchmarks/bench_cuda_traffic.py`` import it. Variants:
 
 ``real`` and ``tiny`` are built with ``--coverage`` (gcov data next to the objects in
 ``build/cuda_host/<variant>``, read by ``tools/cuda_host_coverage.py``).
+
+``MP_WRAPPERS_CUDA_HOST_MODULE=<path of a module file>`` makes ``load`` import that file as the module
+of every variant asked for, without building (``tools/cuda_mutants.py`` links one per mutant).
 """
 import glob
+import importlib.util
 import os
 import subprocess
 from types import ModuleType
@@ -166,11 +170,30 @@ def build(variant: str, verbose: bool = False) -> ModuleType:
     return module
 
 
+PREBUILT_ENV = 'MP_WRAPPERS_CUDA_HOST_MODULE'
+
+
+def _load_prebuilt(variant: str, path: str) -> ModuleType:
+    """Import the module file at ``path`` (built elsewhere) as the module of ``variant``."""
+    name = module_name(variant)
+    if not os.path.basename(path).startswith(name):
+        raise ValueError(f'cuda_host: {PREBUILT_ENV}={path!r} is not a {name} module file')
+    _define_namespace(name)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _loaded[variant] = module
+    return module
+
+
 def load(variant: str) -> Optional[ModuleType]:
     """The module of ``variant`` when it is built (or may be built: ``MP_WRAPPERS_CUDA_ON_HOST=1``),
     else None."""
     if variant in _loaded:
         return _loaded[variant]
+    prebuilt = os.environ.get(PREBUILT_ENV)
+    if prebuilt:
+        return _load_prebuilt(variant, prebuilt)
     if not (is_built(variant) or os.environ.get('MP_WRAPPERS_CUDA_ON_HOST', '0') == '1'):
         return None
     return build(variant)
