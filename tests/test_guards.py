@@ -66,3 +66,22 @@ def test_checked_ops_report_the_op():
     with pytest.raises(AssertionError, match='after bad_'):
         _guards.checked(Ops).bad_(t)
     _guards.reset()
+
+
+@pytest.mark.skipif(not _guards.asan_poisoning(),
+                    reason='ASan runtime not in this process (tools/cuda_host_check.sh preloads it)')
+def test_guards_are_poisoned_under_asan():
+    """Under the sanitizer pass the guards are poisoned (the first access from instrumented code,
+    a host-executed kernel, aborts), the tensor is not, and reset() unpoisons."""
+    import ctypes
+    is_poisoned = ctypes.CDLL(None).__asan_region_is_poisoned
+    is_poisoned.argtypes, is_poisoned.restype = [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p
+    t = guarded(torch.zeros(6), shift=2)  # 8-byte aligned end: ASan's granule
+    end = t.data_ptr() + t.numel() * 4
+    assert not is_poisoned(t.data_ptr(), t.numel() * 4)
+    assert is_poisoned(end, 4) == end
+    assert is_poisoned(t.data_ptr() - 8, 8)
+    check_all()  # reads the guards (unpoisoned around the comparison), poisons them again
+    assert is_poisoned(end, 4) == end
+    _guards.reset()
+    assert not is_poisoned(end, 4)
