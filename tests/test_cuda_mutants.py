@@ -63,3 +63,10 @@ def test_sample_is_deterministic_and_spread(mutants):
     assert a == b and len(set(a)) == 13
     assert len({i.split(':')[0] for i in a}) == 13  # one per file before any file gets a second
     assert [m.id for m in cm.sample(mutants, 13, seed=1)] != a
+
+
+def test_equivalent_mutants_exist_and_have_reasons(mutants):
+    """An EQUIVALENT entry names a generated mutant (a changed source line makes it stale)."""
+    ids = {m.id for m in mutants}
+    assert set(cm.EQUIVALENT) <= ids, sorted(set(cm.EQUIVALENT) - ids)
+    assert all(len(reason) > 20 for reason in cm.EQUIVALENT.values())
