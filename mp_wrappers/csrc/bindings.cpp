@@ -16,6 +16,13 @@
 //   * model_params is either empty or parallel to params: after the update the new fp32 master value is
 //     also written, rounded, into the fp16/bf16 model copy (the fused mixed-precision step).
 //   * Tensor lists must match in length, device and numel, and every tensor must be contiguous.
+//
+// Note [optional arguments]
+//   A `Tensor?` argument is received as `c10::optional<at::Tensor>`, never `std::optional`: torch
+//   2.1-2.3's schema inference (ATen/core/ivalue_inl.h) recognises only c10::optional, then a class
+//   of its own (std::optional fails to compile there: "no type named 'element_type'"), and from
+//   torch 2.4 on c10::optional is an alias of std::optional, so the spelling works on every torch
+//   we support (docs/compatibility.md).
 #include <Python.h>
 #include <pybind11/pybind11.h>
 #include <torch/library.h>

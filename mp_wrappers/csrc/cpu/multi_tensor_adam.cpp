@@ -5,6 +5,7 @@
 // moments in registers, store param, moments and, for the fused mixed-precision step, the rounded
 // model copy. 28 bytes per fp32 parameter, 30 for the O2 step with half grads and a half model.
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>  // Note [optional arguments] in bindings.cpp
 #include <torch/library.h>
 
 #include <optional>
@@ -80,9 +81,9 @@ void multi_tensor_adam_cpu(at::TensorList params, at::TensorList grads, at::Tens
                            at::TensorList exp_avg_sqs, at::TensorList model_params,
                            const at::Tensor& step, double lr, double beta1, double beta2,
                            double eps, double weight_decay, bool adam_w_mode,
-                           bool bias_correction, const std::optional<at::Tensor>& grad_scale,
-                           const std::optional<at::Tensor>& found_inf,
-                           const std::optional<at::Tensor>& lr_tensor) {
+                           bool bias_correction, const c10::optional<at::Tensor>& grad_scale,
+                           const c10::optional<at::Tensor>& found_inf,
+                           const c10::optional<at::Tensor>& lr_tensor) {
   constexpr const char* op = "multi_tensor_adam_";
   const at::Device device = check_tensor_lists(
       op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},

@@ -16,6 +16,7 @@
 // The reference computes the norms with torch.linalg.vector_norm in fp32; ours are accumulated in
 // double and rounded once, so the ratio may differ from the reference's in its last bit.
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>  // Note [optional arguments] in bindings.cpp
 #include <torch/library.h>
 
 #include <cmath>
@@ -198,9 +199,9 @@ void multi_tensor_lamb_cpu(at::TensorList params, at::TensorList grads, at::Tens
                            double eps, double weight_decay, bool adam_w_mode,
                            bool bias_correction, bool grad_averaging, double max_grad_norm,
                            bool use_nvlamb, const at::Tensor& global_grad_norm,
-                           const std::optional<at::Tensor>& grad_scale,
-                           const std::optional<at::Tensor>& found_inf,
-                           const std::optional<at::Tensor>& lr_tensor) {
+                           const c10::optional<at::Tensor>& grad_scale,
+                           const c10::optional<at::Tensor>& found_inf,
+                           const c10::optional<at::Tensor>& lr_tensor) {
   constexpr const char* op = "multi_tensor_lamb_";
   const at::Device device = check_tensor_lists(
       op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},

@@ -8,6 +8,7 @@
 // 2 (param) + 2 (low half) + 8 (fp32 moments) bytes in and out plus the grad, where O2 moves the
 // model copy (2) + master (4) + moments (8); 'kahan' and 'stochastic' with bf16 moments move 4-6.
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>  // Note [optional arguments] in bindings.cpp
 #include <torch/library.h>
 
 #include <cstdint>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "mp_wrappers/checks.h"
+#include "mp_wrappers/torch_compat.h"
 #include "mp_wrappers/cpu_features.h"
 #include "mp_wrappers/cpu_lean.h"
 #include "mp_wrappers/cpu_multi_tensor.h"
@@ -231,7 +233,13 @@ void check_lean_lists(const char* op, Storage storage, at::TensorList params, at
     TORCH_CHECK(aux.empty(), op, ": storage='stochastic' keeps no aux state, got ", aux.size(),
                 " aux tensors");
   } else {
+#if MP_WRAPPERS_HAS_UINT16
     const at::ScalarType want = storage == Storage::kSplit ? at::kUInt16 : at::kBFloat16;
+#else
+    TORCH_CHECK(storage != Storage::kSplit, op, ": storage='split' needs torch >= 2.3 (torch.uint16; "
+                "this build is against torch " MP_WRAPPERS_TORCH_VERSION_STR ")");
+    const at::ScalarType want = at::kBFloat16;
+#endif
     TORCH_CHECK(aux.size() == params.size(), op, ": aux has ", aux.size(),
                 " tensors but params has ", params.size(), "; the lists must be parallel");
     for (size_t i = 0; i < aux.size(); ++i) {
@@ -271,8 +279,8 @@ void multi_tensor_adam_lean_cpu(at::TensorList params, at::TensorList aux, at::T
                                 const at::Tensor& step, double lr, double beta1, double beta2,
                                 double eps, double weight_decay, bool adam_w_mode,
                                 bool bias_correction, c10::string_view storage_name, int64_t seed,
-                                const std::optional<at::Tensor>& grad_scale,
-                                const std::optional<at::Tensor>& found_inf) {
+                                const c10::optional<at::Tensor>& grad_scale,
+                                const c10::optional<at::Tensor>& found_inf) {
   constexpr const char* op = "multi_tensor_adam_lean_";
   const Storage storage = parse_storage(op, std::string(storage_name));
   const at::Device device = check_tensor_lists(
@@ -319,8 +327,8 @@ void multi_tensor_sgd_lean_cpu(at::TensorList params, at::TensorList aux, at::Te
                                double momentum, double dampening, double weight_decay,
                                bool nesterov, bool wd_after_momentum,
                                c10::string_view storage_name, int64_t seed,
-                               const std::optional<at::Tensor>& grad_scale,
-                               const std::optional<at::Tensor>& found_inf) {
+                               const c10::optional<at::Tensor>& grad_scale,
+                               const c10::optional<at::Tensor>& found_inf) {
   constexpr const char* op = "multi_tensor_sgd_lean_";
   const Storage storage = parse_storage(op, std::string(storage_name));
   const bool has_momentum = momentum != 0.0;

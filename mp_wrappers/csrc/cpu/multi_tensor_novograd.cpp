@@ -11,6 +11,7 @@
 // The reference's norms come from torch.linalg.vector_norm in fp32; ours are accumulated in double
 // and rounded once, so they can differ from the reference's in the last bit.
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>  // Note [optional arguments] in bindings.cpp
 #include <torch/library.h>
 
 #include <cmath>
@@ -147,9 +148,9 @@ void multi_tensor_novograd_cpu(at::TensorList params, at::TensorList grads,
                                double beta1, double beta2, double eps, double weight_decay,
                                bool bias_correction, bool grad_averaging, bool reg_inside_moment,
                                int64_t norm_type, bool init_zero,
-                               const std::optional<at::Tensor>& grad_scale,
-                               const std::optional<at::Tensor>& found_inf,
-                               const std::optional<at::Tensor>& lr_tensor) {
+                               const c10::optional<at::Tensor>& grad_scale,
+                               const c10::optional<at::Tensor>& found_inf,
+                               const c10::optional<at::Tensor>& lr_tensor) {
   constexpr const char* op = "multi_tensor_novograd_";
   const at::Device device = check_tensor_lists(
       op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},

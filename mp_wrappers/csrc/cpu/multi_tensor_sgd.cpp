@@ -5,6 +5,7 @@
 // buffer and the rounded model copy. The first applied update (step == 0, read on the host with
 // found_inf) initialises the buffer to the direction, as torch does.
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>  // Note [optional arguments] in bindings.cpp
 #include <torch/library.h>
 
 #include <optional>
@@ -76,9 +77,9 @@ void multi_tensor_sgd_cpu(at::TensorList params, at::TensorList grads,
                           at::TensorList momentum_buffers, at::TensorList model_params,
                           const at::Tensor& step, double lr, double momentum, double dampening,
                           double weight_decay, bool nesterov, bool wd_after_momentum,
-                          const std::optional<at::Tensor>& grad_scale,
-                          const std::optional<at::Tensor>& found_inf,
-                          const std::optional<at::Tensor>& lr_tensor) {
+                          const c10::optional<at::Tensor>& grad_scale,
+                          const c10::optional<at::Tensor>& found_inf,
+                          const c10::optional<at::Tensor>& lr_tensor) {
   constexpr const char* op = "multi_tensor_sgd_";
   const bool has_momentum = momentum != 0.0;
   const at::Device device = check_tensor_lists(

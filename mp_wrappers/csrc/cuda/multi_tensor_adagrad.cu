@@ -2,6 +2,7 @@
 // mp_wrappers/ops/reference.py::multi_tensor_adagrad_). One element-wise pass; step only counts
 // applied updates.
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>  // Note [optional arguments] in bindings.cpp
 
 #include <optional>
 
@@ -42,9 +43,9 @@ void multi_tensor_adagrad_cuda(at::TensorList params, at::TensorList grads,
                                at::TensorList state_sums, at::TensorList model_params,
                                const at::Tensor& step, double lr, double eps,
                                double weight_decay, bool adagrad_w_mode,
-                               const std::optional<at::Tensor>& grad_scale,
-                               const std::optional<at::Tensor>& found_inf,
-                               const std::optional<at::Tensor>& lr_tensor) {
+                               const c10::optional<at::Tensor>& grad_scale,
+                               const c10::optional<at::Tensor>& found_inf,
+                               const c10::optional<at::Tensor>& lr_tensor) {
   constexpr const char* op = "multi_tensor_adagrad_";
   const at::Device device = check_tensor_lists(
       op, {{"params", params}, {"grads", grads}, {"state_sums", state_sums},

@@ -3,6 +3,7 @@
 // lists (see mp_wrappers/cuda/optim_apply.cuh); found_inf, grad_scale and step are read on the
 // device, and one thread increments step afterwards unless the update was skipped.
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>  // Note [optional arguments] in bindings.cpp
 
 #include <optional>
 
@@ -50,9 +51,9 @@ void multi_tensor_adam_cuda(at::TensorList params, at::TensorList grads, at::Ten
                             at::TensorList exp_avg_sqs, at::TensorList model_params,
                             const at::Tensor& step, double lr, double beta1, double beta2,
                             double eps, double weight_decay, bool adam_w_mode,
-                            bool bias_correction, const std::optional<at::Tensor>& grad_scale,
-                            const std::optional<at::Tensor>& found_inf,
-                            const std::optional<at::Tensor>& lr_tensor) {
+                            bool bias_correction, const c10::optional<at::Tensor>& grad_scale,
+                            const c10::optional<at::Tensor>& found_inf,
+                            const c10::optional<at::Tensor>& lr_tensor) {
   constexpr const char* op = "multi_tensor_adam_";
   const at::Device device = check_tensor_lists(
       op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},

@@ -12,6 +12,7 @@
 // Without the trust ratio, a single element-wise pass. found_inf is checked by every kernel, and
 // step is incremented on the device after the last one.
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>  // Note [optional arguments] in bindings.cpp
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
@@ -178,9 +179,9 @@ void multi_tensor_lamb_cuda(at::TensorList params, at::TensorList grads, at::Ten
                             double eps, double weight_decay, bool adam_w_mode,
                             bool bias_correction, bool grad_averaging, double max_grad_norm,
                             bool use_nvlamb, const at::Tensor& global_grad_norm,
-                            const std::optional<at::Tensor>& grad_scale,
-                            const std::optional<at::Tensor>& found_inf,
-                            const std::optional<at::Tensor>& lr_tensor) {
+                            const c10::optional<at::Tensor>& grad_scale,
+                            const c10::optional<at::Tensor>& found_inf,
+                            const c10::optional<at::Tensor>& lr_tensor) {
   constexpr const char* op = "multi_tensor_lamb_";
   const at::Device device = check_tensor_lists(
       op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},

@@ -7,6 +7,7 @@
 // (no vector path): the lists mix 2- and 4-byte types. found_inf, grad_scale and step are read on
 // the device; the stochastic key uses the update number read there too, so no host sync.
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>  // Note [optional arguments] in bindings.cpp
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
@@ -15,6 +16,7 @@
 #include <type_traits>
 
 #include "mp_wrappers/checks.h"
+#include "mp_wrappers/torch_compat.h"
 #include "mp_wrappers/cuda/optim_apply.cuh"
 
 namespace mp_wrappers {
@@ -231,7 +233,13 @@ void check_lean(const char* op, int storage, at::TensorList params, at::TensorLi
     TORCH_CHECK(aux.empty(), op, ": storage='stochastic' keeps no aux state, got ", aux.size(),
                 " aux tensors");
   } else {
+#if MP_WRAPPERS_HAS_UINT16
     const at::ScalarType want = storage == kSplit ? at::kUInt16 : at::kBFloat16;
+#else
+    TORCH_CHECK(storage != kSplit, op, ": storage='split' needs torch >= 2.3 (torch.uint16; "
+                "this build is against torch " MP_WRAPPERS_TORCH_VERSION_STR ")");
+    const at::ScalarType want = at::kBFloat16;
+#endif
     TORCH_CHECK(aux.size() == params.size(), op, ": aux has ", aux.size(),
                 " tensors but params has ", params.size(), "; the lists must be parallel");
     for (size_t i = 0; i < aux.size(); ++i)
@@ -248,8 +256,8 @@ void check_lean(const char* op, int storage, at::TensorList params, at::TensorLi
 }
 
 LeanCommon lean_common(const char* op, int storage, int64_t seed, const at::Tensor& step,
-                       const std::optional<at::Tensor>& grad_scale,
-                       const std::optional<at::Tensor>& found_inf) {
+                       const c10::optional<at::Tensor>& grad_scale,
+                       const c10::optional<at::Tensor>& found_inf) {
   return LeanCommon{optional_ptr(op, "found_inf", found_inf, step.device()),
                     optional_ptr(op, "grad_scale", grad_scale, step.device()),
                     step.data_ptr<float>(), storage, static_cast<uint32_t>(seed)};
@@ -268,8 +276,8 @@ void multi_tensor_adam_lean_cuda(at::TensorList params, at::TensorList aux, at::
                                  const at::Tensor& step, double lr, double beta1, double beta2,
                                  double eps, double weight_decay, bool adam_w_mode,
                                  bool bias_correction, c10::string_view storage_name,
-                                 int64_t seed, const std::optional<at::Tensor>& grad_scale,
-                                 const std::optional<at::Tensor>& found_inf) {
+                                 int64_t seed, const c10::optional<at::Tensor>& grad_scale,
+                                 const c10::optional<at::Tensor>& found_inf) {
   constexpr const char* op = "multi_tensor_adam_lean_";
   const int storage = parse_storage(op, std::string(storage_name));
   const at::Device device = check_tensor_lists(
@@ -316,8 +324,8 @@ void multi_tensor_sgd_lean_cuda(at::TensorList params, at::TensorList aux, at::T
                                 double momentum, double dampening, double weight_decay,
                                 bool nesterov, bool wd_after_momentum,
                                 c10::string_view storage_name, int64_t seed,
-                                const std::optional<at::Tensor>& grad_scale,
-                                const std::optional<at::Tensor>& found_inf) {
+                                const c10::optional<at::Tensor>& grad_scale,
+                                const c10::optional<at::Tensor>& found_inf) {
   constexpr const char* op = "multi_tensor_sgd_lean_";
   const int storage = parse_storage(op, std::string(storage_name));
   const bool has_momentum = momentum != 0.0;

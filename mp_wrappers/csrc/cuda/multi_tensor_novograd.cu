@@ -10,6 +10,7 @@
 //   3. element-wise: moment and param update with the tensor's denominator, rounded model copy.
 // found_inf is checked by every kernel, and step is incremented on the device after the last one.
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>  // Note [optional arguments] in bindings.cpp
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
@@ -127,9 +128,9 @@ void multi_tensor_novograd_cuda(at::TensorList params, at::TensorList grads,
                                 double beta1, double beta2, double eps, double weight_decay,
                                 bool bias_correction, bool grad_averaging,
                                 bool reg_inside_moment, int64_t norm_type, bool init_zero,
-                                const std::optional<at::Tensor>& grad_scale,
-                                const std::optional<at::Tensor>& found_inf,
-                                const std::optional<at::Tensor>& lr_tensor) {
+                                const c10::optional<at::Tensor>& grad_scale,
+                                const c10::optional<at::Tensor>& found_inf,
+                                const c10::optional<at::Tensor>& lr_tensor) {
   constexpr const char* op = "multi_tensor_novograd_";
   const at::Device device = check_tensor_lists(
       op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},

@@ -2,6 +2,7 @@
 // and op order: mp_wrappers/ops/reference.py::multi_tensor_sgd_). One element-wise pass; whether
 // this is the first applied update (buffer := direction) is read from step on the device.
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>  // Note [optional arguments] in bindings.cpp
 
 #include <optional>
 
@@ -49,9 +50,9 @@ void multi_tensor_sgd_cuda(at::TensorList params, at::TensorList grads,
                            at::TensorList momentum_buffers, at::TensorList model_params,
                            const at::Tensor& step, double lr, double momentum, double dampening,
                            double weight_decay, bool nesterov, bool wd_after_momentum,
-                           const std::optional<at::Tensor>& grad_scale,
-                           const std::optional<at::Tensor>& found_inf,
-                           const std::optional<at::Tensor>& lr_tensor) {
+                           const c10::optional<at::Tensor>& grad_scale,
+                           const c10::optional<at::Tensor>& found_inf,
+                           const c10::optional<at::Tensor>& lr_tensor) {
   constexpr const char* op = "multi_tensor_sgd_";
   const bool has_momentum = momentum != 0.0;
   const at::Device device = check_tensor_lists(

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>  // Note [optional arguments] in bindings.cpp
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -39,13 +40,13 @@ inline void check_step(const char* op, const at::Tensor& step, const at::Device&
 }
 
 inline void check_optional_scalar(const char* op, const char* name,
-                                  const std::optional<at::Tensor>& t, const at::Device& device) {
+                                  const c10::optional<at::Tensor>& t, const at::Device& device) {
   if (t.has_value() && t->defined()) check_scalar_tensor(op, name, *t, device);
 }
 
 // lr: the float, or (capturable=True) the value lr_tensor holds, a 1-element float32 tensor on the
 // tensors' device (checked with check_optional_scalar), read here: on the CPU a host read is free.
-inline float resolve_lr(double lr, const std::optional<at::Tensor>& lr_tensor) {
+inline float resolve_lr(double lr, const c10::optional<at::Tensor>& lr_tensor) {
   if (!(lr_tensor.has_value() && lr_tensor->defined())) return static_cast<float>(lr);
   return *lr_tensor->data_ptr<float>();
 }
@@ -61,7 +62,7 @@ inline void check_fp32_list(const char* op, const char* name, at::TensorList lis
 
 // found_inf lives on the CPU with the tensors, so reading it costs no synchronisation; a nonzero
 // flag turns the whole call (state, params, model copies and step) into a no-op.
-inline bool should_skip(const std::optional<at::Tensor>& found_inf) {
+inline bool should_skip(const c10::optional<at::Tensor>& found_inf) {
   return found_inf.has_value() && found_inf->defined() && *found_inf->data_ptr<float>() != 0.f;
 }
 
@@ -73,7 +74,7 @@ struct Unscale {
   float factor = 1.f;
   bool divide = false;
 
-  static Unscale from(const std::optional<at::Tensor>& grad_scale) {
+  static Unscale from(const c10::optional<at::Tensor>& grad_scale) {
     Unscale u;
     if (!(grad_scale.has_value() && grad_scale->defined())) return u;  // g * 1 is exact
     const float s = *grad_scale->data_ptr<float>();

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>  // Note [optional arguments] in bindings.cpp
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
@@ -206,7 +207,7 @@ inline void check_fp32_list(const char* op, const char* name, at::TensorList lis
 }
 
 inline const float* optional_ptr(const char* op, const char* name,
-                                 const std::optional<at::Tensor>& t, const at::Device& device) {
+                                 const c10::optional<at::Tensor>& t, const at::Device& device) {
   if (!(t.has_value() && t->defined())) return nullptr;
   check_scalar_tensor(op, name, *t, device);
   return t->data_ptr<float>();
@@ -219,7 +220,7 @@ struct DeviceLr {
   const float* ptr;
   __device__ __forceinline__ float get() const { return ptr != nullptr ? ld(ptr) : value; }
 };
-inline DeviceLr make_lr(const char* op, double lr, const std::optional<at::Tensor>& lr_tensor,
+inline DeviceLr make_lr(const char* op, double lr, const c10::optional<at::Tensor>& lr_tensor,
                         const at::Device& device) {
   return DeviceLr{static_cast<float>(lr), optional_ptr(op, "lr_tensor", lr_tensor, device)};
 }
