@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from mmengine.runner import CheckpointLoader
 
+from . import compat
+
 __all__ = ['ENV_SWITCH', 'LOCAL_PREFIXES', 'UnsafeCheckpointError', 'mmengine_safe_globals',
            'sharded_tensor_safe_globals', 'secure_torch_load', 'install_secure_checkpoint_loader',
            'uninstall_secure_checkpoint_loader', 'secure_checkpoint_loader_installed']
@@ -176,7 +178,9 @@ def secure_torch_load(f: Any, map_location: MapLocation = None) -> Any:
         UnsafeCheckpointError: The file holds a global outside the allow-list (torch's default safe
             set, :func:`mmengine_safe_globals` and whatever the caller added with
             ``torch.serialization.add_safe_globals``). Nothing from the file has been executed.
+        mp_wrappers.compat.FeatureUnavailableError: torch < 2.5 (no ``safe_globals``).
     """
+    compat.require('safe_globals')
     with torch.serialization.safe_globals(_not_yet_allowed(mmengine_safe_globals())):
         try:
             # weights_only=True explicitly: it also wins over torch's environment switch that
@@ -226,7 +230,12 @@ def install_secure_checkpoint_loader() -> bool:
 
     Returns:
         ``True`` if it was installed by this call, ``False`` if it already was.
+
+    Raises:
+        mp_wrappers.compat.FeatureUnavailableError: torch < 2.5, whose weights_only unpickler has
+            no ``safe_globals`` to allow mmengine's globals with.
     """
+    compat.require('safe_globals')
     installed = False
     for prefix in LOCAL_PREFIXES:
         current = CheckpointLoader._schemes.get(prefix)
@@ -256,12 +265,20 @@ def uninstall_secure_checkpoint_loader() -> bool:
 
 
 def _install_from_env() -> bool:
-    """Install unless ``MP_WRAPPERS_SECURE_CHECKPOINT_LOADER`` says off; called on ``import mp_wrappers``."""
+    """Install unless ``MP_WRAPPERS_SECURE_CHECKPOINT_LOADER`` says off; called on ``import mp_wrappers``.
+
+    On torch < 2.5 (no ``torch.serialization.safe_globals``) nothing is installed: mmengine's own
+    loader serves checkpoints as it always has there (``torch.load`` defaults to
+    ``weights_only=False`` before torch 2.6, so resuming works, without the allow-list's protection;
+    docs/compatibility.md).
+    """
     value = os.environ.get(ENV_SWITCH, '1').strip().lower()
     if value in _OFF:
         return False
     if value not in _ON:
         raise ValueError(f'{ENV_SWITCH}={os.environ[ENV_SWITCH]!r} is not understood; use 1 (install '
                          f'the weights_only checkpoint loader, the default) or 0 (leave mmengine\'s)')
+    if not compat.has('safe_globals'):
+        return False
     install_secure_checkpoint_loader()
     return True

@@ -29,7 +29,10 @@ from mmengine.evaluator import Evaluator
 from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapperDict
 from mmengine.runner import TestLoop, ValLoop
-from mmengine.runner.loops import _update_losses
+try:  # mmengine >= 0.10.5 records the losses a val/test step returns; 0.10.4 has no such step
+    from mmengine.runner.loops import _update_losses
+except ImportError:
+    _update_losses = None
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -107,8 +110,9 @@ class _EvaluationPrecision:
         self.runner.call_hook(f'before_{stage}_iter', batch_idx=idx, data_batch=data_batch)
         with self.precision_context():
             outputs = getattr(self.runner.model, f'{stage}_step')(data_batch)
-        outputs, losses = _update_losses(outputs, getattr(self, f'{stage}_loss'))
-        setattr(self, f'{stage}_loss', losses)
+        if _update_losses is not None:  # what mmengine's own run_iter does on this version
+            outputs, losses = _update_losses(outputs, getattr(self, f'{stage}_loss'))
+            setattr(self, f'{stage}_loss', losses)
         self.evaluator.process(data_samples=outputs, data_batch=data_batch)
         self.runner.call_hook(f'after_{stage}_iter', batch_idx=idx, data_batch=data_batch,
                               outputs=outputs)

@@ -27,6 +27,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .casting import parse_dtype
+from . import compat
 from .master_modes import LEAN_MODES
 
 __all__ = ['Properties', 'OPT_LEVELS', 'resolve_properties', 'DEFAULT']
@@ -154,6 +155,8 @@ def resolve_properties(opt_level: str = 'O1', *, dtype: Union[str, torch.dtype] 
     cast = _parse_cast_type('cast_model_type', cast_model_type)
     keep_bn = _parse_bool_or_none('keep_batchnorm_fp32', keep_batchnorm_fp32)
     if isinstance(master_weights, str) and master_weights in LEAN_MODES:
+        if master_weights == 'split':
+            compat.require('uint16')  # its low halves are torch.uint16 (torch >= 2.3)
         master: Optional[Union[bool, str]] = master_weights
     else:
         try:

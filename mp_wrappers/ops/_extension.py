@@ -10,6 +10,8 @@ from typing import Dict, Optional
 
 import torch
 
+from .. import compat
+
 __all__ = ['backend', 'extension', 'has_kernels']
 
 _ext = None
@@ -31,8 +33,9 @@ def extension():
         else:
             try:
                 from mp_wrappers import _C  # importing registers torch.ops.mp_wrappers.*
-                from . import _fake  # noqa: F401  fake kernels need the schemas registered above
-                from . import _fake_optim  # noqa: F401  (same, fused-optimizer ops)
+                if compat.has('fake_kernels'):  # torch >= 2.4; eager mode needs none
+                    from . import _fake  # noqa: F401  fake kernels need the schemas registered above
+                    from . import _fake_optim  # noqa: F401  (same, fused-optimizer ops)
                 _ext = _C
             except Exception as exc:  # ImportError, undefined symbols, ABI mismatch...
                 _load_error = exc

@@ -14,6 +14,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .. import compat
 from ._dispatch import check_tensor_lists
 from .optimizers import (_check_betas, _check_lr, _check_nonnegative, _check_scalar, _check_step,
                          _run)
@@ -30,6 +31,8 @@ def _check_lean(op: str, storage: str, params: List[Tensor], aux: List[Tensor],
     if storage not in LEAN_STORAGES:
         raise ValueError(f'{op}: storage={storage!r} is not allowed; expected one of '
                          f'{sorted(LEAN_STORAGES)}')
+    if storage == 'split':
+        compat.require('uint16')
     names = ('params', 'grads') + tuple(n for n, _ in state)
     device = check_tensor_lists(op, names, [params, grads] + [list(t) for _, t in state],
                                 allow_empty=allow_empty)

@@ -36,13 +36,17 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .. import compat
 from .reference import _bias_correction, _commit_, _skip_mask, _unscaled
 
 __all__ = ['LEAN_STORAGES', 'bf16_join', 'bf16_split', 'stochastic_bits', 'round_stochastic',
            'multi_tensor_adam_lean_', 'multi_tensor_sgd_lean_']
 
 #: The storage modes of Note [lean bf16 storage], with the dtype of their ``aux`` tensors.
-LEAN_STORAGES = {'split': torch.uint16, 'kahan': torch.bfloat16, 'stochastic': None}
+#: torch.uint16 exists from torch 2.3: before it 'split' maps to None and every entry point refuses
+#: it with :func:`mp_wrappers.compat.require` ('uint16') before looking its dtype up.
+LEAN_STORAGES = {'split': getattr(torch, 'uint16', None), 'kahan': torch.bfloat16,
+                 'stochastic': None}
 
 _M32 = 0xFFFFFFFF
 # Multipliers of the 32-bit mixer below. Both are odd and below 2**31, so a product with a 32-bit
@@ -108,6 +112,8 @@ def _check_storage(storage: str) -> None:
     if storage not in LEAN_STORAGES:
         raise ValueError(f'storage={storage!r} is not allowed; expected one of '
                          f'{sorted(LEAN_STORAGES)}')
+    if storage == 'split':
+        compat.require('uint16')
 
 
 def _read_param(p: Tensor, aux: Optional[Tensor], storage: str) -> Tensor:

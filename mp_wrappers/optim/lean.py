@@ -20,6 +20,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .. import compat
 from ..casting import parse_dtype
 from ..ops.reference_lean import LEAN_STORAGES
 
@@ -66,6 +67,8 @@ class LeanStorageMixin:
         if bf16_storage is not None and bf16_storage not in LEAN_STORAGES:
             raise ValueError(f'{name}: bf16_storage={bf16_storage!r} is not allowed; expected None'
                              f' or one of {sorted(LEAN_STORAGES)}')
+        if bf16_storage == 'split':
+            compat.require('uint16')
         if bf16_storage is not None and getattr(self, 'master_weights', False):
             raise ValueError(f'{name}: bf16_storage={bf16_storage!r} cannot be combined with '
                              'master_weights=True (an internal fp32 master); choose one')

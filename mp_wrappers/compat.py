@@ -1,0 +1,122 @@
+"""What the installed torch can do, for the features that need a newer torch than the oldest we support.
+
+mp_wrappers supports torch >= 2.1 (``TORCH_MIN``; the tested range is in docs/compatibility.md).
+A few features rest on newer torch APIs. Each is detected here by the API itself (an attribute or an
+import), never by comparing version strings, so a backport or a nightly answers correctly. Everything
+else works on every supported torch; a gated feature used where its API is missing raises one line
+that names the feature, the torch it needs, the torch found and what to do::
+
+    mp_wrappers.compat.FeatureUnavailableError: FSDP2 (fully_shard) needs torch >= 2.6 (found
+    2.1.2): torch.distributed.fsdp.fully_shard is missing; install torch>=2.6, or use FSDP1 through
+    mp_wrappers.MixedPrecisionFSDPStrategy
+
+This module imports only torch, so any layer may use it.
+"""
+import dataclasses
+import functools
+import re
+from typing import Callable, Dict, Tuple
+
+import torch
+
+__all__ = ['TORCH_MIN', 'TORCH_NEWEST_TESTED', 'Feature', 'FEATURES', 'FeatureUnavailableError',
+           'has', 'require', 'torch_version_tuple']
+
+#: The oldest torch mp_wrappers supports (setup.py cannot pin torch: see tools/install.sh).
+TORCH_MIN: Tuple[int, int] = (2, 1)
+#: The newest torch the compatibility matrix ran green on (docs/compatibility.md).
+TORCH_NEWEST_TESTED = '2.14.1'
+
+
+class FeatureUnavailableError(RuntimeError):
+    """A feature was used on a torch that lacks the API it needs (see :data:`FEATURES`)."""
+
+
+def _importable(module: str, attr: str) -> Callable[[], bool]:
+    def probe() -> bool:
+        try:
+            mod = __import__(module, fromlist=[attr])
+        except ImportError:
+            return False
+        return hasattr(mod, attr)
+    return probe
+
+
+def _attrs(obj: object, *names: str) -> Callable[[], bool]:
+    return lambda: all(hasattr(obj, n) for n in names)
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    """A feature that needs a newer torch than :data:`TORCH_MIN`.
+
+    Attributes:
+        title: What the user turned on, as they would name it ("FSDP2 (fully_shard)").
+        min_torch: The first torch release with ``api`` ("2.6").
+        api: The torch API whose presence decides it.
+        instead: What works on an older torch, or '' (appended to the error line).
+        probe: Returns whether ``api`` is present in the installed torch.
+    """
+
+    title: str
+    min_torch: str
+    api: str
+    instead: str
+    probe: Callable[[], bool]
+
+
+FEATURES: Dict[str, Feature] = {
+    # The lean 'split' master keeps each fp32 master's low 16 bits in a uint16 tensor.
+    'uint16': Feature(
+        "master_weights='split' (bf16 weights + uint16 low halves)", '2.3', 'torch.uint16',
+        "master_weights='kahan' or 'stochastic', or O2's fp32 masters (master_weights=True), work "
+        'on any torch', _attrs(torch, 'uint16')),
+    # Fake (meta) kernels of our ops, for torch.compile and meta tensors; eager mode needs none.
+    'fake_kernels': Feature(
+        'torch.compile / meta tensors through the torch.ops.mp_wrappers ops', '2.4',
+        'torch.library.register_fake', 'eager mode (no torch.compile) works on any torch',
+        _attrs(torch.library, 'register_fake')),
+    # FSDP2: per-parameter sharding with DTensors (public in torch.distributed.fsdp since 2.6).
+    'fsdp2': Feature(
+        'FSDP2 (fully_shard, mp_wrappers.FullyShardedModel)', '2.6',
+        'torch.distributed.fsdp.fully_shard',
+        'FSDP1 through mp_wrappers.MixedPrecisionFSDPStrategy works from torch 2.1',
+        _importable('torch.distributed.fsdp', 'fully_shard')),
+    # The weights_only checkpoint loader allow-lists mmengine's globals for the duration of a load.
+    'safe_globals': Feature(
+        "the weights_only checkpoint loader (mp_wrappers.checkpoint)", '2.5',
+        'torch.serialization.safe_globals',
+        "torch < 2.6 loads mmengine checkpoints with mmengine's own loader (torch.load's default "
+        'there is weights_only=False: load only checkpoints you trust)',
+        _attrs(torch.serialization, 'safe_globals', 'get_safe_globals',
+               'get_unsafe_globals_in_checkpoint')),
+}
+
+
+def torch_version_tuple(version: str = None) -> Tuple[int, int, int]:
+    """``(2, 1, 2)`` from ``torch.__version__`` ('2.1.2+cu121', '2.15.0.dev20261101')."""
+    m = re.match(r'(\d+)\.(\d+)(?:\.(\d+))?', version or torch.__version__)
+    if not m:
+        raise ValueError(f'cannot read a version from {version!r}')
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+@functools.lru_cache(maxsize=None)
+def has(feature: str) -> bool:
+    """Whether the installed torch has what ``feature`` (a key of :data:`FEATURES`) needs."""
+    try:
+        f = FEATURES[feature]
+    except KeyError:
+        raise ValueError(f'unknown feature {feature!r}; known: {sorted(FEATURES)}') from None
+    return bool(f.probe())
+
+
+def require(feature: str) -> None:
+    """Raise :class:`FeatureUnavailableError` (one line) unless the installed torch has ``feature``."""
+    if has(feature):
+        return
+    f = FEATURES[feature]
+    instead = f'; {f.instead}' if f.instead else ''
+    raise FeatureUnavailableError(
+        f'{f.title} needs torch >= {f.min_torch} (found {torch.__version__}): {f.api} is missing; '
+        f'install torch>={f.min_torch}{instead}')
