@@ -69,6 +69,28 @@ def _extension():
     )
 
 
+# The supported range (docs/compatibility.md, tools/compat_matrix.sh). torch has a lower bound only:
+# the build runs against the torch already installed (tools/install.sh installs a pinned one first
+# and refuses one older than 2.1), pip keeps any torch >= 2.1 (a CUDA build, or one newer than the
+# newest we tested, which tools/install.sh warns about) and never resolves torch on its own then.
+# mmengine: 0.10.4-0.10.7, or its maintained fork onedl-mmengine (0.10.8+, same import name
+# `mmengine`): the fork is required in place of mmengine when it is the one installed, so pip does
+# not install mmengine over it.
+TORCH_REQUIREMENT = 'torch>=2.1'
+MMENGINE_REQUIREMENT = 'mmengine>=0.10.4,<0.11'
+MMENGINE_FORK_REQUIREMENT = 'onedl-mmengine>=0.10.8,<0.11'
+
+
+def _requirements():
+    from importlib import metadata
+    try:
+        metadata.version('onedl-mmengine')
+        mmengine = MMENGINE_FORK_REQUIREMENT
+    except metadata.PackageNotFoundError:
+        mmengine = MMENGINE_REQUIREMENT
+    return [TORCH_REQUIREMENT, mmengine, 'numpy']
+
+
 setup(
     name='mp_wrappers',
     version='0.1.0',
@@ -76,9 +98,7 @@ setup(
                 'for mmengine, on CPU and CUDA, without NVIDIA apex.',
     packages=find_packages(include=['mp_wrappers', 'mp_wrappers.*']),
     python_requires='>=3.9',
-    # torch is not listed on purpose: pip would resolve it to the newest CUDA build. The README
-    # installs the pinned torch first; a machine with a CUDA torch keeps its own.
-    install_requires=['mmengine>=0.10.4', 'numpy'],
+    install_requires=_requirements(),
     extras_require={'test': ['pytest', 'scikit-learn', 'expecttest', 'hypothesis', 'tensorboard'],
                     'examples': ['scikit-learn', 'matplotlib']},
     ext_modules=[_extension()],

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from . import compat
 from .casting import cast_floating
 
 __all__ = ['o1_context', 'half_function', 'float_function', 'promote_function', 'disable_casts',
@@ -41,7 +42,7 @@ class _RefuseUnsafeFP16Functions(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.binary_cross_entropy:
             inp = args[0] if args else kwargs.get('input')
-            if torch.is_autocast_enabled('cpu') or (isinstance(inp, torch.Tensor)
+            if compat.autocast_enabled('cpu') or (isinstance(inp, torch.Tensor)
                                                     and inp.dtype == torch.float16):
                 raise RuntimeError(_BCE_MESSAGE)
         return func(*args, **kwargs)
@@ -57,6 +58,8 @@ def o1_context(device_type: str, dtype: torch.dtype) -> Iterator[None]:
     if dtype == torch.float32:
         yield
         return
+    if device_type == 'cpu' and dtype == torch.float16:
+        compat.require('cpu_fp16')
     with torch.autocast(device_type=device_type, dtype=dtype):
         if device_type == 'cpu' and dtype == torch.float16:
             with _RefuseUnsafeFP16Functions():
@@ -67,8 +70,8 @@ def o1_context(device_type: str, dtype: torch.dtype) -> Iterator[None]:
 
 def active_autocast() -> List[Tuple[str, torch.dtype]]:
     """``(device_type, dtype)`` of every autocast region active here (usually zero or one)."""
-    return [(dev, torch.get_autocast_dtype(dev)) for dev in ('cuda', 'cpu')
-            if torch.is_autocast_enabled(dev)]
+    return [(dev, compat.autocast_dtype(dev)) for dev in ('cuda', 'cpu')
+            if compat.autocast_enabled(dev)]
 
 
 @contextlib.contextmanager

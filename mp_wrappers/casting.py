@@ -9,6 +9,8 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from . import compat
+
 __all__ = ['HALF_DTYPES', 'parse_dtype', 'cast_model', 'cast_floating', 'is_norm_layer',
            'ForwardCaster', 'fp32_state_dict_hook', 'model_cast_dtype', 'loaded_full_precision',
            'forget_loaded_full_precision', 'owned_roots', 'match_modules', 'check_module_patterns',
@@ -87,8 +89,8 @@ def cast_model(model: nn.Module, dtype: torch.dtype, keep_norm_fp32: bool = True
     # Remember what was done, so a later consumer (ApexOptimWrapper behind DDP) can check it.
     model._mp_wrappers_cast = (dtype, keep_norm_fp32)
     if dtype != torch.float32 and getattr(model, '_mp_wrappers_capture_hook', None) is None:
-        model._mp_wrappers_capture_hook = model.register_load_state_dict_pre_hook(
-            _capture_full_precision)
+        model._mp_wrappers_capture_hook = compat.register_load_state_dict_pre_hook(
+            model, _capture_full_precision)
     if keep_norm_fp32 and dtype != torch.float32:
         # Norm layers inside a module kept fp32 run in fp32 with the rest of it: their output must
         # stay fp32 for the next fp32 layer there.

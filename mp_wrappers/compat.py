@@ -20,7 +20,8 @@ from typing import Callable, Dict, Tuple
 import torch
 
 __all__ = ['TORCH_MIN', 'TORCH_NEWEST_TESTED', 'Feature', 'FEATURES', 'FeatureUnavailableError',
-           'has', 'require', 'torch_version_tuple']
+           'has', 'require', 'torch_version_tuple',
+           'register_load_state_dict_pre_hook', 'autocast_enabled', 'autocast_dtype', 'require_dtype_on']
 
 #: The oldest torch mp_wrappers supports (setup.py cannot pin torch: see tools/install.sh).
 TORCH_MIN: Tuple[int, int] = (2, 1)
@@ -44,6 +45,20 @@ def _importable(module: str, attr: str) -> Callable[[], bool]:
 
 def _attrs(obj: object, *names: str) -> Callable[[], bool]:
     return lambda: all(hasattr(obj, n) for n in names)
+
+
+def _cpu_fp16() -> bool:
+    # Behaviour, not an attribute: torch 2.1 has the same API but no fp16 CPU kernel for matmul
+    # and convolution ("addmm_impl_cpu_" not implemented for 'Half') and refuses fp16 CPU autocast
+    # on entry ("AutocastCPU only support Bfloat16"); both came with torch 2.2.
+    try:
+        a = torch.ones(2, 2, dtype=torch.float16)
+        torch.addmm(a, a, a)
+        with torch.autocast(device_type='cpu', dtype=torch.float16):
+            pass
+    except RuntimeError:
+        return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +97,13 @@ FEATURES: Dict[str, Feature] = {
         'torch.distributed.fsdp.fully_shard',
         'FSDP1 through mp_wrappers.MixedPrecisionFSDPStrategy works from torch 2.1',
         _importable('torch.distributed.fsdp', 'fully_shard')),
+    # fp16 compute on CPU: models cast to fp16 (O2/O3, FP16OptimWrapper) and fp16 autocast (O1,
+    # fp16=True evaluation). Elementwise fp16 work (our ops, optimizer steps) runs on any torch.
+    'cpu_fp16': Feature(
+        "dtype='float16' on CPU (fp16 matmul/convolution kernels and fp16 CPU autocast)", '2.2',
+        "fp16 CPU kernels of addmm/conv and torch.autocast(device_type='cpu', dtype=torch.float16)",
+        "use dtype='bfloat16' or 'auto' on CPU (fp16 on CUDA works on any torch)",
+        _cpu_fp16),
     # The weights_only checkpoint loader allow-lists mmengine's globals for the duration of a load.
     'safe_globals': Feature(
         "the weights_only checkpoint loader (mp_wrappers.checkpoint)", '2.5',
@@ -91,6 +113,36 @@ FEATURES: Dict[str, Feature] = {
         _attrs(torch.serialization, 'safe_globals', 'get_safe_globals',
                'get_unsafe_globals_in_checkpoint')),
 }
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """``torch.is_autocast_enabled(device_type)`` (torch >= 2.4), or its per-device older form."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4: no argument; is_autocast_enabled() is CUDA's
+        return torch.is_autocast_cpu_enabled() if device_type == 'cpu' else torch.is_autocast_enabled()
+
+
+def autocast_dtype(device_type: str) -> torch.dtype:
+    """``torch.get_autocast_dtype(device_type)`` (torch >= 2.4), or its per-device older form."""
+    if hasattr(torch, 'get_autocast_dtype'):
+        return torch.get_autocast_dtype(device_type)
+    return torch.get_autocast_cpu_dtype() if device_type == 'cpu' else torch.get_autocast_gpu_dtype()
+
+
+def register_load_state_dict_pre_hook(module: torch.nn.Module, hook: Callable):
+    """``module.register_load_state_dict_pre_hook(hook)``; on torch < 2.2, whose public method is
+    missing, the private one it wraps (same hook signature, ``with_module=True``)."""
+    public = getattr(module, 'register_load_state_dict_pre_hook', None)
+    if public is not None:
+        return public(hook)
+    return module._register_load_state_dict_pre_hook(hook, with_module=True)
+
+
+def require_dtype_on(dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse (one line) to compute in ``dtype`` on ``device`` where this torch has no kernels for it."""
+    if dtype == torch.float16 and torch.device(device).type == 'cpu':
+        require('cpu_fp16')
 
 
 def torch_version_tuple(version: str = None) -> Tuple[int, int, int]:

@@ -36,6 +36,7 @@ except ImportError:
 from torch import nn
 from torch.utils.data import DataLoader
 
+from . import compat
 from .casting import HALF_DTYPES, parse_dtype
 from .registry import LOOPS
 
@@ -124,8 +125,10 @@ class _EvaluationPrecision:
             yield
             return
         device = _model_device(self.runner.model)
-        with torch.autocast(device_type=device.type,
-                            dtype=evaluation_dtype(self.runner, self.dtype)):
+        dtype = evaluation_dtype(self.runner, self.dtype)
+        if device.type == 'cpu' and dtype == torch.float16:
+            compat.require('cpu_fp16')
+        with torch.autocast(device_type=device.type, dtype=dtype):
             yield
 
 

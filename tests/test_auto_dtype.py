@@ -86,7 +86,7 @@ def test_auto_on_avx2_computes_fp32_and_matches_plain_fp32(fake_cpu, logs, level
     assert len([m for m in logs if 'resolved to float32' in m]) == 1
     assert 'no native bfloat16 or float16' in logs[0]
     autocast_seen = []
-    model[0].register_forward_hook(lambda *a: autocast_seen.append(torch.is_autocast_enabled('cpu')))
+    model[0].register_forward_hook(lambda *a: autocast_seen.append(mp_wrappers.compat.autocast_enabled('cpu')))
     with warnings.catch_warnings():
         warnings.simplefilter('error')  # no slowness warning: fp32 is what runs
         _train(model, w, _batches())

@@ -8,6 +8,7 @@ from mmengine.optim import OptimWrapper, build_optim_wrapper
 from mmengine.registry import DefaultScope
 from torch import nn
 
+from _compat import needs_cpu_grad_scaler
 from _tolerances import TRAIN_TOL
 from mp_wrappers import FP16OptimWrapper, cast_model
 
@@ -325,6 +326,7 @@ def test_load_without_masters_rederives_them_from_model():
     assert torch.equal(w.master_params()[0], m[0].weight.float())
 
 
+@needs_cpu_grad_scaler
 def test_adopts_amp_optim_wrapper_and_apex_scaler_state():
     m = cast_model(_model(), torch.float16)
     w = FP16OptimWrapper(_sgd(m.parameters()), dynamic_loss_scale=True)

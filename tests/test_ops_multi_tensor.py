@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from _compat import needs_opcheck
 import mp_wrappers.ops as mops
 from mp_wrappers.ops import _extension, reference
 
@@ -538,12 +539,14 @@ def _opcheck_cases(device):
     }
 
 
+@needs_opcheck
 @pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('op', list(_opcheck_cases('cpu')))
 def test_opcheck(device, op):
     torch.library.opcheck(getattr(torch.ops.mp_wrappers, op), _opcheck_cases(device)[op])
 
 
+@needs_opcheck
 def test_fake_kernels_give_output_metadata():
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():

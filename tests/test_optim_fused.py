@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from _compat import needs_cpu_grad_scaler
 from _tolerances import TOL
 import mp_wrappers
 from mp_wrappers.optim import (FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedOptimizer,
@@ -281,6 +282,7 @@ def _toy_model():
     return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
 
 
+@needs_cpu_grad_scaler
 def test_grad_scaler_contract():
     """torch.amp.GradScaler hands its scale and flag to the optimizer instead of unscaling."""
     model, ref_model = _toy_model(), _toy_model()
@@ -311,6 +313,7 @@ def test_grad_scaler_contract():
     assert not hasattr(opt, 'grad_scale') and not hasattr(opt, 'found_inf')
 
 
+@needs_cpu_grad_scaler
 def test_grad_scaler_with_explicit_unscale_and_clipping():
     """After scaler.unscale_(opt) the scaler passes no scale, only the flag."""
     model, ref_model = _toy_model(), _toy_model()

@@ -13,6 +13,7 @@ skipped without a GPU.
 import pytest
 import torch
 
+from _compat import needs_opcheck
 from _guards import checked, flat, guarded
 from _tolerances import TOL
 from mp_wrappers.ops import backend, reference
@@ -364,6 +365,7 @@ def test_novograd_norms_are_exact(norm_type, device):
     torch.testing.assert_close(st.norms.double(), want, **TOL[torch.float32])
 
 
+@needs_opcheck
 @pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('op', OPS)
 def test_opcheck(op, device):
@@ -374,6 +376,7 @@ def test_opcheck(op, device):
     torch.library.opcheck(getattr(torch.ops.mp_wrappers, op), st.args(op, hp))
 
 
+@needs_opcheck
 @pytest.mark.parametrize('op', OPS)
 def test_fake_kernel_runs_on_meta_tensors(op):
     """opcheck passes without a fake kernel (the ops return nothing), but meta tensors and traces

@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from _compat import needs_cpu_grad_scaler
 from mp_wrappers.scaler import (DynamicLossScaler, StaticLossScaler, build_loss_scaler)
 
 
@@ -110,6 +111,7 @@ def test_state_dict_round_trip_is_plain_and_exact(tmp_path):
     assert _run(t, flags) == _run(s, flags)
 
 
+@needs_cpu_grad_scaler
 def test_adopts_torch_gradscaler_state():
     gs = torch.amp.GradScaler('cpu', init_scale=512.0)
     state = gs.state_dict()

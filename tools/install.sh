@@ -9,9 +9,12 @@ PY=${PYTHON:-python}
 TORCH_VERSION=${MP_WRAPPERS_TORCH_VERSION:-2.13.0}
 
 if "$PY" -c 'import torch' 2>/dev/null; then
-  # Keep the torch that is there (a CUDA build on a GPU machine, say).
+  # Keep the torch that is there (a CUDA build on a GPU machine, say) if it is in the supported
+  # range; refuse an older one, warn about one newer than the newest tested (tools/torch_range.py).
+  "$PY" tools/torch_range.py --installed || exit 1
   echo "mp_wrappers install: keeping torch $("$PY" -c 'import torch; print(torch.__version__)')"
 else
+  "$PY" tools/torch_range.py "$TORCH_VERSION" || exit 1
   echo "mp_wrappers install: installing torch==$TORCH_VERSION"
   "$PY" -m pip install -q "torch==$TORCH_VERSION"
 fi

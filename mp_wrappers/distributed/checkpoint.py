@@ -17,6 +17,8 @@ from typing import Any, Dict
 import torch
 from torch import nn
 
+from .. import compat
+
 __all__ = ['sharded_state_dict', 'load_sharded_state_dict', 'save_sharded', 'load_sharded']
 
 _KEY = 'mp_wrappers'
@@ -52,7 +54,9 @@ def sharded_state_dict(model: nn.Module, wrapper: Any) -> Dict[str, Any]:
 
     Raises:
         NotImplementedError: the wrapper keeps masters of half shards (see the module docstring).
+        mp_wrappers.compat.FeatureUnavailableError: torch < 2.6 (no FSDP2).
     """
+    compat.require('fsdp2')  # the layout of FSDP2's DTensor state dicts (get_state_dict)
     from torch.distributed.checkpoint.state_dict import get_state_dict
     _check_no_half_masters(wrapper)
     model_sd, optim_sd = get_state_dict(model, wrapper.optimizer)
@@ -61,6 +65,7 @@ def sharded_state_dict(model: nn.Module, wrapper: Any) -> Dict[str, Any]:
 
 def load_sharded_state_dict(model: nn.Module, wrapper: Any, state: Dict[str, Any]) -> None:
     """Apply a dict filled by ``dcp.load`` into :func:`sharded_state_dict`'s layout."""
+    compat.require('fsdp2')
     from torch.distributed.checkpoint.state_dict import set_state_dict
     _check_no_half_masters(wrapper)
     set_state_dict(model, wrapper.optimizer, model_state_dict=state['model'],

@@ -18,6 +18,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 from mmengine.model.base_model.data_preprocessor import BaseDataPreprocessor
 from torch import nn
+from .. import compat
 from ..casting import is_norm_layer, parse_dtype
 from mmengine.runner import Runner
 
@@ -58,6 +59,7 @@ class FullyShardedModel(nn.Module):
                  reduce_dtype: Union[str, torch.dtype] = 'float32', keep_norm_fp32: bool = True,
                  reshard_after_forward: bool = True,
                  replicate: Union[int, str, None] = None) -> None:
+        compat.require('fsdp2')
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         super().__init__()
         mesh = hsdp_mesh(replicate)

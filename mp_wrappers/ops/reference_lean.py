@@ -68,6 +68,7 @@ def bf16_join(hi: Tensor, lo: Tensor) -> Tensor:
 def bf16_split(x: Tensor) -> Tuple[Tensor, Tensor]:
     """``(hi, lo)``: the top half of each fp32 of ``x`` as bfloat16 (rounded toward zero) and the
     low half as uint16, so that ``bf16_join(hi, lo)`` is ``x`` bit for bit."""
+    compat.require('uint16')
     halves = x.to(torch.float32).contiguous().reshape(-1).view(torch.int16).reshape(-1, 2)
     lo = halves[:, 0].contiguous().view(torch.uint16).reshape(x.shape)
     hi = halves[:, 1].contiguous().view(torch.bfloat16).reshape(x.shape)

@@ -10,7 +10,7 @@ from mmengine.optim import OptimWrapper
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from .. import hardware
+from .. import compat, hardware
 from ..autocast import o1_context
 from ..casting import HALF_DTYPES
 from ..master import MasterParams
@@ -185,6 +185,7 @@ class ApexOptimWrapper(ModelCastingOptimWrapper):
         if props.opt_level == 'O1' and props.dtype in HALF_DTYPES:
             computes_in.add(props.dtype)
         for half_dtype in sorted(computes_in, key=str):
+            compat.require_dtype_on(half_dtype, device)
             reason = hardware.slowdown_reason(half_dtype, device)
             if reason is not None:
                 warnings.warn(f'ApexOptimWrapper(opt_level={props.opt_level!r}, dtype='

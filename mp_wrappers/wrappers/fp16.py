@@ -8,7 +8,7 @@ from mmengine.logging import print_log
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .. import hardware
+from .. import compat, hardware
 from ..casting import HALF_DTYPES
 from ..policy import DEFAULT
 from ..registry import OPTIM_WRAPPERS
@@ -62,6 +62,7 @@ def _check_model_dtype(optimizer: Optimizer,
                     f'layers may stay float32), but parameter {i} of the optimizer is {p.dtype}; '
                     f'build the model with the same dtype (e.g. DigitsCNN(dtype={dtype!r}))')
     for half in sorted({p.dtype for p in params if p.dtype in HALF_DTYPES}, key=str):
+        compat.require_dtype_on(half, device)
         reason = hardware.slowdown_reason(half, device)
         if reason is not None:
             warnings.warn(f'FP16OptimWrapper: the model has {half} parameters on a device without '

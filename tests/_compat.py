@@ -1,0 +1,30 @@
+"""Skip markers for tests of features the installed torch lacks (mp_wrappers.compat).
+
+A test that *uses* a gated feature needs no marker: tests/conftest.py reports its
+``FeatureUnavailableError`` as a skip with that one-line reason. These markers are for tests that
+call the torch API directly (torch.amp.GradScaler on CPU, torch.library.opcheck).
+"""
+import pytest
+import torch
+
+from mp_wrappers import compat
+
+__all__ = ['requires', 'needs_cpu_grad_scaler', 'needs_opcheck']
+
+
+def requires(feature: str):
+    """Skip unless the installed torch has ``feature`` (a key of ``compat.FEATURES``)."""
+    f = compat.FEATURES[feature]
+    return pytest.mark.skipif(not compat.has(feature),
+                              reason=f'{f.title} needs torch >= {f.min_torch} (found '
+                                     f'{torch.__version__}: {f.api} is missing)')
+
+
+# torch.amp.GradScaler('cpu') is torch >= 2.3 (torch.cuda.amp.GradScaler before: CUDA only).
+needs_cpu_grad_scaler = pytest.mark.skipif(
+    not hasattr(torch.amp, 'GradScaler'),
+    reason=f'torch.amp.GradScaler (on CPU) needs torch >= 2.3 (found {torch.__version__})')
+# torch.library.opcheck is torch >= 2.4, like the fake kernels it checks.
+needs_opcheck = pytest.mark.skipif(
+    not hasattr(torch.library, 'opcheck') or not compat.has('fake_kernels'),
+    reason=f'torch.library.opcheck and register_fake need torch >= 2.4 (found {torch.__version__})')

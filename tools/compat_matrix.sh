@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# The compatibility matrix (docs/compatibility.md): for each stack, a fresh venv with the pinned torch
+# (and numpy where an old torch needs numpy<2), mmengine or its fork, then the README's install command
+# (`bash tools/install.sh test`, on a copy of the working tree so the checkout's own build is left
+# alone), then the tests; one table row per stack.
+#
+#   tools/compat_matrix.sh                  # every stack, the compat subset (tools/compat_subset.txt)
+#   tools/compat_matrix.sh oldest newest    # the stacks named (CI's two compat lanes)
+#   SUBSET=all tools/compat_matrix.sh t26   # the whole suite
+#   tools/compat_matrix.sh --list           # the stacks and their pins
+#
+# MATRIX_DIR=dir holds one venv and one source copy per stack (default /tmp/mp_wrappers_matrix); a
+# venv that already exists is reused (REUSE=0 rebuilds it). The exit status is 1 when a stack failed
+# to install, to build or to pass its tests. Every torch comes from PyPI (or pip's find-links), so
+# torch 2.1-2.6 are PyPI's CUDA builds (~2.5 GB with their nvidia-* wheels, no GPU needed to run on
+# the CPU); the kernels built are CPU-only (MP_WRAPPERS_CUDA=0) on every stack.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+MATRIX_DIR=${MATRIX_DIR:-/tmp/mp_wrappers_matrix}
+SUBSET=${SUBSET:-compat}
+BASE_PY=${PYTHON:-python}
+
+# name | torch | mmengine requirement | extra requirements (space-separated) | what it stands for
+STACKS=(
+  "oldest|2.1.2|mmengine==0.10.4|numpy<2|oldest supported: mmcv's last compiled-ops torch"
+  "t24|2.4.1|mmengine==0.10.5|numpy<2|first torch with register_fake"
+  "t26|2.6.0|mmengine==0.10.7||first torch with torch.load(weights_only=True) by default"
+  "today|2.13.0|mmengine==0.10.7||the main CI lane's stack"
+  "newest|2.14.1|onedl-mmengine==0.10.12||newest torch installable here + mmengine's maintained fork"
+  "mmpretrain|2.1.2|mmengine==0.10.4|numpy<2 mmpretrain==1.2.0|an OpenMMLab toolbox on the oldest stack"
+)
+
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
+stack_line() { local s; for s in "${STACKS[@]}"; do [ "${s%%|*}" = "$1" ] && { echo "$s"; return 0; }; done; return 1; }
+
+if [ "${1:-}" = --list ]; then
+  printf '%-11s %-7s %-25s %-28s %s\n' stack torch mmengine extra why
+  for s in "${STACKS[@]}"; do IFS='|' read -r n t m e w <<<"$s"; printf '%-11s %-7s %-25s %-28s %s\n' "$n" "$t" "$m" "${e:--}" "$w"; done
+  exit 0
+fi
+case "${1:-}" in -h|--help) usage; exit 0 ;; esac
+case "$SUBSET" in compat|all) ;; *) echo "compat_matrix: SUBSET=$SUBSET: expected compat or all" >&2; exit 2 ;; esac
+NAMES=("$@")
+if [ ${#NAMES[@]} -eq 0 ]; then for s in "${STACKS[@]}"; do NAMES+=("${s%%|*}"); done; fi
+for n in "${NAMES[@]}"; do
+  stack_line "$n" >/dev/null || { echo "compat_matrix: unknown stack '$n'; known: $(for s in "${STACKS[@]}"; do printf '%s ' "${s%%|*}"; done)" >&2; exit 2; }
+done
+
+if [ "$SUBSET" = compat ]; then
+  mapfile -t TESTS < <(grep -v '^\s*#' tools/compat_subset.txt | grep -v '^\s*$')
+else
+  TESTS=(tests)
+fi
+mkdir -p "$MATRIX_DIR"
+ROWS=()
+status=0
+echo "compat_matrix: $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), subset=$SUBSET, stacks: ${NAMES[*]}"
+
+run_stack() {  # name: installs, builds, tests; appends one row to ROWS
+  local name=$1 line torch mm extra why
+  line=$(stack_line "$name"); IFS='|' read -r name torch mm extra why <<<"$line"
+  local venv="$MATRIX_DIR/$name/venv" src="$MATRIX_DIR/$name/src" log="$MATRIX_DIR/$name/log"
+  local start=$(date +%s) build=no passed=0 failed=0 skipped=0 errors=0 gated='' note=''
+  mkdir -p "$MATRIX_DIR/$name"; : >"$log"
+  echo "== $name: torch $torch, $mm${extra:+, $extra} (log: $log)"
+  [ "${REUSE:-1}" = 0 ] && rm -rf "$venv"
+  local fresh=1
+  if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import torch, mmengine" 2>/dev/null; then
+    fresh=0
+  else
+    rm -rf "$venv"; "$BASE_PY" -m venv "$venv" >>"$log" 2>&1
+  fi
+  local py="$venv/bin/python" ok=1
+  # The pins go in one pip call, so the resolver sees the numpy bound and torch's pin together
+  # (an old torch's ABI needs numpy<2; mmengine's opencv dependency is then resolved to match).
+  # shellcheck disable=SC2086
+  if [ $fresh = 1 ]; then
+    "$py" -m pip install -q "torch==$torch" "$mm" $extra >>"$log" 2>&1 || { ok=0; note='pip install of the stack failed'; }
+  fi
+  if [ $ok = 1 ] && [[ "$extra" == *mmpretrain* ]] && ! "$py" -c 'import mmcv' 2>/dev/null; then
+    # mmpretrain imports mmcv; PyPI has mmcv 2.x only as source: its pure-Python part (mmcv-lite:
+    # MMCV_WITH_OPS=0) is what mmpretrain's classifiers need.
+    MMCV_WITH_OPS=0 "$py" -m pip install -q --no-build-isolation "mmcv==2.1.0" >>"$log" 2>&1 \
+      || { ok=0; note='mmcv (lite) install failed'; }
+  fi
+  rm -rf "$src"; mkdir -p "$src"
+  git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$src"
+  if [ $ok = 1 ]; then
+    # The README's install command, with this venv's python.
+    if (cd "$src" && MP_WRAPPERS_CUDA=0 MAX_JOBS=${MAX_JOBS:-2} PYTHON="$py" bash tools/install.sh test) >>"$log" 2>&1 \
+       && "$py" -c 'import mp_wrappers, sys; sys.exit(0 if mp_wrappers.ops.backend()["extension"] else 1)' >>"$log" 2>&1; then
+      build=ok
+    else
+      build=FAILED; ok=0; note=${note:-"build failed: $(grep -m1 -E 'error:|Error' "$log" | cut -c1-150)"}
+    fi
+  fi
+  local versions
+  versions=$("$py" -c 'import sys, torch, numpy
+try:
+    import mmengine; from importlib.metadata import distribution as d
+    dist = "onedl-mmengine" if any(x.metadata["Name"].lower() == "onedl-mmengine" for x in __import__("importlib.metadata").metadata.distributions()) else "mmengine"
+    mm = f"{dist} {mmengine.__version__}"
+except Exception as exc:
+    mm = f"mmengine: {exc!r}"
+print(f"{sys.version.split()[0]}|{torch.__version__}|{mm}|{numpy.__version__}")' 2>/dev/null || echo "?|$torch|$mm|?")
+  if [ $ok = 1 ]; then
+    gated=$("$py" -c 'from mp_wrappers import compat
+print(", ".join(f"{k} (torch>={f.min_torch})" for k, f in compat.FEATURES.items() if not compat.has(k)) or "none")')
+    local extra_tests=()
+    [[ "$extra" == *mmpretrain* ]] && extra_tests=(tests/test_toolbox_mmpretrain.py)
+    (cd "$src" && timeout "${TEST_TIMEOUT:-1800}" "$py" -m pytest -q -x -p no:cacheprovider -rs \
+        --junitxml="$MATRIX_DIR/$name/junit.xml" "${TESTS[@]}" "${extra_tests[@]}") >>"$log" 2>&1
+    read -r passed failed skipped errors < <("$py" - "$MATRIX_DIR/$name/junit.xml" <<'PYEOF'
+import sys, xml.etree.ElementTree as ET
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except Exception:
+    print(0, 0, 0, 1); sys.exit()
+suites = [root] if root.tag == 'testsuite' else list(root)
+t = lambda k: sum(int(s.get(k, 0)) for s in suites)
+print(t('tests') - t('failures') - t('errors') - t('skipped'), t('failures'), t('skipped'), t('errors'))
+PYEOF
+)
+    tail -n 3 "$log" | sed "s/^/   $name: /"
+    if [ "$failed" != 0 ] || [ "$errors" != 0 ] || [ "$passed" = 0 ]; then ok=0; note=${note:-"see $log"}; fi
+  fi
+  [ $ok = 1 ] || status=1
+  local wall=$(( $(date +%s) - start ))
+  IFS='|' read -r pyv tv mmv npv <<<"$versions"
+  ROWS+=("| $name | $pyv | $tv | $mmv | $npv | $build | $passed | $((failed + errors)) | $skipped | $((wall / 60))m$((wall % 60))s | ${gated:-} | ${note:-} |")
+  echo "${ROWS[-1]}"
+}
+
+for n in "${NAMES[@]}"; do run_stack "$n"; done
+
+echo
+echo "| stack | python | torch | mmengine | numpy | build | passed | failed | skipped | wall | gated features | note |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
+printf '%s\n' "${ROWS[@]}"
+exit $status
