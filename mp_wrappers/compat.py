@@ -14,6 +14,7 @@ This module imports only torch, so any layer may use it.
 """
 import dataclasses
 import functools
+import inspect
 import re
 from typing import Callable, Dict, Tuple
 
@@ -104,6 +105,13 @@ FEATURES: Dict[str, Feature] = {
         "fp16 CPU kernels of addmm/conv and torch.autocast(device_type='cpu', dtype=torch.float16)",
         "use dtype='bfloat16' or 'auto' on CPU (fp16 on CUDA works on any torch)",
         _cpu_fp16),
+    # FSDP1 (FullyShardedDataParallel) on CPU with gloo: FSDP creates its streams through the
+    # device's module, torch.cpu.Stream(priority=...); torch 2.1's CPU Stream takes no arguments
+    # ("Stream() takes no arguments" in FSDP's lazy init). On CUDA, FSDP1 works on any torch.
+    'fsdp_cpu': Feature(
+        'FSDP1 on CPU (mp_wrappers.MixedPrecisionFSDPStrategy without CUDA)', '2.4',
+        'torch.cpu.Stream(priority=...)', 'FSDP1 on CUDA and DDP on CPU work on any torch',
+        lambda: 'priority' in inspect.signature(torch.cpu.Stream).parameters),
     # The weights_only checkpoint loader allow-lists mmengine's globals for the duration of a load.
     'safe_globals': Feature(
         "the weights_only checkpoint loader (mp_wrappers.checkpoint)", '2.5',

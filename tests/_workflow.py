@@ -18,6 +18,7 @@ from mmengine.runner import Runner
 from torch import nn
 
 from mp_wrappers.casting import cast_model
+from mp_wrappers import compat
 from mp_wrappers.checkpoint import secure_torch_load
 from mp_wrappers.registry import DATASETS, HOOKS, METRICS, MODELS
 
@@ -238,6 +239,8 @@ def losses(runner: Runner) -> List[float]:
 
 
 def load(path) -> dict:
+    if not compat.has('safe_globals'):  # torch < 2.5: no allow-list; torch.load's old default
+        return torch.load(path, map_location='cpu')
     return secure_torch_load(path, map_location='cpu')  # weights_only, mmengine's types allowed
 
 

@@ -152,7 +152,7 @@ def _gated_reason(exc):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if call.excinfo is None or report.when != 'call' or call.excinfo.errisinstance(pytest.skip.Exception):
+    if call.excinfo is None or report.when == 'teardown' or call.excinfo.errisinstance(pytest.skip.Exception):
         return
     reason = _gated_reason(call.excinfo.value)
     if reason is not None:

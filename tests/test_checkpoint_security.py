@@ -12,11 +12,15 @@ from mmengine.runner import CheckpointLoader, Runner
 from mmengine.runner.checkpoint import _load_checkpoint, load_from_local
 
 import mp_wrappers  # noqa: F401  (installs the loader)
+from _compat import requires
 from mp_wrappers.checkpoint import (ENV_SWITCH, UnsafeCheckpointError, install_secure_checkpoint_loader,
                                     mmengine_safe_globals, secure_checkpoint_loader_installed,
                                     secure_torch_load, uninstall_secure_checkpoint_loader)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The loader allow-lists mmengine's globals through torch.serialization.safe_globals (torch >= 2.5).
+pytestmark = requires('safe_globals')
 
 
 class _RunsCode:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mp_wrappers
+from _compat import requires
 from mp_wrappers import ApexOptimWrapper, FP16OptimWrapper, cast_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,6 +85,7 @@ def _equal(a, b):
     return a == b
 
 
+@requires('safe_globals')  # get_unsafe_globals_in_checkpoint
 @pytest.mark.parametrize('setup', list(SETUPS))
 def test_wrapper_state_loads_with_plain_weights_only(setup):
     model, wrapper = SETUPS[setup]()
@@ -118,6 +120,8 @@ class _RunsCode:
         return (os.system, (f'echo pwned > {self.marker}',))
 
 
+@requires('safe_globals')  # the weights_only loader is what refuses it
+@requires('cpu_fp16')  # the config trains in fp16
 @pytest.mark.parametrize('how', ['explicit', 'auto'])
 def test_train_tool_resume_refuses_a_crafted_checkpoint(tmp_path, how):
     """``tools/train.py --resume`` in a fresh process: refused, non-zero exit, the code never ran."""

@@ -25,6 +25,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from _compat import requires
+from mp_wrappers import compat
+
 STEPS = 4
 BATCH = 6  # per rank
 
@@ -313,6 +316,10 @@ def _worker(rank, world, port, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group('gloo', rank=rank, world_size=world)
     try:
+        if not compat.has('fsdp2'):  # torch < 2.6: the FSDP1 cases only (the others skip)
+            result = dict(fsdp1=_fsdp1_cases(rank, world))
+            torch.save(result, os.path.join(out_dir, f'rank{rank}.pt'))
+            return
         result = dict(
             apex_o2=_apex_o2(rank, world, True, out_dir),
             apex_o2_ref=_apex_o2(rank, world, False, out_dir),
@@ -343,6 +350,7 @@ def _close(a, b, rtol, atol):
         torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
 
 
+@requires('fsdp2')
 def test_o2_fsdp2_matches_single_process(ranks):
     for r in ranks:
         got, ref = r['apex_o2'], r['apex_o2_ref']
@@ -359,6 +367,7 @@ def test_o2_fsdp2_matches_single_process(ranks):
             assert torch.equal(a, b)
 
 
+@requires('fsdp2')
 def test_global_norm_clipping_equals_single_process(ranks):
     for r in ranks:
         got, ref = r['apex_o2']['norms'], r['apex_o2_ref']['norms']
@@ -367,6 +376,7 @@ def test_global_norm_clipping_equals_single_process(ranks):
     assert all(r['apex_o2']['norms'] == ranks[0]['apex_o2']['norms'] for r in ranks)
 
 
+@requires('fsdp2')
 @pytest.mark.parametrize('case', ['fp16_torch', 'fp16_fused'])
 def test_masters_of_half_shards_match_single_process(ranks, case):
     for r in ranks:
@@ -376,6 +386,7 @@ def test_masters_of_half_shards_match_single_process(ranks, case):
         assert got['norms'] == pytest.approx(ref['norms'], rel=2e-2)
 
 
+@requires('fsdp2')
 def test_per_rank_optimizer_and_master_numel_is_total_over_n(ranks):
     world = len(ranks)
     # O2 + Adam: m, v per element (the fp32 masters are FSDP's own shards, i.e. the params; one
@@ -389,6 +400,7 @@ def test_per_rank_optimizer_and_master_numel_is_total_over_n(ranks):
         assert ranks[0][case + '_ref']['opt_numel'] == ref_per_elem * total
 
 
+@requires('fsdp2')
 def test_planted_inf_on_one_rank_skips_everywhere(ranks):
     for r in ranks:
         f = r['fault']
@@ -400,6 +412,7 @@ def test_planted_inf_on_one_rank_skips_everywhere(ranks):
         assert (f['steps'], f['skipped_total']) == (3, 1)
 
 
+@requires('fsdp2')
 def test_sharded_resume_is_bitwise(ranks):
     for r in ranks:
         res = r['resume']
@@ -409,6 +422,7 @@ def test_sharded_resume_is_bitwise(ranks):
             assert torch.equal(a, b)
 
 
+@requires('fsdp2')
 def test_refusals_name_the_fix(ranks):
     errors = ranks[0]['errors']
     assert 'MixedPrecisionPolicy(param_dtype=torch.bfloat16' in errors['o2_without_fsdp_mp']
@@ -438,6 +452,7 @@ def test_sharded_helpers_refuse_bad_options_without_processes():
         _wrapper_extras(wrapper)
 
 
+@requires('fsdp_cpu')
 def test_fsdp1_fp32_shards_are_the_masters_and_match_single_process(ranks):
     world = len(ranks)
     for r in ranks:
@@ -451,6 +466,7 @@ def test_fsdp1_fp32_shards_are_the_masters_and_match_single_process(ranks):
     assert sum(counts) == total and all(abs(c - total / world) <= 16 for c in counts)
 
 
+@requires('fsdp_cpu')
 def test_fsdp1_o1_matches_single_process(ranks):
     for r in ranks:
         got, ref = r['fsdp1']['o1'], r['fsdp1']['o1_ref']
@@ -458,6 +474,7 @@ def test_fsdp1_o1_matches_single_process(ranks):
         assert got['norms'] == pytest.approx(ref['norms'], rel=2e-2)
 
 
+@requires('fsdp_cpu')
 def test_fsdp1_planted_inf_on_one_rank_skips_everywhere(ranks):
     for r in ranks:
         f = r['fsdp1']['fault']

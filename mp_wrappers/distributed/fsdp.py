@@ -17,6 +17,7 @@ from mmengine.dist import is_distributed
 from mmengine.model import is_model_wrapper
 from torch import nn
 
+from .. import compat
 from ..registry import STRATEGIES
 
 __all__ = ['MixedPrecisionFSDPStrategy', 'fsdp_mixed_precision', 'check_local_checkpoint']
@@ -184,6 +185,7 @@ class MixedPrecisionFSDPStrategy(FSDPStrategy):
         if not is_model_wrapper(model):
             cfg = dict(self.model_wrapper or dict(type='MMFullyShardedDataParallel'))
             if not torch.cuda.is_available():
+                compat.require('fsdp_cpu')
                 # mmengine's default is device_id=int(LOCAL_RANK), a CUDA device.
                 cfg.setdefault('device_id', torch.device('cpu'))
             if cfg.get('mixed_precision', None) is None:
