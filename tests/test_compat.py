@@ -171,3 +171,45 @@ def test_load_state_dict_pre_hook_helper_runs_the_hook():
     m.load_state_dict(m.state_dict())
     handle.remove()
     assert seen == [m]
+
+
+# ---- install behaviour (tools/install.sh asks tools/torch_range.py) --------------------------------
+
+def _torch_range():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / 'tools' / 'torch_range.py'
+    spec = importlib.util.spec_from_file_location('torch_range', path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_install_range_is_compat_range():
+    low, newest = _torch_range().supported_range()
+    assert low == compat.TORCH_MIN and newest == compat.TORCH_NEWEST_TESTED
+
+
+@pytest.mark.parametrize('version,status,words', [
+    ('2.0.1', 1, ['torch 2.0.1 is not supported', 'needs torch >= 2.1', 'pip install "torch==']),
+    ('1.13.1+cu117', 1, ['is not supported']),
+    ('2.1.2+cu121', 0, ['is supported']),
+    ('2.13.0+cpu', 0, ['is supported']),
+    ('2.14.1', 0, ['is supported']),
+    ('2.15.0', 0, ['warning: torch 2.15.0 is newer than the newest tested (2.14.1']),
+    ('2.15.0.dev20261201+cpu', 0, ['warning:']),
+])
+def test_install_verdict_is_one_line(version, status, words):
+    got, line = _torch_range().verdict(version)
+    assert got == status and '\n' not in line
+    for w in words:
+        assert w in line
+
+
+def test_install_sh_consults_the_range_before_keeping_or_installing():
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / 'tools' / 'install.sh').read_text()
+    keep = text.index('keeping torch')
+    install = text.index('installing torch==')
+    assert text.index('torch_range.py --installed') < keep
+    assert text.index('torch_range.py "$TORCH_VERSION"') < install

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Build mp_wrappers against the newest torch pip offers here, in a throwaway venv, and say which
-# torch it built against. Kept out of CI: the newest torch is a CUDA build of ~5.5 GB. See docs/cuda.md.
+# torch it built against. See docs/cuda.md. The CPU build against the newest torch is also checked in
+# CI, pinned, with the tests: the `newest` stack of tools/compat_matrix.sh (.ci/compat_lanes.sh,
+# docs/compatibility.md); this script stays for the unpinned try and for the CUDA-mode build.
 #
 #   tools/check_newest_torch_build.sh cpu    # MP_WRAPPERS_CUDA=0: the C++ standard follows torch's
 #   tools/check_newest_torch_build.sh cuda   # MP_WRAPPERS_CUDA=1 (needs nvcc; no GPU needed): the
