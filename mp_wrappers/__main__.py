@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import torch
 
-from . import __version__, hardware
+from . import __version__, compat, hardware
 from .selftest import run_selftest
 
 
@@ -34,7 +34,16 @@ def _versions() -> List[str]:
         f'mmengine     {mmengine_version}',
         f'mp_wrappers  {__version__} ({__file__.rsplit("/", 2)[0]})',
         f'extension    compiled with {compiler or "unknown (older build)"}',
+        _gated_line(),
     ]
+
+
+def _gated_line() -> str:
+    """Which features need a newer torch than this one (docs/compatibility.md)."""
+    missing = [f'{name} (torch >= {f.min_torch})' for name, f in compat.FEATURES.items()
+               if not compat.has(name)]
+    return ('gated        ' + (', '.join(missing) + ': need a newer torch' if missing
+                               else f'none (every feature available on torch {torch.__version__})'))
 
 
 def _extension_lines(info: dict) -> List[str]:

@@ -213,3 +213,13 @@ def test_install_sh_consults_the_range_before_keeping_or_installing():
     install = text.index('installing torch==')
     assert text.index('torch_range.py --installed') < keep
     assert text.index('torch_range.py "$TORCH_VERSION"') < install
+
+
+def test_fsdp1_on_cpu_refused_when_the_strategy_wraps(without):
+    if torch.cuda.is_available():
+        pytest.skip('the gate concerns FSDP1 on CPU')
+    from mp_wrappers.distributed import MixedPrecisionFSDPStrategy
+    without('fsdp_cpu')
+    strategy = MixedPrecisionFSDPStrategy()
+    with pytest.raises(FeatureUnavailableError, match=r'^FSDP1 on CPU .* needs torch >= 2\.4'):
+        strategy._wrap_model(nn.Linear(2, 2))
