@@ -2,7 +2,8 @@
 # The compatibility matrix (docs/compatibility.md): for each stack, a fresh venv with the pinned torch
 # (and numpy where an old torch needs numpy<2), mmengine or its fork, then the README's install command
 # (`bash tools/install.sh test`, on a copy of the working tree so the checkout's own build is left
-# alone), then the tests; one table row per stack.
+# alone), then the tests; one table row per stack. mmpretrain imports mmcv: PyPI has mmcv 2.x only
+# as source with compiled ops; its pure-Python part is the mmcv-lite wheel, which is what it needs.
 #
 #   tools/compat_matrix.sh                  # every stack, the compat subset (tools/compat_subset.txt)
 #   tools/compat_matrix.sh oldest newest    # the stacks named (CI's two compat lanes)
@@ -27,8 +28,8 @@ STACKS=(
   "t24|2.4.1|mmengine==0.10.5|numpy<2|first torch with register_fake"
   "t26|2.6.0|mmengine==0.10.7||first torch with torch.load(weights_only=True) by default"
   "today|2.13.0|mmengine==0.10.7||the main CI lane's stack"
-  "newest|2.14.1|onedl-mmengine==0.10.12||newest torch installable here + mmengine's maintained fork"
-  "mmpretrain|2.1.2|mmengine==0.10.4|numpy<2 mmpretrain==1.2.0|an OpenMMLab toolbox on the oldest stack"
+  "newest|2.14.1|onedl-mmengine==0.10.12|opencv-python-headless|newest torch installable here + mmengine's maintained fork (which leaves opencv to the user)"
+  "mmpretrain|2.1.2|mmengine==0.10.4|numpy<2 torchvision==0.16.2 mmpretrain==1.2.0 mmcv-lite==2.1.0|an OpenMMLab toolbox on the oldest stack"
 )
 
 usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
@@ -65,25 +66,13 @@ run_stack() {  # name: installs, builds, tests; appends one row to ROWS
   mkdir -p "$MATRIX_DIR/$name"; : >"$log"
   echo "== $name: torch $torch, $mm${extra:+, $extra} (log: $log)"
   [ "${REUSE:-1}" = 0 ] && rm -rf "$venv"
-  local fresh=1
-  if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import torch, mmengine" 2>/dev/null; then
-    fresh=0
-  else
-    rm -rf "$venv"; "$BASE_PY" -m venv "$venv" >>"$log" 2>&1
-  fi
+  [ -x "$venv/bin/python" ] || { rm -rf "$venv"; "$BASE_PY" -m venv "$venv" >>"$log" 2>&1; }
   local py="$venv/bin/python" ok=1
   # The pins go in one pip call, so the resolver sees the numpy bound and torch's pin together
   # (an old torch's ABI needs numpy<2; mmengine's opencv dependency is then resolved to match).
+  # In a reused venv that already has them pip only checks them.
   # shellcheck disable=SC2086
-  if [ $fresh = 1 ]; then
-    "$py" -m pip install -q "torch==$torch" "$mm" $extra >>"$log" 2>&1 || { ok=0; note='pip install of the stack failed'; }
-  fi
-  if [ $ok = 1 ] && [[ "$extra" == *mmpretrain* ]] && ! "$py" -c 'import mmcv' 2>/dev/null; then
-    # mmpretrain imports mmcv; PyPI has mmcv 2.x only as source: its pure-Python part (mmcv-lite:
-    # MMCV_WITH_OPS=0) is what mmpretrain's classifiers need.
-    MMCV_WITH_OPS=0 "$py" -m pip install -q --no-build-isolation "mmcv==2.1.0" >>"$log" 2>&1 \
-      || { ok=0; note='mmcv (lite) install failed'; }
-  fi
+  "$py" -m pip install -q "torch==$torch" "$mm" $extra >>"$log" 2>&1 || { ok=0; note='pip install of the stack failed'; }
   rm -rf "$src"; mkdir -p "$src"
   git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$src"
   if [ $ok = 1 ]; then
@@ -96,14 +85,18 @@ run_stack() {  # name: installs, builds, tests; appends one row to ROWS
     fi
   fi
   local versions
-  versions=$("$py" -c 'import sys, torch, numpy
+  versions=$("$py" - <<'PYEOF' 2>/dev/null || echo "?|$torch|$mm|?"
+import sys
+from importlib import metadata
+import mmengine, numpy, torch
 try:
-    import mmengine; from importlib.metadata import distribution as d
-    dist = "onedl-mmengine" if any(x.metadata["Name"].lower() == "onedl-mmengine" for x in __import__("importlib.metadata").metadata.distributions()) else "mmengine"
-    mm = f"{dist} {mmengine.__version__}"
-except Exception as exc:
-    mm = f"mmengine: {exc!r}"
-print(f"{sys.version.split()[0]}|{torch.__version__}|{mm}|{numpy.__version__}")' 2>/dev/null || echo "?|$torch|$mm|?")
+    metadata.version('onedl-mmengine')
+    dist = 'onedl-mmengine'
+except metadata.PackageNotFoundError:
+    dist = 'mmengine'
+print(f'{sys.version.split()[0]}|{torch.__version__}|{dist} {mmengine.__version__}|{numpy.__version__}')
+PYEOF
+)
   if [ $ok = 1 ]; then
     gated=$("$py" -c 'from mp_wrappers import compat
 print(", ".join(f"{k} (torch>={f.min_torch})" for k, f in compat.FEATURES.items() if not compat.has(k)) or "none")')
