@@ -9,6 +9,7 @@
 #   tools/compat_matrix.sh oldest newest    # the stacks named (CI's two compat lanes)
 #   SUBSET=all tools/compat_matrix.sh t26   # the whole suite
 #   tools/compat_matrix.sh --list           # the stacks and their pins
+#   BUILD=0 tools/compat_matrix.sh newest   # test the previous run's build of a stack again
 #
 # MATRIX_DIR=dir holds one venv and one source copy per stack (default /tmp/mp_wrappers_matrix); a
 # venv that already exists is reused (REUSE=0 rebuilds it). The exit status is 1 when a stack failed
@@ -73,19 +74,29 @@ run_stack() {  # name: installs, builds, tests; appends one row to ROWS
   # In a reused venv that already has them pip only checks them.
   # shellcheck disable=SC2086
   "$py" -m pip install -q "torch==$torch" "$mm" $extra >>"$log" 2>&1 || { ok=0; note='pip install of the stack failed'; }
-  rm -rf "$src"; mkdir -p "$src"
-  git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$src"
-  if [ $ok = 1 ]; then
+  if [ "${BUILD:-1}" = 0 ] && [ -d "$src/mp_wrappers" ]; then
+    # BUILD=0: test what the previous run of this stack installed (its copy of the tree, built
+    # with the README's install command); the row says so.
+    build=reused; note='BUILD=0: tested the previous build of this stack'
+  else
+    rm -rf "$src"; mkdir -p "$src"
+    git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$src"
+  fi
+  if [ $ok = 1 ] && [ "$build" != reused ]; then
     # The README's install command, with this venv's python.
-    if (cd "$src" && MP_WRAPPERS_CUDA=0 MAX_JOBS=${MAX_JOBS:-2} PYTHON="$py" bash tools/install.sh test) >>"$log" 2>&1 \
-       && "$py" -c 'import mp_wrappers, sys; sys.exit(0 if mp_wrappers.ops.backend()["extension"] else 1)' >>"$log" 2>&1; then
+    if (cd "$src" && MP_WRAPPERS_CUDA=0 MAX_JOBS=${MAX_JOBS:-2} PYTHON="$py" bash tools/install.sh test) >>"$log" 2>&1; then
       build=ok
     else
       build=FAILED; ok=0; note=${note:-"build failed: $(grep -m1 -E 'error:|Error' "$log" | cut -c1-150)"}
     fi
   fi
+  # Every python below runs in the stack's copy: from the checkout, `import mp_wrappers` would find
+  # the checkout's own package and its extension, built against another torch.
+  if [ $ok = 1 ] && ! (cd "$src" && "$py" -c 'import mp_wrappers, sys; sys.exit(0 if mp_wrappers.ops.backend()["extension"] else 1)') >>"$log" 2>&1; then
+    build=FAILED; ok=0; note=${note:-"the built extension does not load: see $log"}
+  fi
   local versions
-  versions=$("$py" - <<'PYEOF' 2>/dev/null || echo "?|$torch|$mm|?"
+  versions=$(cd "$src" && "$py" - <<'PYEOF' 2>/dev/null || echo "?|$torch|$mm|?"
 import sys
 from importlib import metadata
 import mmengine, numpy, torch
@@ -98,7 +109,7 @@ print(f'{sys.version.split()[0]}|{torch.__version__}|{dist} {mmengine.__version_
 PYEOF
 )
   if [ $ok = 1 ]; then
-    gated=$("$py" -c 'from mp_wrappers import compat
+    gated=$(cd "$src" && "$py" -c 'from mp_wrappers import compat
 print(", ".join(f"{k} (torch>={f.min_torch})" for k, f in compat.FEATURES.items() if not compat.has(k)) or "none")')
     local extra_tests=()
     [[ "$extra" == *mmpretrain* ]] && extra_tests=(tests/test_toolbox_mmpretrain.py)
