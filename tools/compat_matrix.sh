@@ -33,7 +33,7 @@ STACKS=(
   "mmpretrain|2.1.2|mmengine==0.10.4|numpy<2 torchvision==0.16.2 mmpretrain==1.2.0 mmcv-lite==2.1.0|an OpenMMLab toolbox on the oldest stack"
 )
 
-usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
 stack_line() { local s; for s in "${STACKS[@]}"; do [ "${s%%|*}" = "$1" ] && { echo "$s"; return 0; }; done; return 1; }
 
 if [ "${1:-}" = --list ]; then
@@ -54,6 +54,18 @@ if [ "$SUBSET" = compat ]; then
 else
   TESTS=(tests)
 fi
+# Python, torch, mmengine (or the fork) and numpy of a stack, '|'-separated.
+read -r -d '' VERSIONS_PY <<'PYEOF' || true
+import sys
+from importlib import metadata
+import mmengine, numpy, torch
+try:
+    metadata.version('onedl-mmengine')
+    dist = 'onedl-mmengine'
+except metadata.PackageNotFoundError:
+    dist = 'mmengine'
+print(f'{sys.version.split()[0]}|{torch.__version__}|{dist} {mmengine.__version__}|{numpy.__version__}')
+PYEOF
 mkdir -p "$MATRIX_DIR"
 ROWS=()
 status=0
@@ -96,18 +108,7 @@ run_stack() {  # name: installs, builds, tests; appends one row to ROWS
     build=FAILED; ok=0; note=${note:-"the built extension does not load: see $log"}
   fi
   local versions
-  versions=$(cd "$src" && "$py" - <<'PYEOF' 2>/dev/null || echo "?|$torch|$mm|?"
-import sys
-from importlib import metadata
-import mmengine, numpy, torch
-try:
-    metadata.version('onedl-mmengine')
-    dist = 'onedl-mmengine'
-except metadata.PackageNotFoundError:
-    dist = 'mmengine'
-print(f'{sys.version.split()[0]}|{torch.__version__}|{dist} {mmengine.__version__}|{numpy.__version__}')
-PYEOF
-)
+  versions=$(cd "$src" && "$py" -c "$VERSIONS_PY" 2>/dev/null) || versions="?|$torch|$mm|?"
   if [ $ok = 1 ]; then
     gated=$(cd "$src" && "$py" -c 'from mp_wrappers import compat
 print(", ".join(f"{k} (torch>={f.min_torch})" for k, f in compat.FEATURES.items() if not compat.has(k)) or "none")')
