@@ -9,6 +9,7 @@ import torch
 
 mmpretrain = pytest.importorskip('mmpretrain')
 
+from mmengine.registry import DefaultScope  # noqa: E402
 from mmpretrain.registry import MODELS  # noqa: E402
 from mmpretrain.structures import DataSample  # noqa: E402
 
@@ -37,7 +38,9 @@ def _batch(seed: int):
 @pytest.mark.parametrize('opt_level', ['O1', 'O2'])
 def test_classifier_trains_in_bf16_and_checkpoints_fp32(opt_level):
     torch.manual_seed(0)
-    model = MODELS.build(MODEL)
+    # Another test's Runner may have left mmengine's default scope current: build in mmpretrain's.
+    with DefaultScope.overwrite_default_scope('mmpretrain'):
+        model = MODELS.build(MODEL)
     wrapper = ApexOptimWrapper(optimizer=FusedAdam(model.parameters(), lr=1e-3),
                                opt_level=opt_level, dtype='bfloat16', verbosity=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
