@@ -134,7 +134,9 @@ def _write_param(p: Tensor, aux: Optional[Tensor], p32: Tensor, delta: Tensor, s
     if storage == 'split':
         hi, lo = bf16_split(new32)
         _commit_(p, hi, skip)
-        _commit_(aux, lo, skip)
+        # Through int16 views (same bits): torch 2.3-2.6 have torch.uint16 but no CPU torch.where
+        # for it ("where_cpu" not implemented for 'UInt16'), which _commit_ may use.
+        _commit_(aux.view(torch.int16), lo.view(torch.int16), skip)
     else:
         _commit_(p, round_stochastic(new32, stochastic_bits(seed, count, index, p.numel())), skip)
 
