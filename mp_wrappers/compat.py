@@ -112,6 +112,13 @@ FEATURES: Dict[str, Feature] = {
         'FSDP1 on CPU (mp_wrappers.MixedPrecisionFSDPStrategy without CUDA)', '2.4',
         'torch.cpu.Stream(priority=...)', 'FSDP1 on CUDA and DDP on CPU work on any torch',
         lambda: 'priority' in inspect.signature(torch.cpu.Stream).parameters),
+    # FSDP2 on CPU: its copy-in/out records events on the device stream, torch.cpu.Stream.record_event,
+    # missing in torch 2.6 ("'Stream' object has no attribute 'record_event'"); present in 2.13 (the
+    # releases between were not tried, hence 2.13 as the version to install).
+    'fsdp2_cpu': Feature(
+        'FSDP2 on CPU (mp_wrappers.FullyShardedModel without CUDA)', '2.13',
+        'torch.cpu.Stream.record_event', 'FSDP2 on CUDA works from torch 2.6; DDP on CPU on any torch',
+        lambda: hasattr(torch.cpu.Stream, 'record_event')),
     # The weights_only checkpoint loader allow-lists mmengine's globals for the duration of a load.
     'safe_globals': Feature(
         "the weights_only checkpoint loader (mp_wrappers.checkpoint)", '2.5',

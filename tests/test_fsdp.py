@@ -316,7 +316,7 @@ def _worker(rank, world, port, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group('gloo', rank=rank, world_size=world)
     try:
-        if not compat.has('fsdp2'):  # torch < 2.6: the FSDP1 cases only (the others skip)
+        if not (compat.has('fsdp2') and compat.has('fsdp2_cpu')):  # the FSDP1 cases only
             result = dict(fsdp1=_fsdp1_cases(rank, world))
             torch.save(result, os.path.join(out_dir, f'rank{rank}.pt'))
             return
@@ -351,6 +351,7 @@ def _close(a, b, rtol, atol):
 
 
 @requires('fsdp2')
+@requires('fsdp2_cpu')
 def test_o2_fsdp2_matches_single_process(ranks):
     for r in ranks:
         got, ref = r['apex_o2'], r['apex_o2_ref']
@@ -368,6 +369,7 @@ def test_o2_fsdp2_matches_single_process(ranks):
 
 
 @requires('fsdp2')
+@requires('fsdp2_cpu')
 def test_global_norm_clipping_equals_single_process(ranks):
     for r in ranks:
         got, ref = r['apex_o2']['norms'], r['apex_o2_ref']['norms']
@@ -377,6 +379,7 @@ def test_global_norm_clipping_equals_single_process(ranks):
 
 
 @requires('fsdp2')
+@requires('fsdp2_cpu')
 @pytest.mark.parametrize('case', ['fp16_torch', 'fp16_fused'])
 def test_masters_of_half_shards_match_single_process(ranks, case):
     for r in ranks:
@@ -387,6 +390,7 @@ def test_masters_of_half_shards_match_single_process(ranks, case):
 
 
 @requires('fsdp2')
+@requires('fsdp2_cpu')
 def test_per_rank_optimizer_and_master_numel_is_total_over_n(ranks):
     world = len(ranks)
     # O2 + Adam: m, v per element (the fp32 masters are FSDP's own shards, i.e. the params; one
@@ -401,6 +405,7 @@ def test_per_rank_optimizer_and_master_numel_is_total_over_n(ranks):
 
 
 @requires('fsdp2')
+@requires('fsdp2_cpu')
 def test_planted_inf_on_one_rank_skips_everywhere(ranks):
     for r in ranks:
         f = r['fault']
@@ -413,6 +418,7 @@ def test_planted_inf_on_one_rank_skips_everywhere(ranks):
 
 
 @requires('fsdp2')
+@requires('fsdp2_cpu')
 def test_sharded_resume_is_bitwise(ranks):
     for r in ranks:
         res = r['resume']
@@ -423,6 +429,7 @@ def test_sharded_resume_is_bitwise(ranks):
 
 
 @requires('fsdp2')
+@requires('fsdp2_cpu')
 def test_refusals_name_the_fix(ranks):
     errors = ranks[0]['errors']
     assert 'MixedPrecisionPolicy(param_dtype=torch.bfloat16' in errors['o2_without_fsdp_mp']
@@ -484,6 +491,8 @@ def test_fsdp1_planted_inf_on_one_rank_skips_everywhere(ranks):
             assert torch.equal(a, b)
 
 
+@requires('fsdp2')
+@requires('fsdp2_cpu')
 @pytest.mark.parametrize('mode', ['split', 'kahan'])
 def test_lean_master_modes_on_shards_match_single_process(ranks, mode):
     for r in ranks:

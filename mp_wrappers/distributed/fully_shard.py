@@ -60,6 +60,8 @@ class FullyShardedModel(nn.Module):
                  reshard_after_forward: bool = True,
                  replicate: Union[int, str, None] = None) -> None:
         compat.require('fsdp2')
+        if not torch.cuda.is_available():
+            compat.require('fsdp2_cpu')
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         super().__init__()
         mesh = hsdp_mesh(replicate)
