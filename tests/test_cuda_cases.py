@@ -47,7 +47,9 @@ def test_case(device):
 @pytest.fixture(scope='module')
 def fake_gpu_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp('fake_gpu')
-    shutil.copy(os.path.join(HERE, 'conftest.py'), tmp / 'conftest.py')
+    # The conftest and the helper module its fixtures import (the guard canaries).
+    for helper in ('conftest.py', '_guards.py'):
+        shutil.copy(os.path.join(HERE, helper), tmp / helper)
     for name, require, built in (('cpu_build', False, False), ('required', True, False),
                                  ('kernels_built', False, True)):
         (tmp / f'test_{name}.py').write_text(CASES.format(require=require, kernels_built=built))
