@@ -5,7 +5,9 @@ import re
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Documents that lived beside the repository while it was written: their facts are in
 # docs/semantics.md now.
-OUTSIDE = re.compile(r'REFERENCE\.md|STYLE\.md|STYLE rule|\.\./shared')
+# (Spelt in pieces, so that this file does not match itself.)
+OUTSIDE = re.compile('|'.join(['REFERENCE' + r'\.md', 'STYLE' + r'\.md', 'STYLE' + ' rule',
+                               r'\.\.' + '/shared']))
 TEXT = ('.py', '.md', '.sh', '.cpp', '.cu', '.cuh', '.h', '.txt', '.toml', '.cfg', '.yml', '.yaml')
 
 
@@ -15,7 +17,7 @@ def test_nothing_cites_a_file_outside_the_repository():
         dirs[:] = [d for d in dirs if not d.startswith('.') and d not in (
             'build', 'work_dirs', '__pycache__') and not d.endswith('.egg-info')]
         for name in files:
-            if not name.endswith(TEXT) or name == os.path.basename(__file__):
+            if not name.endswith(TEXT):
                 continue
             path = os.path.join(root, name)
             with open(path, encoding='utf-8', errors='replace') as f:
