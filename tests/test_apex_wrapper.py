@@ -221,7 +221,7 @@ def test_fp16_on_cpu_warns_once_with_the_bf16_alternative(monkeypatch):
     cap = mp_wrappers.hardware.cpu_capability(
         {'avx2', 'fma', 'f16c', 'avx512f', 'avx512bw', 'avx512vl', 'avx512_bf16'}, arch='x86_64',
         torch_isa='AVX512', onednn_max_isa='')
-    monkeypatch.setattr(mp_wrappers.hardware, '_probe_cpu', lambda: cap)
+    monkeypatch.setattr(mp_wrappers.hardware.probe, '_probe_cpu', lambda: cap)
     model = _model()
     w = _wrapper(model, opt_level='O2')
     with pytest.warns(UserWarning, match="dtype='bfloat16'"):

@@ -34,7 +34,7 @@ def fake_cpu(monkeypatch):
         flags, torch_isa = CPU_CLASSES[kind]
         cap = hardware.cpu_capability(flags, arch='x86_64', torch_isa=torch_isa,
                                       onednn_max_isa='', name=f'fake {kind} CPU')
-        monkeypatch.setattr(hardware, '_probe_cpu', lambda: cap)
+        monkeypatch.setattr(hardware.probe, '_probe_cpu', lambda: cap)
         return cap
     return use
 
@@ -156,7 +156,7 @@ def test_resolve_properties_dtype_values():
 
 def test_auto_resolves_for_cuda_by_compute_capability(monkeypatch):
     for cc, want in (((7, 0), torch.float16), ((8, 0), torch.bfloat16)):
-        monkeypatch.setattr(hardware, '_probe_cuda',
+        monkeypatch.setattr(hardware.probe, '_probe_cuda',
                             lambda index, cc=cc: hardware.cuda_capability(cc, index=index))
         monkeypatch.setattr(torch.cuda, 'current_device', lambda: 0)
         assert resolve_properties('O1', dtype='auto', device='cuda:0').dtype == want

@@ -213,6 +213,6 @@ def test_intel_half_formats_are_native_only_with_amx(flags, vendor, native, auto
 
 
 def test_vendor_is_read_from_proc_cpuinfo():
-    assert hardware._cpu_vendor('processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t: avx2\n') == \
+    assert hardware.probe._cpu_vendor('processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t: avx2\n') == \
         'GenuineIntel'
-    assert hardware._cpu_vendor('') == ''
+    assert hardware.probe._cpu_vendor('') == ''

@@ -18,29 +18,28 @@ The probe reads what the hardware and the libraries say, never times anything:
   convolution backward ~100x slower. So there a half format is native only with its AMX flag
   (``instructions`` still lists it, and the warning for an explicit dtype says why it is slow).
 * **CUDA**: the compute capability: fp16 on every GPU we build for, bf16 from sm_80, fp8 from sm_89.
-* **Our extension**: whether it loaded, the CPU kernel flavour it selected and the widest the CPU
-  can run, and whether CUDA kernels were built.
 * **The last-level cache** (:func:`last_level_cache_bytes`, Linux sysfs): benchmarks size their
   memory-bandwidth samples beyond it.
 
-:func:`auto_dtype` is what ``dtype='auto'`` means everywhere (the wrappers, ``DigitsCNN``,
-``tools/train.py --amp``): bf16 where it is native, else fp16 where that is native, else fp32.
-:func:`slowdown_reason` is the warning for an explicit dtype the device does not run natively.
+What to make of a :class:`DeviceCapability` (``dtype='auto'``, warnings) is
+:mod:`mp_wrappers.hardware.policy`'s business; this module imports only torch and the standard
+library, so that every layer may ask it.
 
 Every probe takes its inputs as arguments (``flags=``, ``torch_isa=``...) so tests can fake any
-machine; the argument-free calls read the real machine once per process (``functools.lru_cache``).
+machine; the argument-free calls read the real machine once per process (``functools.lru_cache``;
+tests that fake the machine replace :func:`_probe_cpu` / :func:`_probe_cuda` of this module).
 """
 import dataclasses
 import functools
 import os
 import platform
-from typing import Dict, FrozenSet, Iterable, Mapping, Optional, Tuple, Union
+from typing import FrozenSet, Iterable, List, Mapping, Optional, Tuple, Union
 
 import torch
 
-__all__ = ['DeviceCapability', 'AutoDtype', 'cpu_flags', 'cpu_capability', 'cuda_capability',
-           'device_capability', 'auto_dtype', 'resolve_dtype', 'slowdown_reason',
-           'extension_info', 'report', 'last_level_cache_bytes']
+__all__ = ['DeviceCapability', 'FORMAT_NAMES', 'cpu_flags', 'cpu_capability', 'cuda_capability',
+           'device_capability', 'last_level_cache_bytes']
+
 
 # torch.cpu.get_capabilities() names -> the Linux /proc/cpuinfo names we use throughout.
 _TORCH_FLAG_NAMES = {
@@ -63,7 +62,8 @@ _ONEDNN_BF16_ISAS = ('avx512_core_bf16', 'avx512_core_fp16', 'avx512_core_amx',
 _ONEDNN_FP16_ISAS = ('avx512_core_fp16', 'avx512_core_amx_fp16', 'avx10_1_512',
                      'avx10_1_512_amx', 'avx10_1_512_amx_fp16', 'all', 'default')
 
-_NAMES = {torch.float32: 'float32', torch.float16: 'float16', torch.bfloat16: 'bfloat16'}
+#: The names :attr:`DeviceCapability.native` uses for the formats torch calls dtypes.
+FORMAT_NAMES = {torch.float32: 'float32', torch.float16: 'float16', torch.bfloat16: 'bfloat16'}
 # Intel CPUs with the vector half instructions but not the AMX ones (module docstring).
 _INTEL_NO_AMX = {
     'bfloat16': ('on Intel cores AVX512-BF16 does no more multiply-adds per cycle than fp32 FMA '
@@ -101,16 +101,7 @@ class DeviceCapability:
 
     def is_native(self, dtype: torch.dtype) -> bool:
         """Whether ``dtype`` computes natively here (fp32 always does)."""
-        return dtype == torch.float32 or _NAMES.get(dtype) in self.native
-
-
-@dataclasses.dataclass(frozen=True)
-class AutoDtype:
-    """What ``dtype='auto'`` resolved to on one device, and why (one log line)."""
-
-    dtype: torch.dtype
-    device: str
-    reason: str
+        return dtype == torch.float32 or FORMAT_NAMES.get(dtype) in self.native
 
 
 # ---- CPU -------------------------------------------------------------------------------------------
@@ -201,71 +192,85 @@ def cpu_capability(flags: Optional[Iterable[str]] = None, *, arch: Optional[str]
             name = _cpu_name(cpuinfo, caps)
         if vendor is None:
             vendor = _cpu_vendor(cpuinfo)
-    vendor = vendor or ''
     flags = frozenset(flags)
-    instructions = []
     arch = (arch if arch is not None else platform.machine()).lower()
     if torch_isa is None:
         torch_isa = torch.backends.cpu.get_cpu_capability()
     if onednn_max_isa is None:
         onednn_max_isa = os.environ.get('ONEDNN_MAX_CPU_ISA', os.environ.get('DNNL_MAX_CPU_ISA', ''))
-    onednn = onednn_max_isa.strip().lower() or 'all'
     torch_isa = torch_isa.upper()
-    notes = []
-    native = []
-    x86 = arch in ('x86_64', 'amd64', 'i386', 'i686', 'x86')
-    if x86:
-        if {'avx512f', 'avx512bw', 'avx512vl'} <= flags:
-            isa = 'avx512'
-        elif {'avx2', 'fma'} <= flags:
-            isa = 'avx2'
-        else:
-            isa = 'baseline'
-        # Library caps: oneDNN runs convolutions/matmuls, ATen the elementwise half work. Either one
-        # held below AVX-512 converts every half operand in software.
-        capped = None
-        if torch_isa not in ('AVX512', 'ZVECTOR', 'VSX') and isa == 'avx512':
-            capped = (f'torch dispatches its CPU kernels to {torch_isa} (ATEN_CPU_CAPABILITY), '
-                      'below AVX-512')
-        for fmt, hw_flags, onednn_ok in (('bfloat16', _X86_BF16, _ONEDNN_BF16_ISAS),
-                                         ('float16', _X86_FP16, _ONEDNN_FP16_ISAS)):
-            found = [f for f in hw_flags if f in flags]
-            amx = hw_flags[1]
-            if found and vendor == 'GenuineIntel' and amx not in flags:
-                # See the module docstring: on Intel only AMX makes a half format faster than fp32.
-                why = _INTEL_NO_AMX[fmt]
-                notes.append(f'{fmt}: the CPU has {", ".join(found)} but no {amx}: {why}; not '
-                             'counted as native')
-                instructions.append((fmt, f'{", ".join(found)} without {amx}: {why}'))
-                continue
-            if not found:
-                notes.append(f'{fmt}: not native (no {" / ".join(hw_flags)}); oneDNN converts '
-                             'every operand to fp32 and back, slower than fp32')
-            elif capped:
-                notes.append(f'{fmt}: the CPU has {", ".join(found)} but {capped}: not native')
-            elif onednn not in onednn_ok:
-                notes.append(f'{fmt}: the CPU has {", ".join(found)} but ONEDNN_MAX_CPU_ISA='
-                             f'{onednn_max_isa} keeps oneDNN from using it: not native')
-            else:
-                native.append(fmt)
-                notes.append(f'{fmt}: native ({", ".join(found)})')
+    if arch in ('x86_64', 'amd64', 'i386', 'i686', 'x86'):
+        isa, native, notes, instructions = _x86_formats(flags, vendor or '', torch_isa,
+                                                        onednn_max_isa)
     elif arch in ('aarch64', 'arm64'):
-        isa = 'sve' if 'sve' in flags else ('neon' if 'asimd' in flags else 'baseline')
-        for fmt, hw_flags in (('bfloat16', _ARM_BF16), ('float16', _ARM_FP16)):
-            found = [f for f in hw_flags if f in flags]
-            if found:
-                native.append(fmt)
-                notes.append(f'{fmt}: native ({", ".join(found)})')
-            else:
-                notes.append(f'{fmt}: not native (no {" / ".join(hw_flags)})')
+        isa, native, notes, instructions = _arm_formats(flags)
     else:
-        isa = torch_isa.lower() or 'baseline'
-        notes.append(f'bfloat16, float16: unknown on {arch or "this architecture"}; treated as '
-                     'not native')
+        isa, native, instructions = torch_isa.lower() or 'baseline', [], []
+        notes = [f'bfloat16, float16: unknown on {arch or "this architecture"}; treated as '
+                 'not native']
     shown = tuple(f for f in _SHOWN_FLAGS if f in flags)
     return DeviceCapability(device='cpu', name=name or 'unknown CPU', isa=isa, features=shown,
                             native=tuple(native), notes=tuple(notes),
                             instructions=tuple(instructions))
+
+
+_Formats = Tuple[str, List[str], List[str], List[Tuple[str, str]]]
+
+
+def _x86_formats(flags: FrozenSet[str], vendor: str, torch_isa: str,
+                 onednn_max_isa: str) -> _Formats:
+    """``(isa, native formats, notes, instructions)`` of an x86 CPU (see :class:`DeviceCapability`)."""
+    if {'avx512f', 'avx512bw', 'avx512vl'} <= flags:
+        isa = 'avx512'
+    elif {'avx2', 'fma'} <= flags:
+        isa = 'avx2'
+    else:
+        isa = 'baseline'
+    onednn = onednn_max_isa.strip().lower() or 'all'
+    # Library caps: oneDNN runs convolutions/matmuls, ATen the elementwise half work. Either one
+    # held below AVX-512 converts every half operand in software.
+    capped = None
+    if torch_isa not in ('AVX512', 'ZVECTOR', 'VSX') and isa == 'avx512':
+        capped = (f'torch dispatches its CPU kernels to {torch_isa} (ATEN_CPU_CAPABILITY), '
+                  'below AVX-512')
+    native, notes, instructions = [], [], []
+    for fmt, hw_flags, onednn_ok in (('bfloat16', _X86_BF16, _ONEDNN_BF16_ISAS),
+                                     ('float16', _X86_FP16, _ONEDNN_FP16_ISAS)):
+        found = [f for f in hw_flags if f in flags]
+        amx = hw_flags[1]
+        if found and vendor == 'GenuineIntel' and amx not in flags:
+            # See the module docstring: on Intel only AMX makes a half format faster than fp32.
+            why = _INTEL_NO_AMX[fmt]
+            notes.append(f'{fmt}: the CPU has {", ".join(found)} but no {amx}: {why}; not '
+                         'counted as native')
+            instructions.append((fmt, f'{", ".join(found)} without {amx}: {why}'))
+            continue
+        if not found:
+            notes.append(f'{fmt}: not native (no {" / ".join(hw_flags)}); oneDNN converts '
+                         'every operand to fp32 and back, slower than fp32')
+        elif capped:
+            notes.append(f'{fmt}: the CPU has {", ".join(found)} but {capped}: not native')
+        elif onednn not in onednn_ok:
+            notes.append(f'{fmt}: the CPU has {", ".join(found)} but ONEDNN_MAX_CPU_ISA='
+                         f'{onednn_max_isa} keeps oneDNN from using it: not native')
+        else:
+            native.append(fmt)
+            notes.append(f'{fmt}: native ({", ".join(found)})')
+    return isa, native, notes, instructions
+
+
+def _arm_formats(flags: FrozenSet[str]) -> _Formats:
+    """``(isa, native formats, notes, instructions)`` of an ARM CPU (see :class:`DeviceCapability`)."""
+    isa = 'sve' if 'sve' in flags else ('neon' if 'asimd' in flags else 'baseline')
+    native, notes = [], []
+    for fmt, hw_flags in (('bfloat16', _ARM_BF16), ('float16', _ARM_FP16)):
+        found = [f for f in hw_flags if f in flags]
+        if found:
+            native.append(fmt)
+            notes.append(f'{fmt}: native ({", ".join(found)})')
+        else:
+            notes.append(f'{fmt}: not native (no {" / ".join(hw_flags)})')
+    return isa, native, notes, []
 
 
 def _cache_size_bytes(text: str) -> Optional[int]:
@@ -368,109 +373,3 @@ def device_capability(device: Union[str, torch.device, None] = None) -> DeviceCa
         return _probe_cuda(index)
     return DeviceCapability(device=str(device), name=device.type, isa='unknown', features=(),
                             native=(), notes=(f'{device.type}: not probed; fp32 assumed',))
-
-
-# ---- dtype='auto' and honest warnings ----------------------------------------------------------------
-def auto_dtype(device: Union[str, torch.device, None] = None,
-               capability: Optional[DeviceCapability] = None) -> AutoDtype:
-    """What ``dtype='auto'`` means on ``device``: bf16 if native, else fp16 if native, else fp32.
-
-    bf16 comes first because it has fp32's exponent range (no loss scaling needed). On CUDA this is
-    bf16 from sm_80 and fp16 before; on a CPU without native half formats it is fp32: mixed precision
-    would only add conversions there.
-
-    Args:
-        device: The training device (default: CUDA when available, else CPU).
-        capability: A :class:`DeviceCapability` to decide for (tests); default: probe ``device``.
-    """
-    cap = capability if capability is not None else device_capability(device)
-    for name, dtype in (('bfloat16', torch.bfloat16), ('float16', torch.float16)):
-        if name in cap.native:
-            why = 'native' if name == 'bfloat16' else 'native, bfloat16 is not'
-            return AutoDtype(dtype, cap.device,
-                             f"dtype='auto' resolved to {name} on {cap.device} ({cap.name}, "
-                             f'{cap.isa}): {name} is {why} there')
-    if cap.instructions:
-        why = ('its half-precision instructions run no faster than fp32 ('
-               + '; '.join(f'{fmt}: {slow}' for fmt, slow in cap.instructions) + ')')
-    else:
-        why = 'it has no native bfloat16 or float16 instructions'
-    return AutoDtype(torch.float32, cap.device,
-                     f"dtype='auto' resolved to float32 on {cap.device} ({cap.name}, {cap.isa}): "
-                     f'{why}, so half precision would run slower than fp32 here; the wrapper '
-                     'keeps its scaling, skipping and checkpoint behaviour, and computes in fp32')
-
-
-def resolve_dtype(dtype: Union[str, torch.dtype], device: Union[str, torch.device, None] = None,
-                  capability: Optional[DeviceCapability] = None) -> torch.dtype:
-    """``torch.float32/float16/bfloat16`` for ``dtype``, resolving ``'auto'`` with :func:`auto_dtype`."""
-    if isinstance(dtype, str) and dtype == 'auto':
-        return auto_dtype(device, capability).dtype
-    from .casting import parse_dtype
-    return parse_dtype(dtype, 'dtype', allowed=('float16', 'bfloat16', 'float32'))
-
-
-def slowdown_reason(dtype: torch.dtype, device: Union[str, torch.device, None] = None,
-                    capability: Optional[DeviceCapability] = None) -> Optional[str]:
-    """A warning for computing in ``dtype`` on ``device`` when it has no native instructions.
-
-    Returns None when ``dtype`` is native there (or fp32). The text states the class of machine and
-    what was measured on that class, and names the dtype ``'auto'`` would pick.
-    """
-    cap = capability if capability is not None else device_capability(device)
-    if cap.is_native(dtype):
-        return None
-    name = _NAMES.get(dtype, str(dtype))
-    short = {'bfloat16': 'bf16', 'float16': 'fp16'}.get(name, name)
-    auto = auto_dtype(capability=cap).dtype
-    slow = dict(cap.instructions).get(name)
-    if slow is not None:
-        return (f'{short} on this CPU ({cap.name}, {cap.isa}) has {slow}: expect slower than '
-                f'fp32. Use dtype=\'auto\' (here: dtype=\'{_NAMES[auto]}\').')
-    if cap.device == 'cpu':
-        measured = {
-            'bfloat16': 'measured on an AVX2-only CPU: the digits CNN 8x slower than fp32',
-            'float16': 'measured on an AVX-512 CPU without AVX512-FP16: fp16 matmuls ~100x '
-                       'slower than fp32',
-        }.get(name, '')
-        what = f'{short} on this CPU ({cap.name}, {cap.isa}) has no native instructions'
-    else:
-        measured = 'bf16 is emulated before sm_80'
-        what = f'{short} on {cap.device} ({cap.name}, {cap.isa}) has no native instructions'
-    return (f'{what}: expect slower than fp32 ({measured}). Use dtype=\'auto\' (here: '
-            f'dtype=\'{_NAMES[auto]}\').')
-
-
-# ---- the extension and the whole report ------------------------------------------------------------------
-def extension_info() -> Dict[str, object]:
-    """Build facts of ``mp_wrappers._C``: loaded or why not, CPU kernel ISA (in use and widest), CUDA."""
-    from .ops import _extension
-    ext = _extension.extension()
-    info: Dict[str, object] = dict(backend=_extension.backend())
-    if ext is None:
-        info['cpu_kernels'] = None
-        info['why_missing'] = info['backend']['error']
-        return info
-    info['cpu_kernels'] = ext.cpu_isa()
-    hardware = getattr(ext, 'cpu_isa_hardware', None)
-    info['cpu_kernels_widest'] = hardware() if hardware is not None else None
-    info['cpu_isa_forced'] = os.environ.get('MP_WRAPPERS_CPU_ISA') or None
-    info['cuda_built'] = bool(ext.cuda_built)
-    if not ext.cuda_built:
-        info['cuda_why_missing'] = ('built without CUDA kernels (torch has no CUDA, no toolkit was '
-                                    'found, or MP_WRAPPERS_CUDA=0 at build time)')
-    elif not torch.cuda.is_available():
-        info['cuda_why_missing'] = 'CUDA kernels built, but torch sees no GPU'
-    return info
-
-
-def report() -> Dict[str, object]:
-    """Everything above for every device present, as plain data (``python -m mp_wrappers`` prints it)."""
-    devices = [device_capability('cpu')]
-    if torch.cuda.is_available():
-        devices += [device_capability(f'cuda:{i}') for i in range(torch.cuda.device_count())]
-    return dict(
-        devices=[dataclasses.asdict(d) for d in devices],
-        auto={d.device: _NAMES[auto_dtype(capability=d).dtype] for d in devices},
-        extension=extension_info(),
-    )

@@ -1,0 +1,52 @@
+"""The hardware half of the doctor (``python -m mp_wrappers``): every device, its ``dtype='auto'``
+and the build of our extension, as plain data.
+
+The extension's facts come from :mod:`mp_wrappers.ops` (whether it loaded, the CPU kernel flavour it
+selected and the widest the CPU can run, whether CUDA kernels were built), so this module sits above
+the ops, unlike the probe.
+"""
+import dataclasses
+import os
+from typing import Dict
+
+import torch
+
+from .policy import auto_dtype
+from .probe import FORMAT_NAMES, device_capability
+
+__all__ = ['extension_info', 'report']
+
+
+def extension_info() -> Dict[str, object]:
+    """Build facts of ``mp_wrappers._C``: loaded or why not, CPU kernel ISA (in use and widest), CUDA."""
+    from ..ops import _extension
+    ext = _extension.extension()
+    info: Dict[str, object] = dict(backend=_extension.backend())
+    if ext is None:
+        info['cpu_kernels'] = None
+        info['why_missing'] = info['backend']['error']
+        return info
+    info['cpu_kernels'] = ext.cpu_isa()
+    hardware = getattr(ext, 'cpu_isa_hardware', None)
+    info['cpu_kernels_widest'] = hardware() if hardware is not None else None
+    info['cpu_isa_forced'] = os.environ.get('MP_WRAPPERS_CPU_ISA') or None
+    info['cuda_built'] = bool(ext.cuda_built)
+    if not ext.cuda_built:
+        info['cuda_why_missing'] = ('built without CUDA kernels (torch has no CUDA, no toolkit was '
+                                    'found, or MP_WRAPPERS_CUDA=0 at build time)')
+    elif not torch.cuda.is_available():
+        info['cuda_why_missing'] = 'CUDA kernels built, but torch sees no GPU'
+    return info
+
+
+def report() -> Dict[str, object]:
+    """Every device present with its ``dtype='auto'``, and :func:`extension_info`, as plain data
+    (``python -m mp_wrappers`` prints it)."""
+    devices = [device_capability('cpu')]
+    if torch.cuda.is_available():
+        devices += [device_capability(f'cuda:{i}') for i in range(torch.cuda.device_count())]
+    return dict(
+        devices=[dataclasses.asdict(d) for d in devices],
+        auto={d.device: FORMAT_NAMES[auto_dtype(capability=d).dtype] for d in devices},
+        extension=extension_info(),
+    )
