@@ -7,7 +7,8 @@ from torch import Tensor
 from ..casting import HALF_DTYPES
 from ..ops.optimizers import _check_betas, _check_lr, _check_nonnegative
 from ..registry import OPTIMIZERS
-from .base import FusedOptimizer, ParamsT, _Bucket, _like
+from . import layout
+from .base import FusedOptimizer, ParamsT, _Bucket
 from .lean import LeanStorageMixin
 
 __all__ = ['FusedAdam']
@@ -84,7 +85,7 @@ class FusedAdam(LeanStorageMixin, FusedOptimizer):
 
     def _init_extra_state(self, param: Tensor, state: Dict[str, Any]) -> None:
         if self.master_weights and param.dtype in HALF_DTYPES:
-            state['master_param'] = _like(param, torch.float32).copy_(param)
+            state['master_param'] = layout.like(param, torch.float32).copy_(param)
 
     def _update_target(self, param: Tensor, state: Dict[str, Any],
                        model: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:

@@ -19,7 +19,6 @@ Note [step cohorts]
     state dict merges counters of equal value again.
 """
 from collections import defaultdict
-from itertools import chain
 from typing import (Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple,
                     Union)
 
@@ -29,44 +28,11 @@ from torch.optim import Optimizer
 
 from ..distributed.sharding import is_dtensor, local_slot
 from ..ops._dispatch import implementation
+from . import layout, saved_state
 
 __all__ = ['FusedOptimizer']
 
 ParamsT = Union[Iterable[Tensor], Iterable[Dict[str, Any]]]
-# Top-level key of state_dict(): the layout version of the per-parameter state written here.
-_VERSION_KEY = 'mp_wrappers_fused_optimizer_version'
-_VERSION = 1
-
-
-def _is_dense(t: Tensor) -> bool:
-    """Whether ``t`` covers a gap-free, non-overlapping block of memory (any dim order)."""
-    expected = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.size()) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _same_order(t: Tensor, ref: Tensor) -> bool:
-    """Whether the memory-order flat views of ``t`` and ``ref`` pair up the same elements."""
-    if t.is_contiguous() and ref.is_contiguous():
-        return True
-    return t.shape == ref.shape and t.stride() == ref.stride() and _is_dense(t)
-
-
-def _flat(t: Tensor) -> Tensor:
-    """The 1-D view of a dense tensor in memory order (channels_last tensors included)."""
-    if t.is_contiguous():
-        return t.view(-1)
-    return t.as_strided((t.numel(),), (1,), t.storage_offset())
-
-
-def _like(ref: Tensor, dtype: torch.dtype) -> Tensor:
-    """An empty tensor with ``ref``'s shape and memory order (contiguous when ``ref`` is not dense)."""
-    if _is_dense(ref):
-        return torch.empty_like(ref, dtype=dtype, memory_format=torch.preserve_format)
-    return torch.empty(ref.shape, dtype=dtype, device=ref.device)
 
 
 class _Bucket:
@@ -261,105 +227,38 @@ class FusedOptimizer(Optimizer):
         self._update(grads, model_params, grad_scale, found_inf)
 
     def state_dict(self) -> Dict[str, Any]:
-        """torch's optimizer state dict plus a layout version key."""
-        state = super().state_dict()
-        # 'step' as torch.optim writes it, a 0-dim tensor: FSDP's optimizer state dicts treat 1-D
-        # state as sharded per-element state (mp_wrappers.distributed). Loading reshapes it back.
-        state['state'] = {k: dict(v, step=v['step'].reshape(()))
-                          if isinstance(v.get('step'), Tensor) and v['step'].numel() == 1 else v
-                          for k, v in state['state'].items()}
-        state[_VERSION_KEY] = _VERSION
-        return state
+        """torch's optimizer state dict plus a layout version key (:mod:`.saved_state`)."""
+        return saved_state.versioned(super().state_dict())
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a state dict of this optimizer (or of the matching torch.optim one).
+
+        The state stays in the dtypes this optimizer keeps (float32 moments for half params), and
+        step counters of equal value are shared again (:mod:`.saved_state`).
 
         Raises:
             ValueError: When the layout version is unknown, the groups do not match, or a param's
                 state lacks a tensor this optimizer needs.
         """
         name = type(self).__name__
-        version = state_dict.get(_VERSION_KEY, _VERSION)
-        if version != _VERSION:
-            raise ValueError(f'{name}.load_state_dict: state layout version {version!r} is not '
-                             f'supported (this version of mp_wrappers writes {_VERSION})')
+        saved_state.check_version(state_dict, name)
         super().load_state_dict(state_dict)
-        # torch's loader casts every floating state tensor to its param's dtype, which would round
-        # the fp32 moments of half params; and it returns the caller's own tensors when no cast is
-        # needed. Re-read the saved values: fp32 copies on the param's device.
-        saved_ids = chain.from_iterable(g['params'] for g in state_dict['param_groups'])
-        for saved_id, group_params in zip(saved_ids, chain.from_iterable(
-                g['params'] for g in self.param_groups)):
-            saved = state_dict['state'].get(saved_id)
-            if saved is None:
-                continue
-            param = group_params
-            state = self.state[param]
-            for key, value in saved.items():
-                if isinstance(value, Tensor):
-                    # Integer state (a 'split' param's uint16 low half) keeps its dtype: torch's
-                    # loader would have converted it to the param's dtype by value.
-                    dtype = (self._state_dtype(key, param) if value.is_floating_point()
-                             else value.dtype)
-                    state[key] = value.to(device=param.device, copy=True, dtype=dtype)
-            if 'step' in state and isinstance(state['step'], Tensor):
-                state['step'] = state['step'].reshape(1)
-            elif 'step' in state:  # a plain number from an older optimizer
-                state['step'] = torch.full((1,), float(state['step']), device=param.device)
+        saved_state.reload_saved_tensors(state_dict, self.param_groups, self.state,
+                                         self._state_dtype)
         for group in self.param_groups:
-            for key in self._hyperparameter_keys:
-                # e.g. a torch.optim.Adam dict lacks adam_w_mode
-                group.setdefault(key, self.defaults[key])
-            lr = group['lr']
-            if isinstance(lr, Tensor) and group['params']:
-                # A tensor lr (Note [capturable]) saved from another device (mmengine resumes with
-                # map_location='cpu'): the kernels read it where the params are.
-                device = group['params'][0].device
-                group['lr'] = lr.detach().to(device, torch.float32).reshape(1).clone()
+            saved_state.complete_group(group, self._hyperparameter_keys, self.defaults)
             self._check_hyperparameters(group)
-            self._check_loaded_state(group, name)
-        self._merge_step_cohorts()
+            saved_state.check_loaded_state(group, self.state,
+                                           self._tensor_state_keys(group) + self._scalar_state,
+                                           self._scalar_state, name)
+        saved_state.merge_step_cohorts(self.param_groups, self.state)
 
     # ---- internals ---------------------------------------------------------------------------------
-
-    def _check_loaded_state(self, group: Dict[str, Any], name: str) -> None:
-        keys = self._tensor_state_keys(group) + self._scalar_state + ('step',)
-        for i, param in enumerate(group['params']):
-            state = self.state.get(param)
-            if not state:
-                continue
-            for key in keys:
-                value = state.get(key)
-                if not isinstance(value, Tensor):
-                    raise ValueError(f'{name}.load_state_dict: the state of param {i} of its group '
-                                     f'lacks the tensor {key!r} (has {sorted(state)}); was it '
-                                     'saved by another optimizer?')
-                want = 1 if key in self._scalar_state or key == 'step' else param.numel()
-                if value.numel() != want:
-                    raise ValueError(f'{name}.load_state_dict: state {key!r} of param {i} has '
-                                     f'{value.numel()} elements, expected {want}')
-
-    def _merge_step_cohorts(self) -> None:
-        """Share one step tensor among the params of a group (and device) whose counts are equal.
-
-        Runs at load time only, where reading the counts to the host is fine.
-        """
-        for group in self.param_groups:
-            by_device: Dict[torch.device, List[Dict[str, Any]]] = defaultdict(list)
-            for param in group['params']:
-                state = self.state.get(param)
-                if state and isinstance(state.get('step'), Tensor):
-                    by_device[param.device].append(state)
-            for states in by_device.values():
-                counts = torch.cat([s['step'].reshape(1) for s in states]).tolist()
-                shared: Dict[float, Tensor] = {}
-                for state, count in zip(states, counts):
-                    state['step'] = shared.setdefault(count, state['step'])
 
     def _init_state(self, param: Tensor, group: Dict[str, Any], step: Tensor) -> Dict[str, Any]:
         state = self.state[param]
         for key in self._tensor_state_keys(group):
-            state[key] = _like(param, self._state_dtype(key, param)).zero_()
+            state[key] = layout.like(param, self._state_dtype(key, param)).zero_()
         for key in self._scalar_state:
             state[key] = torch.zeros(1, dtype=torch.float32, device=param.device)
         state['step'] = step
@@ -371,9 +270,9 @@ class FusedOptimizer(Optimizer):
         value = state.get(key)
         dtype = self._state_dtype(key, ref)
         if value is None:  # e.g. SGD momentum switched on after the first steps
-            value = state[key] = _like(ref, dtype).zero_()
-        elif not _same_order(value, ref) or value.dtype != dtype:
-            value = state[key] = _like(ref, dtype).copy_(value.reshape(ref.shape))
+            value = state[key] = layout.like(ref, dtype).zero_()
+        elif not layout.same_order(value, ref) or value.dtype != dtype:
+            value = state[key] = layout.like(ref, dtype).copy_(value.reshape(ref.shape))
         return value
 
     def _collect(self, grads: Optional[Sequence[Sequence[Optional[Tensor]]]],
@@ -407,41 +306,55 @@ class FusedOptimizer(Optimizer):
                     # (every slot key: a lean storage's extra state is a DTensor too)
                     target, grad, model, state = local_slot(self, target, grad, model, state,
                                                             slot_keys)
-                for what, t in (('gradient', grad), ('model param', model)):
-                    if t is None:
-                        continue
-                    if not t.is_floating_point():
-                        raise TypeError(f'{name}: the {what} of param {pi} of group {gi} has '
-                                        f'dtype {t.dtype}; expected a floating-point tensor')
-                    if t.device != target.device or t.numel() != target.numel():
-                        raise ValueError(f'{name}: the {what} of param {pi} of group {gi} is '
-                                         f'{tuple(t.shape)} on {t.device}, but the param is '
-                                         f'{tuple(target.shape)} on {target.device}')
+                self._check_slot(gi, pi, target, grad, model)
                 key = (gi, target.device, target.dtype, grad.dtype,
                        None if model is None else model.dtype, id(state['step']))
                 bucket = buckets.get(key)
                 if bucket is None:
                     bucket = buckets[key] = _Bucket(group, target.device, state['step'],
                                                     slot_keys + self._scalar_state)
-                states = [state.get(k) for k in slot_keys]
-                shape = target.shape
-                if (target.is_contiguous() and grad.is_contiguous() and grad.shape == shape
-                        and (model is None or (model.is_contiguous() and model.shape == shape))
-                        and all(t is not None and t.dtype == self._state_dtype(k, target)
-                                and t.is_contiguous() and t.shape == shape
-                                for k, t in zip(slot_keys, states))):
-                    # The common case, kept cheap: this loop runs for every param every step.
-                    bucket.params.append(target)
-                    bucket.grads.append(grad)
-                    if model is not None:
-                        bucket.model_params.append(model)
-                    for k, t in zip(slot_keys, states):
-                        bucket.states[k].append(t)
-                else:
-                    self._add_strided(bucket, target, grad, model, state, slot_keys, writebacks)
-                for k in self._scalar_state:
-                    bucket.states[k].append(state[k])
+                self._add_slot(bucket, target, grad, model, state, slot_keys, writebacks)
         return list(buckets.values())
+
+    def _check_slot(self, gi: int, pi: int, target: Tensor, grad: Tensor,
+                    model: Optional[Tensor]) -> None:
+        """Raise naming param ``pi`` of group ``gi`` when its grad or model copy cannot pair with
+        the tensor the op updates (not floating point, another device or size)."""
+        name = type(self).__name__
+        for what, t in (('gradient', grad), ('model param', model)):
+            if t is None:
+                continue
+            if not t.is_floating_point():
+                raise TypeError(f'{name}: the {what} of param {pi} of group {gi} has '
+                                f'dtype {t.dtype}; expected a floating-point tensor')
+            if t.device != target.device or t.numel() != target.numel():
+                raise ValueError(f'{name}: the {what} of param {pi} of group {gi} is '
+                                 f'{tuple(t.shape)} on {t.device}, but the param is '
+                                 f'{tuple(target.shape)} on {target.device}')
+
+    def _add_slot(self, bucket: _Bucket, target: Tensor, grad: Tensor, model: Optional[Tensor],
+                  state: Dict[str, Any], keys: Sequence[str],
+                  writebacks: List[Tuple[Tensor, Tensor]]) -> None:
+        """Add one param's tensors to ``bucket``: as they are when all are contiguous and shaped
+        alike, else through :meth:`_add_strided`."""
+        states = [state.get(k) for k in keys]
+        shape = target.shape
+        if (target.is_contiguous() and grad.is_contiguous() and grad.shape == shape
+                and (model is None or (model.is_contiguous() and model.shape == shape))
+                and all(t is not None and t.dtype == self._state_dtype(k, target)
+                        and t.is_contiguous() and t.shape == shape
+                        for k, t in zip(keys, states))):
+            # The common case, kept cheap: this runs for every param every step.
+            bucket.params.append(target)
+            bucket.grads.append(grad)
+            if model is not None:
+                bucket.model_params.append(model)
+            for k, t in zip(keys, states):
+                bucket.states[k].append(t)
+        else:
+            self._add_strided(bucket, target, grad, model, state, keys, writebacks)
+        for k in self._scalar_state:
+            bucket.states[k].append(state[k])
 
     def _add_strided(self, bucket: _Bucket, target: Tensor, grad: Tensor, model: Optional[Tensor],
                      state: Dict[str, Any], keys: Sequence[str],
@@ -452,23 +365,23 @@ class FusedOptimizer(Optimizer):
         another order are copied, and the written ones copied back after the op (a skipped step
         copies back the same bits). State is re-laid out once, in place in the state dict.
         """
-        if _is_dense(target):
+        if layout.is_dense(target):
             order = target
         else:  # e.g. a strided view: update a contiguous copy of the same shape
             order = target.clone(memory_format=torch.contiguous_format)
             writebacks.append((target, order))
-        bucket.params.append(_flat(order))
-        if not _same_order(grad, order):
-            grad = _like(order, grad.dtype).copy_(grad.reshape(order.shape))
-        bucket.grads.append(_flat(grad))
+        bucket.params.append(layout.flat(order))
+        if not layout.same_order(grad, order):
+            grad = layout.like(order, grad.dtype).copy_(grad.reshape(order.shape))
+        bucket.grads.append(layout.flat(grad))
         if model is not None:
-            if not _same_order(model, order):
-                staged = _like(order, model.dtype).copy_(model.reshape(order.shape))
+            if not layout.same_order(model, order):
+                staged = layout.like(order, model.dtype).copy_(model.reshape(order.shape))
                 writebacks.append((model, staged))  # the shaped copy: its flat view is permuted
                 model = staged
-            bucket.model_params.append(_flat(model))
+            bucket.model_params.append(layout.flat(model))
         for k in keys:
-            bucket.states[k].append(_flat(self._ensure_layout(state, k, order)))
+            bucket.states[k].append(layout.flat(self._ensure_layout(state, k, order)))
 
     def _update(self, grads: Optional[Sequence[Sequence[Optional[Tensor]]]],
                 model_params: Optional[Sequence[Sequence[Optional[Tensor]]]],
