@@ -106,7 +106,7 @@ def _equal(x, y):
 def test_every_rank_writes_its_shards(runs):
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from mp_wrappers.distributed.runner_checkpoint import SafeFileSystemReader
+    from mp_wrappers.distributed.dcp_format import SafeFileSystemReader
     work = runs['tmp'] / 'a'
     # max_keep_ckpts=2 removed epoch 1 (a directory); the best one (no optimizer) is separate
     assert not (work / 'epoch_1.pth').exists()
@@ -224,7 +224,7 @@ def test_resume_picks_complete_sharded_checkpoints(tmp_path):
 def test_metadata_reader_refuses_foreign_globals(tmp_path):
     import pickle
 
-    from mp_wrappers.distributed.runner_checkpoint import SafeFileSystemReader, read_sharded_checkpoint
+    from mp_wrappers.distributed.dcp_format import SafeFileSystemReader, read_sharded_checkpoint
 
     class Evil:
         def __reduce__(self):

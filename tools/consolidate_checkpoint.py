@@ -18,7 +18,7 @@ loader (mmengine's HistoryBuffer allow-listed), not for a bare ``torch.load``. W
 checkpoints (its ``before_save_checkpoint`` swaps them in for deployment).
 
 Safety: nothing in the checkpoint is unpickled beyond DCP's own metadata types (read by
-``mp_wrappers.distributed.runner_checkpoint.SafeFileSystemReader``) and the checkpoint's plain part
+``mp_wrappers.distributed.dcp_format.SafeFileSystemReader``) and the checkpoint's plain part
 (read with ``weights_only=True``); checkpoints holding DCP non-tensor entries (which torch would
 unpickle with ``weights_only=False``) are refused.
 """
@@ -35,7 +35,7 @@ if _ROOT not in sys.path:
 import torch  # noqa: E402
 
 from mp_wrappers.casting import parse_dtype  # noqa: E402
-from mp_wrappers.distributed import runner_checkpoint as rc  # noqa: E402
+from mp_wrappers.distributed import dcp_format  # noqa: E402
 
 # meta entries copied to the output: plain values only, so that weights_only loads the file.
 _META_KEYS = ('epoch', 'iter', 'cfg', 'seed', 'experiment_name', 'time', 'mmengine_version',
@@ -46,14 +46,14 @@ def read_full_tensors(path: str) -> Dict[str, torch.Tensor]:
     """Every tensor of the DCP checkpoint at ``path``, whole, keyed by DCP's flattened name."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    reader = rc.SafeFileSystemReader(path)
+    reader = dcp_format.SafeFileSystemReader(path)
     entries = reader.read_metadata().state_dict_metadata
     not_tensors = sorted(k for k, v in entries.items() if not isinstance(v, TensorStorageMetadata))
     if not_tensors:
         raise ValueError(f'{path} holds non-tensor DCP entries {not_tensors[:5]}, which torch would '
                          'unpickle with weights_only=False; refusing (mp_wrappers writes none)')
     tensors = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in entries.items()}
-    dcp.load(tensors, storage_reader=rc.SafeFileSystemReader(path), no_dist=True)
+    dcp.load(tensors, storage_reader=dcp_format.SafeFileSystemReader(path), no_dist=True)
     return tensors
 
 
@@ -82,7 +82,7 @@ def _subtree(skeleton: Dict[str, Any], tensors: Dict[str, torch.Tensor], prefix:
     """Put the full tensors back into the plain part's skeleton (markers at tensor leaves)."""
     if isinstance(skeleton, dict):
         return {k: _subtree(v, tensors, f'{prefix}.{k}') for k, v in skeleton.items()}
-    if isinstance(skeleton, str) and skeleton == rc._TENSOR:
+    if isinstance(skeleton, str) and skeleton == dcp_format.TENSOR_MARKER:
         return tensors[prefix]
     return skeleton
 
@@ -97,11 +97,11 @@ def consolidate(path: str, dtype: Optional[torch.dtype] = None,
     """
     if resumable and dtype is not None:
         raise ValueError('--resumable keeps the fp32 weights (the masters); drop --dtype')
-    if not rc.is_sharded_checkpoint(path):
+    if not dcp_format.is_sharded_checkpoint(path):
         raise ValueError(f'{path} is not a complete sharded (DCP) checkpoint directory (no '
                          '.metadata); an ordinary checkpoint file needs no consolidation')
     tensors = read_full_tensors(path)
-    rest = rc._unblob(tensors.pop(rc._REST), path)
+    rest = dcp_format.from_blob(tensors.pop(dcp_format.REST_KEY), path)
     if not isinstance(rest.get('state_dict'), dict):
         raise ValueError(f'{path} holds no model state_dict')
     state_dict = _subtree(rest['state_dict'], tensors, 'state_dict')
@@ -112,7 +112,7 @@ def consolidate(path: str, dtype: Optional[torch.dtype] = None,
             raise ValueError(f'{path} holds no optimizer state (saved with save_optimizer=False, '
                              'e.g. a save_best checkpoint): it cannot be made resumable')
         out = {k: v for k, v in rest.items() if not k.startswith('_mp_wrappers')}
-        for key in rest.get('_mp_wrappers_sharded', {}).get('keys', ()):
+        for key in rest.get(dcp_format.INFO_KEY, {}).get('keys', ()):
             out[key] = _subtree(rest[key], tensors, key)
         out['meta'] = dict(out['meta'], consolidated_from=osp.abspath(path))
         return out

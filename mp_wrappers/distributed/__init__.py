@@ -10,6 +10,8 @@ Everything distributed lives here; the wrappers and fused optimizers call in thr
 * :mod:`.fully_shard`: :class:`FullyShardedModel`, an mmengine model wrapper applying FSDP2's
   ``fully_shard``, and :mod:`.checkpoint`: sharded checkpoints through
   ``torch.distributed.checkpoint`` with our wrapper state.
+* :mod:`.runner_checkpoint`: mmengine Runner checkpoints of an FSDP2 model, saved and loaded by
+  every rank, in the DCP directory format of :mod:`.dcp_format`.
 
 See docs/distributed.md.
 """

@@ -12,20 +12,10 @@ Note [runner checkpoints under FSDP2]
     ``last_checkpoint`` pointer) drives them unchanged, because it calls ``runner.save_checkpoint``
     on every rank and removes old checkpoints that are directories (as it does for DeepSpeed's).
 
-    A checkpoint is a DCP directory named like mmengine's file (``epoch_3.pth/``): ``.metadata``
-    plus one ``__{rank}_0.distcp`` per rank. It holds what mmengine's ordinary checkpoint holds, in
-    the same layout (``meta``, ``state_dict``, ``message_hub``, ``optimizer`` with our wrapper's
-    keys, ``param_schedulers``, and what hooks add in ``before_save_checkpoint``, e.g. EMAHook's
-    ``ema_state_dict``): the subtrees holding DTensors (``state_dict``, the optimizer's ``state``,
-    a sharded EMA model) go to DCP as tensors (each rank writes its shards; DCP re-slices them for
-    another rank count on load); everything else is one ``torch.save`` blob read back with the
-    ``weights_only`` loader of :mod:`mp_wrappers.checkpoint`.
-
-    Safety: DCP itself unpickles two things without restrictions, its ``.metadata`` file
-    (``pickle.load``) and non-tensor entries (``torch.load(weights_only=False)``). We write no
-    non-tensor entries, never request any on load (the load state dict holds tensors only), and read
-    ``.metadata`` with :class:`SafeFileSystemReader`, an unpickler that resolves only DCP's own
-    metadata classes and torch dtypes.
+    A checkpoint is a DCP directory named like mmengine's file (``epoch_3.pth/``) holding what
+    mmengine's ordinary checkpoint holds, in the same layout; the DTensor subtrees go to DCP as
+    tensors, the rest is one ``torch.save`` blob, and ``.metadata`` is read without running code
+    from the file (:mod:`.dcp_format` has the format and its safety).
 
     ``load_from`` takes a DCP directory (weights only, re-sliced) or an ordinary full checkpoint
     (e.g. from a single-GPU run: every rank reads the file and keeps its shards,
@@ -41,98 +31,26 @@ The interface for whatever attaches to a runner (see docs/distributed.md):
   partial checkpoint (and an EMAHook under FSDP2, which fails later otherwise).
 * :func:`save_checkpoint`, :func:`load_checkpoint`: the collective versions of the ``Runner``
   methods of the same names (all ranks call them, with the runner as first argument).
+
+Reading such a directory outside a runner (:func:`~.dcp_format.is_sharded_checkpoint`,
+:func:`~.dcp_format.read_sharded_checkpoint`, :class:`~.dcp_format.SafeFileSystemReader`) is
+:mod:`.dcp_format`'s.
 """
-import io
 import os
 import os.path as osp
-import pickle
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .sharding import is_dtensor
+from .dcp_format import (INFO_KEY, REST_KEY, VERSION, SafeFileSystemReader, check_plain_tensors,
+                         from_blob, is_sharded_checkpoint, merge_tensors, rest_template,
+                         sharded_keys, split_tensors, to_blob)
 
-__all__ = ['is_sharded_checkpoint', 'fsdp2_root', 'attach', 'save_checkpoint', 'load_checkpoint',
-           'SafeFileSystemReader', 'read_sharded_checkpoint', 'adapt_loaded_checkpoint',
+__all__ = ['fsdp2_root', 'attach', 'save_checkpoint', 'load_checkpoint', 'adapt_loaded_checkpoint',
            'optimizer_state_by_position']
-
-_TENSOR = '__mp_wrappers_dcp_tensor__'  # marks a leaf that lives in the DCP tensors
-_REST = '_mp_wrappers_rest'  # the torch.save blob of everything else
-_VERSION = 1
-
-
-# ---- reading .metadata without running code from the file -----------------------------------------
-# DCP's metadata: dataclasses and enums (the unpickler only sets their fields) and nothing else of
-# those modules (a writer or reader class could be called with arguments from the file).
-_SAFE_CLASSES = {
-    'torch.distributed.checkpoint.metadata': (
-        'Metadata', 'TensorStorageMetadata', 'BytesStorageMetadata', 'ChunkStorageMetadata',
-        'TensorProperties', 'MetadataIndex', 'StorageMeta', '_MEM_FORMAT_ENCODING'),
-    'torch.distributed.checkpoint.filesystem': ('_StorageInfo',),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Resolves DCP's metadata dataclasses and enums, ``torch.Size``, dtypes, layouts, formats."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _SAFE_CLASSES.get(module, ()):
-            return super().find_class(module, name)
-        if (module, name) == ('torch.serialization', '_get_layout'):
-            return torch.serialization._get_layout  # a lookup of torch.strided & co. by name
-        if module == 'pathlib' and name in ('PosixPath', 'WindowsPath', 'PurePosixPath',
-                                            'PureWindowsPath'):
-            import pathlib
-            return getattr(pathlib, name)  # StorageMeta.checkpoint_id
-        if module == 'torch' and name == 'Size':
-            return torch.Size
-        if module == 'torch' and isinstance(getattr(torch, name, None),
-                                            (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
-        if module == 'collections' and name == 'OrderedDict':
-            import collections
-            return collections.OrderedDict
-        if module == 'builtins' and name in ('set', 'frozenset', 'slice'):
-            import builtins
-            return getattr(builtins, name)
-        raise pickle.UnpicklingError(
-            f'DCP metadata refers to {module}.{name}, which is not one of its own metadata types; '
-            'refusing to unpickle it (it could run code from the file)')
-
-
-def _make_safe_reader():
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class SafeFileSystemReader(FileSystemReader):
-        """``FileSystemReader`` whose ``.metadata`` is unpickled with a restricted unpickler."""
-
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            path = self._get_metadata_path(kwargs.get('rank'))
-            with self.fs.create_stream(path, 'rb') as f:
-                try:
-                    metadata = _MetadataUnpickler(f).load()
-                except pickle.UnpicklingError as exc:
-                    raise pickle.UnpicklingError(f'{self.path}: {exc}') from None
-            if getattr(metadata, 'storage_meta', None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeFileSystemReader
-
-
-def SafeFileSystemReader(path: str) -> Any:  # noqa: N802 - a class built lazily (torch import)
-    """A DCP ``FileSystemReader`` for ``path`` that reads ``.metadata`` without running code."""
-    return _make_safe_reader()(path)
-
-
-def is_sharded_checkpoint(path: Any) -> bool:
-    """Whether ``path`` is a complete DCP directory (DCP writes ``.metadata`` last, by a rename)."""
-    return isinstance(path, (str, os.PathLike)) and osp.isfile(osp.join(path, '.metadata'))
 
 
 # ---- what is sharded ------------------------------------------------------------------------------
@@ -182,95 +100,6 @@ def attach(runner: Any) -> None:
 def _collective(fn):
     fn._mp_wrappers_collective = True
     return fn
-
-
-# ---- splitting a checkpoint into DCP tensors and a plain blob -------------------------------------
-def _split(tree: Any, sharded_keys: Tuple[str, ...]) -> Tuple[Dict[str, Any], Any]:
-    """``(tensors for DCP, rest)``: every tensor leaf under the top-level ``sharded_keys``
-    goes to DCP (nested dicts of tensors), replaced by a marker in the rest."""
-    tensors: Dict[str, Any] = {}
-    rest = dict(tree)
-
-    def walk(node: Any, out: Dict[str, Any]) -> Any:
-        if isinstance(node, dict):
-            kept = {}
-            for k, v in node.items():
-                if torch.is_tensor(v):
-                    out[str(k)] = v
-                    kept[k] = _TENSOR
-                elif isinstance(v, dict):
-                    sub: Dict[str, Any] = {}
-                    kept[k] = walk(v, sub)
-                    if sub:
-                        out[str(k)] = sub
-                else:
-                    kept[k] = v
-            return kept
-        return node
-
-    for key in sharded_keys:
-        if key in tree and isinstance(tree[key], dict):
-            sub: Dict[str, Any] = {}
-            rest[key] = walk(tree[key], sub)
-            tensors[key] = sub
-    return tensors, rest
-
-
-def _merge(rest: Any, tensors: Dict[str, Any]) -> Any:
-    """Inverse of :func:`_split`."""
-    def walk(node: Any, src: Dict[str, Any]) -> Any:
-        if not isinstance(node, dict):
-            return node
-        out = {}
-        for k, v in node.items():
-            if isinstance(v, str) and v == _TENSOR:
-                out[k] = src[str(k)]
-            elif isinstance(v, dict):
-                out[k] = walk(v, src.get(str(k), {}))
-            else:
-                out[k] = v
-        return out
-
-    merged = dict(rest)
-    for key, sub in tensors.items():
-        merged[key] = walk(rest[key], sub)
-    return merged
-
-
-def _sharded_keys(checkpoint: Dict[str, Any]) -> Tuple[str, ...]:
-    """Top-level keys whose subtree holds a DTensor (plus ``state_dict``, ``optimizer``)."""
-    def has_dtensor(node: Any) -> bool:
-        if is_dtensor(node):
-            return True
-        if isinstance(node, dict):
-            return any(has_dtensor(v) for v in node.values())
-        if isinstance(node, (list, tuple)):
-            return any(has_dtensor(v) for v in node)
-        return False
-    keys = [k for k in ('state_dict', 'optimizer') if k in checkpoint]
-    keys += [k for k, v in checkpoint.items() if k not in keys and has_dtensor(v)]
-    return tuple(keys)
-
-
-def _blob(obj: Any) -> torch.Tensor:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-
-
-def _unblob(t: torch.Tensor, where: str) -> Any:
-    from ..checkpoint import secure_torch_load
-    f = io.BytesIO(t.numpy().tobytes())
-    f.name = where
-    return secure_torch_load(f)
-
-
-def _check_plain_tensors(tensors: Dict[str, Any], where: str = '') -> None:
-    for k, v in tensors.items():
-        if isinstance(v, dict):
-            _check_plain_tensors(v, f'{where}{k}.')
-        elif not torch.is_tensor(v):  # pragma: no cover - _split only yields tensors
-            raise TypeError(f'{where}{k} is not a tensor')
 
 
 # ---- the checkpoint as mmengine builds it, from every rank ----------------------------------------
@@ -371,10 +200,10 @@ def save_checkpoint(runner: Any, out_dir: str, filename: str, file_client_args: 
     checkpoint = _build_checkpoint(runner, save_optimizer, save_param_scheduler,
                                    _meta(runner, meta, by_epoch))
     runner.call_hook('before_save_checkpoint', checkpoint=checkpoint)
-    keys = _sharded_keys(checkpoint)
-    tensors, rest = _split(checkpoint, keys)
-    rest['_mp_wrappers_sharded'] = dict(version=_VERSION, keys=list(keys))
-    tensors[_REST] = _blob(rest)
+    keys = sharded_keys(checkpoint)
+    tensors, rest = split_tensors(checkpoint, keys)
+    rest[INFO_KEY] = dict(version=VERSION, keys=list(keys))
+    tensors[REST_KEY] = to_blob(rest)
     if osp.isfile(path):  # an ordinary checkpoint of the same name: replace it
         if dist.get_rank() == 0:
             os.remove(path)
@@ -382,27 +211,6 @@ def save_checkpoint(runner: Any, out_dir: str, filename: str, file_client_args: 
 
 
 # ---- loading ---------------------------------------------------------------------------------------
-def _rest_template(path: str, reader: Any) -> torch.Tensor:
-    meta = reader.read_metadata()
-    entry = meta.state_dict_metadata.get(_REST)
-    if entry is None:
-        raise ValueError(f'{path} is a DCP checkpoint but not a Runner checkpoint of mp_wrappers '
-                         f'(no {_REST!r}); load it with torch.distributed.checkpoint directly')
-    return torch.empty(entry.size, dtype=torch.uint8)
-
-
-def read_sharded_checkpoint(path: str) -> Dict[str, Any]:
-    """The plain part of a Runner DCP checkpoint (meta, message hub, param groups...), no tensors.
-
-    Tensor leaves are the marker string ``'__mp_wrappers_dcp_tensor__'``. Needs no process group.
-    """
-    import torch.distributed.checkpoint as dcp
-    reader = SafeFileSystemReader(path)
-    state = {_REST: _rest_template(path, reader)}
-    dcp.load(state, storage_reader=reader, no_dist=True)
-    return _unblob(state[_REST], path)
-
-
 def _flat_keys(tree: Dict[str, Any], prefix: str = '') -> List[str]:
     out = []
     for k, v in tree.items():
@@ -417,11 +225,11 @@ def _load_tensors(path: str, runner: Any, optimizer: bool) -> Dict[str, Any]:
     """DCP-load the checkpoint at ``path`` into tensors laid out as the live model's (re-sliced)."""
     import torch.distributed.checkpoint as dcp
     reader = SafeFileSystemReader(path)
-    state = {_REST: _rest_template(path, reader)}
+    state = {REST_KEY: rest_template(path, reader)}
     dcp.load(state, storage_reader=reader)
-    rest = _unblob(state[_REST], path)
-    info = rest.pop('_mp_wrappers_sharded', None)
-    if not isinstance(info, dict) or info.get('version', 0) > _VERSION:
+    rest = from_blob(state[REST_KEY], path)
+    info = rest.pop(INFO_KEY, None)
+    if not isinstance(info, dict) or info.get('version', 0) > VERSION:
         raise ValueError(f'{path}: not a Runner checkpoint this mp_wrappers can read ({info!r})')
     keys = tuple(info['keys'])
     # The live checkpoint, built as at save time, gives each tensor its current sharding.
@@ -431,8 +239,8 @@ def _load_tensors(path: str, runner: Any, optimizer: bool) -> Dict[str, Any]:
         live.pop('optimizer', None)
     runner.call_hook('before_save_checkpoint', checkpoint=live)
     wanted = [k for k in keys if k in live and (optimizer or k != 'optimizer')]
-    templates, _ = _split(live, tuple(wanted))
-    saved = {k for k in reader.read_metadata().state_dict_metadata if k != _REST}
+    templates, _ = split_tensors(live, tuple(wanted))
+    saved = {k for k in reader.read_metadata().state_dict_metadata if k != REST_KEY}
     asked = set(_flat_keys(templates))
     missing = sorted(k for k in asked if k not in saved)
     if missing:
@@ -443,9 +251,9 @@ def _load_tensors(path: str, runner: Any, optimizer: bool) -> Dict[str, Any]:
         raise KeyError(f'{path} has {len(unexpected)} entries the model lacks: {unexpected[:8]}')
     # DCP loads in place: fresh buffers, so that nothing live changes before the hooks have run.
     templates = _clone_tree(templates)
-    _check_plain_tensors(templates)
+    check_plain_tensors(templates)
     dcp.load(templates, storage_reader=SafeFileSystemReader(path))
-    merged = _merge({k: rest[k] for k in wanted}, templates)
+    merged = merge_tensors({k: rest[k] for k in wanted}, templates)
     checkpoint = dict(rest)
     checkpoint.update(merged)
     return checkpoint
