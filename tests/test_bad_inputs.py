@@ -16,7 +16,7 @@ from torch import nn
 import mp_wrappers
 from mp_wrappers import (ApexOptimWrapper, DynamicLossScaler, FP16OptimWrapper,
                          MixedPrecisionDistributedDataParallel, StaticLossScaler, cast_model)
-from mp_wrappers.wrappers.base import CheckpointMismatchWarning
+from mp_wrappers.wrappers.checkpoint_format import CheckpointMismatchWarning
 from mp_wrappers.ops import multi_tensor_axpby, multi_tensor_l2norm, multi_tensor_scale, new_found_inf
 
 pytestmark = pytest.mark.filterwarnings('ignore:ApexOptimWrapper.*without native fp16:UserWarning')

@@ -18,6 +18,7 @@ from ..master_modes import LeanMasterParams
 from ..policy import DEFAULT, Properties, resolve_properties
 from ..registry import OPTIM_WRAPPERS
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
+from .checkpoint_format import APEX_KEY, FOREIGN_KEYS, apex_amp_state
 from .model_casting import CastPlan, ModelCastingOptimWrapper
 
 __all__ = ['ApexOptimWrapper']
@@ -275,15 +276,14 @@ class ApexOptimWrapper(ModelCastingOptimWrapper):
         if self._deferred_state is not None:
             return super().state_dict()  # loaded but not applied yet: what we hold
         state = super().state_dict()
-        state['apex_amp'] = {f'loss_scaler{k}': dict(loss_scale=s.loss_scale, unskipped=s.unskipped)
-                             for k, s in enumerate(self.loss_scalers)}
+        state[APEX_KEY] = apex_amp_state(self.loss_scalers)
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load now, or keep it until the model is prepared (mmengine resumes before any forward)."""
         if not self.properties.enabled:
             state = dict(state_dict)
-            for key in ('mp_wrappers', 'apex_amp', 'loss_scaler'):
+            for key in FOREIGN_KEYS:
                 state.pop(key, None)
             OptimWrapper.load_state_dict(self, state)
             return

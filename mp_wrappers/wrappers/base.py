@@ -46,21 +46,15 @@ from ..ops import (multi_tensor_l2norm, multi_tensor_scale, multi_tensor_unscale
 from ..registry import HOOKS
 from ..scaler import LossScaler
 from ..step_outcomes import OutcomeQueue, StepOutcome, defers_host_reads
+from . import checkpoint_format
+from .checkpoint_format import STATE_KEY, CheckpointMismatchWarning
 
 __all__ = ['MixedPrecisionOptimWrapper', 'STATE_KEY', 'CheckpointMismatchWarning',
            'MasterMismatchWarning']
 
 
-class CheckpointMismatchWarning(UserWarning):
-    """A checkpoint written by another wrapper or precision policy was loaded (what carried over)."""
-
-
 class MasterMismatchWarning(UserWarning):
     """fp32 masters loaded from a checkpoint disagreed with the model's weights at training start."""
-
-# Our top-level key in the wrapper's state_dict (beside the optimizer's 'state' and 'param_groups').
-STATE_KEY = 'mp_wrappers'
-_STATE_VERSION = 1
 
 
 class MixedPrecisionOptimWrapper(OptimWrapper):
@@ -909,24 +903,17 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
     def loss_scale(self, value: float) -> None:
         self.loss_scalers[0].loss_scale = value
 
-    # ---- checkpoints -------------------------------------------------------------------------------
+    # ---- checkpoints (the format: mp_wrappers.wrappers.checkpoint_format) --------------------------
     def _extra_state(self) -> Dict[str, Any]:
         """Subclass hook: more entries for our state key."""
         return {}
 
     def state_dict(self) -> dict:
-        """Optimizer state + ``base_param_settings`` + ``'mp_wrappers'`` (scalers, fp32 masters).
-
-        Everything is tensors and plain Python numbers: ``torch.load(weights_only=True)`` reads it.
-        """
+        """Optimizer state + ``base_param_settings`` + ``'mp_wrappers'`` (scalers, fp32 masters)."""
         masters = self._master_params()
         state = super().state_dict()
-        state[STATE_KEY] = dict(
-            version=_STATE_VERSION,
-            wrapper=type(self).__name__,
-            loss_scalers=[s.state_dict() for s in self.loss_scalers],
-            fp32_master_params=masters.state_dict(),
-            **self._extra_state())
+        state[STATE_KEY] = checkpoint_format.wrapper_state(
+            type(self).__name__, self.loss_scalers, masters, self._extra_state())
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -936,33 +923,19 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         (``loss_scaler``) and by apex-based wrappers (``apex_amp``). Without saved masters, the
         masters are re-derived from the model's (already loaded) weights.
         """
-        if not isinstance(state_dict, dict):
-            raise TypeError(f'state_dict must be a dict, got {type(state_dict).__name__}')
+        loaded = checkpoint_format.split_state_dict(state_dict)
         self._take_outcomes(wait=True)  # account for the steps taken before the load first
-        state = dict(state_dict)  # never mutate the caller's checkpoint
-        ours = state.pop(STATE_KEY, None)
-        amp_scaler = state.pop('loss_scaler', None)
-        apex_amp = state.pop('apex_amp', None)
-        if ours is not None:
-            version = ours.get('version', _STATE_VERSION)
-            if version > _STATE_VERSION:
-                raise ValueError(f"state_dict['{STATE_KEY}'] has version {version}; this "
-                                 f'mp_wrappers reads versions <= {_STATE_VERSION}')
+        ours = loaded.ours
         if ours is not None:
             self._warn_if_foreign(ours)
         masters = self._master_params()
-        self._check_optimizer_state(state)
-        super().load_state_dict(state)  # pops base_param_settings, loads the optimizer
+        checkpoint_format.check_optimizer_state(self.optimizer, loaded.optimizer)
+        super().load_state_dict(loaded.optimizer)  # pops base_param_settings, loads the optimizer
         if ours is not None and 'fp32_master_params' in ours and masters.has_half:
             masters.load_state_dict(ours['fp32_master_params'])
         else:
             masters.copy_model_to_masters()
-        if ours is not None and 'loss_scalers' in ours:
-            self._load_scalers(ours['loss_scalers'], source='mp_wrappers')
-        elif apex_amp is not None:
-            self._load_apex_amp(apex_amp)
-        elif amp_scaler is not None:
-            self._load_scalers([amp_scaler], source="mmengine AmpOptimWrapper's loss_scaler")
+        checkpoint_format.load_scaler_states(self.loss_scalers, loaded)
         if ours is not None:
             self._load_extra_state(ours)
         self._step_seq = self.loss_scalers[0].steps  # numbering continues from the checkpoint
@@ -976,73 +949,11 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         return {}
 
     def _warn_if_foreign(self, ours: Dict[str, Any]) -> None:
-        """Warn (never silently accept) when the checkpoint came from another wrapper or policy.
-
-        Switching wrappers or opt levels mid-training is allowed (optimizer state, masters and
-        scaler state carry over where the parameters match, as with mmengine/apex checkpoints),
-        but it changes the numerics, so it must be visible in the log.
-        """
+        """Warn when the checkpoint came from another wrapper or policy (once per checkpoint)."""
         if getattr(self, '_foreign_checked', None) == id(ours):
             return  # ApexOptimWrapper checks at load time and loads at its first forward
         self._foreign_checked = id(ours)
-        mine = dict(wrapper=type(self).__name__, **self._policy())
-        diffs = [f'{k}={ours[k]!r} (now {k}={v!r})' for k, v in mine.items()
-                 if k in ours and ours[k] != v]
-        if diffs:
-            saved = ', '.join(f'{k}={ours[k]!r}' for k in mine if k in ours)
-            msg = (f'loading a checkpoint written by {ours.get("wrapper", "?")} with {saved} '
-                   f'into {type(self).__name__} with '
-                   f'{", ".join(f"{k}={v!r}" for k, v in mine.items())}: differs in '
-                   f'{"; ".join(diffs)}. Optimizer state, fp32 masters and loss-scaler state carry '
-                   'over where the parameters match; the precision policy is the new one.')
-            warnings.warn(msg, CheckpointMismatchWarning, stacklevel=3)
-            print_log(f'mp_wrappers: {msg}', logger='current', level=logging.WARNING)
-
-    def _load_apex_amp(self, apex_amp: Dict[str, Any]) -> None:
-        if not isinstance(apex_amp, dict):
-            raise TypeError(f"state_dict['apex_amp'] must be a dict, got {type(apex_amp).__name__}")
-        keys = sorted((k for k in apex_amp if k.startswith('loss_scaler')),
-                      key=lambda k: int(k[len('loss_scaler'):] or 0))
-        self._load_scalers([apex_amp[k] for k in keys], source="apex's apex_amp")
-
-    def _load_scalers(self, states: List[Dict[str, Any]], source: str) -> None:
-        n = len(self.loss_scalers)
-        if len(states) != n:
-            # apex warns and loads what matches; so do we.
-            warnings.warn(f'the checkpoint ({source}) holds {len(states)} loss scaler states but '
-                          f'this wrapper has num_losses={n}; loading the first {min(n, len(states))}',
-                          UserWarning, stacklevel=3)
-        for scaler, st in zip(self.loss_scalers, states):
-            scaler.load_state_dict(st)
-
-    def _check_optimizer_state(self, state: dict) -> None:
-        """Refuse optimizer state whose groups, counts or tensor shapes do not fit the model."""
-        saved_groups = state.get('param_groups')
-        if saved_groups is None or 'state' not in state:
-            raise KeyError("optimizer state_dict needs 'state' and 'param_groups'; got keys "
-                           f'{sorted(state)}')
-        groups = self.optimizer.param_groups
-        if len(saved_groups) != len(groups):
-            raise ValueError(f'the checkpoint has {len(saved_groups)} optimizer param groups but the'
-                             f' optimizer has {len(groups)}')
-        index_to_param = {}
-        for g, (saved, group) in enumerate(zip(saved_groups, groups)):
-            if len(saved['params']) != len(group['params']):
-                raise ValueError(f'param group {g}: the checkpoint has {len(saved["params"])} '
-                                 f'parameters but the optimizer has {len(group["params"])}')
-            index_to_param.update(zip(saved['params'], group['params']))
-        for idx, param_state in state['state'].items():
-            p = index_to_param.get(idx)
-            if p is None:
-                continue
-            for name, value in param_state.items():
-                # 1-element tensors are counters and scalars, not per-element state: the fused
-                # optimizers' `step` and NovoGrad's norm have shape (1,) whatever the param's.
-                if (isinstance(value, Tensor) and value.dim() > 0 and value.numel() != 1
-                        and value.shape != p.shape):
-                    raise ValueError(f"optimizer state '{name}' of parameter {idx} has shape "
-                                     f'{tuple(value.shape)} but the parameter has shape '
-                                     f'{tuple(p.shape)}')
+        checkpoint_format.warn_if_foreign(ours, type(self).__name__, self._policy())
 
 
 def _refuse_sharded_inner_optimizer(optimizer: Optimizer, wrapper: str) -> None:

@@ -19,7 +19,8 @@ from ..casting import (HALF_DTYPES, ForwardCaster, Fp32Modules, cast_model,
                        check_module_patterns, fp32_state_dict_hook, match_modules,
                        model_cast_dtype, owned_roots)
 from ..distributed.sharding import check_fsdp_precision, sharding_of
-from .base import STATE_KEY, MixedPrecisionOptimWrapper
+from .base import MixedPrecisionOptimWrapper
+from .checkpoint_format import STATE_KEY, check_optimizer_state
 
 __all__ = ['CastPlan', 'ModelCastingOptimWrapper']
 
@@ -248,7 +249,7 @@ class ModelCastingOptimWrapper(MixedPrecisionOptimWrapper):
         if self._needs_initialize():
             if not isinstance(state_dict, dict):
                 raise TypeError(f'state_dict must be a dict, got {type(state_dict).__name__}')
-            self._check_optimizer_state(dict(state_dict))
+            check_optimizer_state(self.optimizer, dict(state_dict))
             ours = state_dict.get(STATE_KEY)
             if isinstance(ours, dict):
                 self._warn_if_foreign(ours)  # now, at resume time, not at the first forward
