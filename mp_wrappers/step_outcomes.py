@@ -22,17 +22,25 @@ run when the step is called.)
 :func:`defers_host_reads` is the one place that decides which devices defer (CUDA; other device
 types read the flags directly), and :func:`simulate_accelerator` lets the CPU test-suite run the
 deferred path (with copies that land late) so that it is tested where CI runs, not only on a GPU.
+
+:class:`OutcomeLedger` is the host's side of both paths: it numbers the steps, updates the loss
+scalers with each step's flags (reading them on the host, or queuing them), and accounts for every
+outcome in step order: ``last_step_skipped``, the "Gradient overflow" messages, the overflow report
+and the scale-collapse watch (``on_scale_collapse``).
 """
 import contextlib
 import dataclasses
+import logging
+import warnings
 from collections import deque
-from typing import Any, Deque, Iterator, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+from mmengine.logging import print_log
 from torch import Tensor
 
 __all__ = ['defers_host_reads', 'simulate_accelerator', 'StepOutcome', 'OutcomeQueue',
-           'HOST_COPY_ATTR']
+           'OutcomeLedger', 'HOST_COPY_ATTR']
 
 # (lag in polls) while simulate_accelerator() is active, else None.
 _simulated_lag: Optional[int] = None
@@ -181,3 +189,135 @@ class OutcomeQueue:
 
     def clear(self) -> None:
         self._pending.clear()
+
+
+class OutcomeLedger:
+    """The host's record of finished steps, in step order (see the module doc).
+
+    The reporting settings are read from the wrapper at each call (``owner``: its ``verbose``,
+    ``overflow_report``, ``on_scale_collapse``, ``collapse_patience`` and ``loss_scalers``), as users
+    and hooks may change them between steps.
+
+    Attributes:
+        seq (int): Steps finished (applied or skipped), numbering the outcomes.
+        last_skipped (bool): Whether the latest accounted step was skipped.
+        stuck_steps (int): Consecutive overflowing steps with no room to lower the scale.
+    """
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.last_skipped = False
+        self.stuck_steps = 0
+        self._queue = OutcomeQueue()  # of fused steps on an accelerator, on their way to the host
+
+    def __len__(self) -> int:
+        """How many outcomes are still in flight."""
+        return len(self._queue)
+
+    def settle(self, scalers: Sequence[Any], used: Sequence[int], flags: Sequence[Tensor],
+               skipped: bool) -> StepOutcome:
+        """Update the scalers used in a step with its flags and number it (host reads)."""
+        before = [scalers[k].loss_scale for k in used] if skipped else []
+        for k, flag in zip(used, flags):
+            scalers[k].update(flag)
+        if skipped:
+            outcome = StepOutcome(self.seq, None, tuple(used),
+                                  tuple(bool(flag.item() > 0) for flag in flags), tuple(before),
+                                  tuple(scalers[k].loss_scale for k in used))
+        else:
+            outcome = StepOutcome(self.seq, None, tuple(used), (False,) * len(used), (), ())
+        self.seq += 1
+        return outcome
+
+    def settle_deferred(self, scalers: Sequence[Any], used: Sequence[int],
+                        flags: Sequence[Tensor], iteration: Optional[int],
+                        norm: Optional[Tensor]) -> None:
+        """:meth:`settle` without host reads: the outcome is queued (Note [deferred outcomes]).
+
+        ``norm``: with ``clip_grad``, the norm mmengine logs as ``grad_norm`` at every applied
+        step; it travels with the outcome and is logged when that arrives.
+        """
+        before = [scalers[k].scale.clone() for k in used]
+        for k, flag in zip(used, flags):
+            scalers[k].update(flag)
+        # push() packs the values now (in stream order), so the caller may clear the flags.
+        self._queue.push(self.seq, iteration, used, flags, before,
+                         [scalers[k].scale for k in used], norm=norm)
+        self.seq += 1
+
+    def arrived(self, wait: bool) -> Iterator[StepOutcome]:
+        """The queued outcomes that have reached the host (all of them with ``wait``)."""
+        if not self._queue:  # the common case (always on the CPU): nothing in flight
+            return iter(())
+        return self._queue.take(wait=wait)
+
+    def account(self, outcome: StepOutcome, owner: Any, where: str,
+                names: Optional[Callable[[], List[str]]] = None,
+                loss_nonfinite: Optional[Tensor] = None) -> None:
+        """One step's bookkeeping: overflow messages, the collapse watch, ``last_skipped``.
+
+        ``names``: lists the parameters with non-finite gradients; None once the gradients are
+        gone (a deferred outcome). ``loss_nonfinite``: whether a loss of the step was not finite.
+        """
+        self.last_skipped = outcome.skipped
+        if not outcome.skipped:
+            self.stuck_steps = 0
+            return
+        self._react_to_overflow(outcome, owner, where, names, loss_nonfinite)
+        if owner.verbose:
+            for k, flagged, before, after in zip(outcome.scalers, outcome.flags,
+                                                 outcome.scales_before, outcome.scales_after):
+                if flagged:
+                    verb = f'reducing loss scale to {after}' if after != before else \
+                        f'keeps loss scale {after}'
+                    print_log(f'Gradient overflow.  Skipping step, loss scaler {k} {verb}',
+                              logger='current', level=logging.INFO)
+
+    def _react_to_overflow(self, outcome: StepOutcome, owner: Any, where: str,
+                           names: Optional[Callable[[], List[str]]],
+                           loss_nonfinite: Optional[Tensor]) -> None:
+        """Overflow report and the scale-collapse policy."""
+        stuck = any(flagged and owner.loss_scalers[k].at_floor(before) for k, flagged, before
+                    in zip(outcome.scalers, outcome.flags, outcome.scales_before))
+        self.stuck_steps = self.stuck_steps + 1 if stuck else 0
+        collapsed = (owner.on_scale_collapse != 'ignore'
+                     and self.stuck_steps == owner.collapse_patience)
+        if not (owner.overflow_report or collapsed):
+            return
+        if names is None:
+            detail = ('parameters: not read (the step ran without host reads on the device; '
+                      'overflow_report=True names them)')
+        else:
+            found = names()
+            loss_bad = loss_nonfinite is not None and bool(loss_nonfinite.item())
+            detail = (f'first parameters with non-finite gradients: {found or "none found"}; the '
+                      f'loss itself was {"non-finite" if loss_bad else "finite"}'
+                      if owner.overflow_report or found else f'parameters: {found or "none found"}')
+        if owner.overflow_report:
+            print_log(f'mp_wrappers overflow at {where}: {detail}', logger='current',
+                      level=logging.WARNING)
+        if collapsed:
+            scales = ', '.join(f'{before}' for before in outcome.scales_before)
+            msg = (f'mp_wrappers: the loss scale collapsed at {where}: {self.stuck_steps} '
+                   f'consecutive steps had non-finite gradients while the scale ({scales}) could '
+                   f'not go lower; {detail}. Training on is likely wasted: check the learning rate '
+                   'and the data, try bfloat16, or set min_loss_scale lower.')
+            if owner.on_scale_collapse == 'raise':
+                raise FloatingPointError(msg)
+            print_log(msg, logger='current', level=logging.WARNING)
+            warnings.warn(msg, RuntimeWarning, stacklevel=6)
+
+
+def where_direct(iteration: Optional[int], steps: int) -> str:
+    """How messages name the step being finished: its iteration, or the optimizer step."""
+    return f'iteration {iteration}' if iteration is not None else f'optimizer step {steps}'
+
+
+def where_deferred(outcome: StepOutcome, now: Optional[int]) -> str:
+    """:func:`where_direct` of a deferred outcome's own step, and when the host learned of it."""
+    if outcome.iteration is None:
+        return f'optimizer step {outcome.seq}'
+    where = f'iteration {outcome.iteration}'
+    if now is not None and now != outcome.iteration:
+        where += f' (reported at iteration {now})'
+    return where

@@ -14,7 +14,7 @@ from mmengine.hooks import Hook
 from mmengine.logging import MessageHub
 from torch import nn
 
-import mp_wrappers.wrappers.base as base_module
+import mp_wrappers.step_outcomes as step_outcomes_module
 from _sync_guard import HostRead, forbid_host_reads
 from _workflow import RecordHook, make_runner, train
 from mp_wrappers import (ApexOptimWrapper, FP16OptimWrapper, FusedAdagrad, FusedAdam, FusedLAMB,
@@ -154,7 +154,7 @@ def test_deferred_bookkeeping_equals_the_direct_path(fresh_hub, monkeypatch, lag
     runs = {}
     for mode in ('direct', 'deferred'):
         logged = []
-        monkeypatch.setattr(base_module, 'print_log',
+        monkeypatch.setattr(step_outcomes_module, 'print_log',
                             lambda msg, **kw: logged.append(msg))
         hub = MessageHub.get_instance(f'deferred_{mode}_{lag}')
         MessageHub._instance_dict.pop(hub.instance_name)

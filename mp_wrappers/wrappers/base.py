@@ -45,7 +45,8 @@ from ..ops import (multi_tensor_l2norm, multi_tensor_scale, multi_tensor_unscale
                    new_found_inf)
 from ..registry import HOOKS
 from ..scaler import LossScaler
-from ..step_outcomes import OutcomeQueue, StepOutcome, defers_host_reads
+from ..step_outcomes import (OutcomeLedger, StepOutcome, defers_host_reads, where_deferred,
+                             where_direct)
 from . import checkpoint_format
 from .checkpoint_format import STATE_KEY, CheckpointMismatchWarning
 
@@ -151,7 +152,6 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self._found_inf: Dict[int, Tensor] = {}
         self._pending_scaler: Optional[int] = None  # scaler of the grads now in the model's .grad
         self._used_scalers: List[int] = []  # scalers that took part in the current step
-        self._last_step_skipped = False
         self.overflow_report = bool(overflow_report)
         self.on_scale_collapse = on_scale_collapse
         self.collapse_patience = collapse_patience
@@ -162,9 +162,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         # exactly: in epoch-based loops it counts iterations within the epoch and logs the last one
         # of each epoch, which ``log_interval`` arithmetic on the global iteration cannot match.
         self.publish_now: Optional[bool] = None
-        self._stuck_steps = 0  # consecutive overflowing steps with no room to lower the scale
-        self._step_seq = 0  # steps finished (applied or skipped), numbering the outcomes
-        self._outcomes = OutcomeQueue()  # of fused steps on an accelerator, on their way to the host
+        self._outcomes = OutcomeLedger()  # finished steps, and those on their way to the host
         self._loss_nonfinite: Optional[Tensor] = None  # any non-finite loss since the last step
         self._grad_norm: Optional[Tensor] = None  # of the last applied step, read when publishing
         self._skipped_published = 0
@@ -669,20 +667,12 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         # the device already).
         self._take_outcomes(wait=True)
         used = list(self._used_scalers)
-        before = [self.loss_scalers[k].loss_scale for k in used] if skipped else []
-        where = self._where() if skipped else ''
-        for k in used:
-            self.loss_scalers[k].update(self._flag(k))
-        if skipped:
-            outcome = StepOutcome(self._step_seq, None, tuple(used),
-                                  tuple(self._flag_was_set(k) for k in used), tuple(before),
-                                  tuple(self.loss_scalers[k].loss_scale for k in used))
-        else:
-            outcome = StepOutcome(self._step_seq, None, tuple(used), (False,) * len(used), (),
-                                  ())
-        self._step_seq += 1
+        where = where_direct(self.message_hub.get_info('iter'),
+                             self.loss_scalers[0].steps) if skipped else ''
+        outcome = self._outcomes.settle(self.loss_scalers, used, [self._flag(k) for k in used],
+                                        skipped)
         # The gradients are still here: the reports can name the parameters that overflowed.
-        self._account(outcome, self.nonfinite_param_names, where)
+        self._account(outcome, where, self.nonfinite_param_names)
         self._reset_step_state()
         if self._publishes_every_step():
             self.publish_scalars()
@@ -698,20 +688,10 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         return defers_host_reads(device) and not self.overflow_report
 
     def _finish_step_deferred(self, clipped_norm: Optional[Tensor]) -> None:
-        """:meth:`_finish_step` without host reads (Note [deferred outcomes]).
-
-        ``clipped_norm``: with ``clip_grad``, the norm mmengine logs as ``grad_norm`` at every
-        applied step; it travels with the outcome and is logged when that arrives.
-        """
+        """:meth:`_finish_step` without host reads (Note [deferred outcomes])."""
         used = list(self._used_scalers)
-        flags = [self._flag(k) for k in used]
-        before = [self.loss_scalers[k].scale.clone() for k in used]
-        for k, flag in zip(used, flags):
-            self.loss_scalers[k].update(flag)
-        # push() packs the values now (in stream order), so clearing the flags below is safe.
-        self._outcomes.push(self._step_seq, self.message_hub.get_info('iter'), used, flags, before,
-                            [self.loss_scalers[k].scale for k in used], norm=clipped_norm)
-        self._step_seq += 1
+        self._outcomes.settle_deferred(self.loss_scalers, used, [self._flag(k) for k in used],
+                                       self.message_hub.get_info('iter'), clipped_norm)
         self._reset_step_state()
         self._take_outcomes(wait=False)
         if self._publishes_every_step():
@@ -719,83 +699,17 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
 
     def _take_outcomes(self, wait: bool) -> None:
         """Account for the deferred outcomes that have arrived (all of them with ``wait``)."""
-        if not self._outcomes:  # the common case (always on the CPU): nothing in flight
-            return
-        for outcome in self._outcomes.take(wait=wait):
+        for outcome in self._outcomes.arrived(wait):
             if outcome.norm is not None and not outcome.skipped:
                 self.message_hub.update_scalar(f'train/{self.grad_name}', outcome.norm)
-            self._account(outcome, None, self._where_deferred(outcome))
+            self._account(outcome, where_deferred(outcome, self.message_hub.get_info('iter')))
 
-    def _account(self, outcome: StepOutcome, names: Optional[Callable[[], List[str]]],
-                 where: str) -> None:
-        """One step's bookkeeping: overflow messages, the collapse watch, ``last_step_skipped``.
-
-        ``names``: lists the parameters with non-finite gradients; None once the gradients are
-        gone (a deferred outcome).
-        """
-        self._last_step_skipped = outcome.skipped
-        if not outcome.skipped:
-            self._stuck_steps = 0
-            return
-        if outcome.seq == self._step_seq - 1:
+    def _account(self, outcome: StepOutcome, where: str,
+                 names: Optional[Callable[[], List[str]]] = None) -> None:
+        """One step's bookkeeping (:meth:`OutcomeLedger.account`)."""
+        if outcome.skipped and outcome.seq == self._outcomes.seq - 1:
             self._grad_norm = None  # the norm of a step that did not happen is not published
-        self._react_to_overflow(outcome, names, where)
-        if self.verbose:
-            for k, flagged, before, after in zip(outcome.scalers, outcome.flags,
-                                                 outcome.scales_before, outcome.scales_after):
-                if flagged:
-                    verb = f'reducing loss scale to {after}' if after != before else \
-                        f'keeps loss scale {after}'
-                    print_log(f'Gradient overflow.  Skipping step, loss scaler {k} {verb}',
-                              logger='current', level=logging.INFO)
-
-    def _react_to_overflow(self, outcome: StepOutcome,
-                           names: Optional[Callable[[], List[str]]], where: str) -> None:
-        """Overflow report and the scale-collapse policy."""
-        stuck = any(flagged and self.loss_scalers[k].at_floor(before) for k, flagged, before
-                    in zip(outcome.scalers, outcome.flags, outcome.scales_before))
-        self._stuck_steps = self._stuck_steps + 1 if stuck else 0
-        collapsed = (self.on_scale_collapse != 'ignore'
-                     and self._stuck_steps == self.collapse_patience)
-        if not (self.overflow_report or collapsed):
-            return
-        if names is None:
-            detail = ('parameters: not read (the step ran without host reads on the device; '
-                      'overflow_report=True names them)')
-        else:
-            found = names()
-            loss_bad = self._loss_nonfinite is not None and bool(self._loss_nonfinite.item())
-            detail = (f'first parameters with non-finite gradients: {found or "none found"}; the '
-                      f'loss itself was {"non-finite" if loss_bad else "finite"}'
-                      if self.overflow_report or found else f'parameters: {found or "none found"}')
-        if self.overflow_report:
-            print_log(f'mp_wrappers overflow at {where}: {detail}', logger='current',
-                      level=logging.WARNING)
-        if collapsed:
-            scales = ', '.join(f'{before}' for before in outcome.scales_before)
-            msg = (f'mp_wrappers: the loss scale collapsed at {where}: {self._stuck_steps} '
-                   f'consecutive steps had non-finite gradients while the scale ({scales}) could '
-                   f'not go lower; {detail}. Training on is likely wasted: check the learning rate '
-                   'and the data, try bfloat16, or set min_loss_scale lower.')
-            if self.on_scale_collapse == 'raise':
-                raise FloatingPointError(msg)
-            print_log(msg, logger='current', level=logging.WARNING)
-            warnings.warn(msg, RuntimeWarning, stacklevel=5)
-
-    def _where(self) -> str:
-        it = self.message_hub.get_info('iter')
-        steps = self.loss_scalers[0].steps
-        return f'iteration {it}' if it is not None else f'optimizer step {steps}'
-
-    def _where_deferred(self, outcome: StepOutcome) -> str:
-        """:meth:`_where` of the outcome's own step, and when the host learned of it."""
-        if outcome.iteration is None:
-            return f'optimizer step {outcome.seq}'
-        where = f'iteration {outcome.iteration}'
-        now = self.message_hub.get_info('iter')
-        if now is not None and now != outcome.iteration:
-            where += f' (reported at iteration {now})'
-        return where
+        self._outcomes.account(outcome, self, where, names, self._loss_nonfinite)
 
     def nonfinite_param_names(self, limit: int = 5) -> List[str]:
         """Names (or shapes, when the model was never seen) of parameters with inf/nan gradients.
@@ -821,9 +735,6 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self._loss_nonfinite = None
         if self._masters is not None:
             self._stash.clear(self._masters)
-
-    def _flag_was_set(self, k: int) -> bool:
-        return bool(self._found_inf[k].item() > 0) if k in self._found_inf else False
 
     # ---- what the logs show ------------------------------------------------------------------------
     def _publish_due(self) -> bool:
@@ -861,7 +772,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         Note [deferred outcomes]).
         """
         self._take_outcomes(wait=True)
-        return self._last_step_skipped
+        return self._outcomes.last_skipped
 
     @property
     def overflow(self) -> bool:
@@ -938,7 +849,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         checkpoint_format.load_scaler_states(self.loss_scalers, loaded)
         if ours is not None:
             self._load_extra_state(ours)
-        self._step_seq = self.loss_scalers[0].steps  # numbering continues from the checkpoint
+        self._outcomes.seq = self.loss_scalers[0].steps  # numbering continues from the checkpoint
         self._bound_masters = None  # check the loaded masters against the model at the next bind
 
     def _load_extra_state(self, ours: Dict[str, Any]) -> None:

@@ -286,4 +286,4 @@ class FP16OptimWrapper(ModelCastingOptimWrapper):
                     first_closure_call_this_step=True)
 
     def _load_extra_state(self, ours: Dict[str, Any]) -> None:
-        self._last_step_skipped = bool(ours.get('overflow', False))
+        self._outcomes.last_skipped = bool(ours.get('overflow', False))
