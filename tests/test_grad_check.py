@@ -1,6 +1,6 @@
 """``grad_check``: at a static scale of 1.0 the default checks the loss, not every gradient.
 
-Note [unit-scale check] in ``mp_wrappers/wrappers/base.py``: reading every gradient at a unit scale
+Note [unit-scale check] in ``mp_wrappers/wrappers/overflow.py``: reading every gradient at a unit scale
 is a pass of its own (the whole O1 gap to mmengine's ``AmpOptimWrapper``), so ``'auto'`` skips steps
 whose loss is not finite and reads gradients only for the published norm; ``'always'`` reads them at
 every step. Gradient faults under ``'always'`` are covered by ``tests/test_fault_injection.py``.
@@ -16,7 +16,7 @@ from torch import nn
 import mp_wrappers
 from mp_wrappers import ApexOptimWrapper, FP16OptimWrapper
 from mp_wrappers.casting import cast_model
-from mp_wrappers.wrappers import base
+from mp_wrappers.wrappers import unscale
 
 from _workflow import RecordHook, losses, make_runner, train
 
@@ -103,10 +103,10 @@ def test_auto_reads_the_gradients_only_to_publish_their_norm(grad_check, reads):
         return wrapped
 
     hub = MessageHub.get_current_instance()
-    with mock.patch.object(base, 'multi_tensor_unscale_l2norm',
-                           counting('check', base.multi_tensor_unscale_l2norm)), \
-            mock.patch.object(base, 'multi_tensor_l2norm',
-                              counting('norm', base.multi_tensor_l2norm)):
+    with mock.patch.object(unscale, 'multi_tensor_unscale_l2norm',
+                           counting('check', unscale.multi_tensor_unscale_l2norm)), \
+            mock.patch.object(unscale, 'multi_tensor_l2norm',
+                              counting('norm', unscale.multi_tensor_l2norm)):
         try:
             for i in range(10):
                 hub.update_info('iter', i)

@@ -23,13 +23,11 @@ rounded half weights.
 """
 import contextlib
 import logging
-import math
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.distributed as dist
 from mmengine.logging import print_log
 from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapper, OptimWrapperDict
@@ -41,13 +39,14 @@ from ..casting import forget_loaded_full_precision, loaded_full_precision
 from ..distributed import sharding as _sharding
 from ..half_errors import add_half_hint
 from ..master import GradStash, MasterParams, MastersInStateDict
-from ..ops import (multi_tensor_l2norm, multi_tensor_scale, multi_tensor_unscale_l2norm,
-                   new_found_inf)
 from ..registry import HOOKS
 from ..scaler import LossScaler
 from ..step_outcomes import (OutcomeLedger, StepOutcome, defers_host_reads, where_deferred,
                              where_direct)
 from . import checkpoint_format
+from .overflow import StepFlags
+from .unscale import (InPlaceGrads, StashedGrads, fused_grads, fused_unscale_norm,
+                      release_fused_grads, unscale_in_place)
 from .checkpoint_format import STATE_KEY, CheckpointMismatchWarning
 
 __all__ = ['MixedPrecisionOptimWrapper', 'STATE_KEY', 'CheckpointMismatchWarning',
@@ -149,9 +148,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self.verbose = bool(verbose)
         self._masters: Optional[MasterParams] = None
         self._stash = GradStash()
-        self._found_inf: Dict[int, Tensor] = {}
-        self._pending_scaler: Optional[int] = None  # scaler of the grads now in the model's .grad
-        self._used_scalers: List[int] = []  # scalers that took part in the current step
+        self._flags = StepFlags(self.loss_scalers)  # this step's overflow flags and scalers
         self.overflow_report = bool(overflow_report)
         self.on_scale_collapse = on_scale_collapse
         self.collapse_patience = collapse_patience
@@ -163,7 +160,6 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         # of each epoch, which ``log_interval`` arithmetic on the global iteration cannot match.
         self.publish_now: Optional[bool] = None
         self._outcomes = OutcomeLedger()  # finished steps, and those on their way to the host
-        self._loss_nonfinite: Optional[Tensor] = None  # any non-finite loss since the last step
         self._grad_norm: Optional[Tensor] = None  # of the last applied step, read when publishing
         self._skipped_published = 0
         self._model_is_ddp = False
@@ -346,32 +342,17 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self._check_loss_id(loss_id)
         if self._stash.holds_grads and self._masters is not None:
             self._stash.withdraw(self._masters)
-        if self._pending_scaler is not None and self._pending_scaler != loss_id:
+        if self._flags.pending is not None and self._flags.pending != loss_id:
             # The model grads were scaled by another scaler: move them to the fp32 stash first.
             self._unscale_pending()
-        scaler = self.loss_scalers[loss_id]
-        if self.overflow_report or (scaler.is_unit and loss.device.type != 'cpu'):
-            bad = ~torch.isfinite(loss.detach()).all()
-            if self.overflow_report:
-                self._loss_nonfinite = bad if self._loss_nonfinite is None else \
-                    self._loss_nonfinite | bad
-            if scaler.is_unit:
-                # A non-finite loss skips the step at a static 1.0 whether or not the gradients
-                # are read (Note [unit-scale check]); on the device, so no host sync here.
-                flag = self._flag(loss_id)
-                torch.maximum(flag, bad.to(flag.dtype).reshape(1), out=flag)
-        elif scaler.is_unit and loss.numel() == 1:  # the same check, from the host (free on CPU)
-            if not math.isfinite(loss.item()):
-                self._flag(loss_id).fill_(1.0)
+        self._flags.check_loss(loss, loss_id, report=self.overflow_report)
         # FSDP reads its gradient-sync flag during backward, not in the forward like DDP.
         sync = self.should_sync()
         with _sharding.no_sync_for_backward(self._sharding, sync):
-            scaler.scale_loss(loss).backward(**kwargs)
+            self.loss_scalers[loss_id].scale_loss(loss).backward(**kwargs)
         # Under FSDP no_sync the grads are unsharded partial sums until the synced backward.
         self._grads_unsynced = self._sharding is not None and not sync
-        self._pending_scaler = loss_id
-        if loss_id not in self._used_scalers:
-            self._used_scalers.append(loss_id)
+        self._flags.backward_done(loss_id)
         self._inner_count += 1
 
     def update_params(self, loss: Tensor, step_kwargs: Optional[Dict] = None,
@@ -395,45 +376,18 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
     def _backward_for_update(self, loss: Tensor, loss_id: int) -> None:
         self.backward(loss, loss_id=loss_id)
 
-    def _flag(self, loss_id: int) -> Tensor:
-        flag = self._found_inf.get(loss_id)
-        if flag is None:
-            flag = self._found_inf[loss_id] = new_found_inf(self.loss_scalers[loss_id].device)
-        return flag
-
     def _unscale_pending(self) -> None:
-        k = self._pending_scaler
+        """Unscale the model's pending gradients into the fp32 stash (checking them)."""
+        k = self._flags.pending
         if k is None:
             return
-        self._stash.absorb(self._master_params(), self.loss_scalers[k].inv_scale(), self._flag(k))
-        self._pending_scaler = None
-
-    def _sync_flags(self, loss_only: bool = False) -> None:
-        """All-reduce (MAX) this step's overflow flags across ranks when gradients are not.
-
-        ``loss_only``: the flags come from each rank's own loss (Note [unit-scale check]), which
-        DDP does not all-reduce, so they are synchronised under DDP too.
-        """
-        want = self.sync_found_inf
-        if want is None:
-            want = (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-                    and (loss_only or not self._model_is_ddp))
-        if want and self._used_scalers:
-            flags = torch.cat([self._flag(k) for k in self._used_scalers])
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            for i, k in enumerate(self._used_scalers):
-                self._flag(k).copy_(flags[i:i + 1])
-
-    def _step_found_inf(self) -> Optional[Tensor]:
-        flags = [self._flag(k) for k in self._used_scalers]
-        if not flags:
-            return None
-        return flags[0] if len(flags) == 1 else torch.stack(flags).amax(0)
+        self._stash.absorb(self._master_params(), self.loss_scalers[k].inv_scale(),
+                           self._flags.flag(k))
+        self._flags.pending = None
 
     def _overflowed(self) -> bool:
         """Whether any scaler used since the last step saw inf/nan (a host read of the flags)."""
-        found_inf = self._step_found_inf()
-        return bool(found_inf is not None and found_inf.item() > 0)
+        return self._flags.overflowed()
 
     # ---- step ------------------------------------------------------------------------------------
     def step(self, **kwargs) -> None:
@@ -449,32 +403,53 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         """
         masters = self._master_params()
         if not kwargs and self._fusable():
-            self._fused_step(masters)
+            self._fused_step(masters)  # the same stages, decided on the device
             return
-        if self._unscales_in_place(masters):
-            self._in_place_step(masters, **kwargs)
-            return
-        self._unscale_pending()
-        self._sync_flags()
+        grads = self._unscale_and_check(masters)
         # One host read per step, as torch's GradScaler does: the host must know whether to call
         # the optimizer at all.
         skipped = self._overflowed()
         if not skipped:
-            self._stash.hand_to_optimizer(masters)
-            if self.clip_grad_kwargs:
-                skipped = not self._clip_grad()
-            elif self._publish_due():
-                grads = self._stash.grads(masters)
-                self._grad_norm = self._norm_of(grads) if grads else None
-            if not skipped:
-                self.optimizer.step(**kwargs)
-                masters.copy_masters_to_model()
+            skipped = not self._clip_or_measure(grads)
+        if not skipped:
+            self.optimizer.step(**kwargs)
+            masters.copy_masters_to_model()  # nothing to copy when unscaled in place
         self._finish_step(skipped)
+        grads.release()
+
+    def _unscale_and_check(self, masters: MasterParams) -> Union[InPlaceGrads, StashedGrads]:
+        """Unscale this step's gradients, in place or into the fp32 stash, setting the flags."""
+        flags = self._flags
+        if (flags.pending is not None and len(flags.used) == 1 and not self._stash.holds_grads
+                and not masters.has_half):  # Note [in-place unscale]
+            k = flags.pending
+            scaler = self.loss_scalers[k]
+            grads = unscale_in_place(masters, scaler, flags.flag(k), self.grad_check,
+                                     self._sharding)
+            flags.pending = None
+            self._sync_flags(loss_only=scaler.is_unit and self.grad_check == 'auto')
+            return grads
+        self._unscale_pending()
+        self._sync_flags()
+        return StashedGrads(self._stash, masters)
+
+    def _sync_flags(self, loss_only: bool = False) -> None:
+        self._flags.sync(self.sync_found_inf, self._model_is_ddp, loss_only)
+
+    def _clip_or_measure(self, grads: Union[InPlaceGrads, StashedGrads]) -> bool:
+        """Hand the unscaled grads to the optimizer and clip them (``clip_grad``), or take the
+        norm to publish. False when the norm is not finite: the step is skipped."""
+        grads.hand_to_optimizer()
+        if self.clip_grad_kwargs:
+            return self._clip_grad()
+        self._grad_norm = grads.norm_to_publish(self._publish_due(), self._sharding,
+                                                self._grad_norm)
+        return True
 
     def _clip_grad(self) -> bool:
         """mmengine's clipping on the optimizer's (unscaled fp32) grads, keeping the norm for
         amp_gnorm. False when the norm is not finite: the step must be skipped (Note [non-finite
-        norm])."""
+        norm] in mp_wrappers.wrappers.overflow)."""
         params = [p for g in self.optimizer.param_groups for p in g['params'] if p.grad is not None]
         if params:
             if self._sharding is not None and self.grad_name == 'grad_norm':
@@ -484,25 +459,12 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
                 norm = self.clip_func(params, **self.clip_grad_kwargs)
             if norm is not None:
                 if not bool(torch.isfinite(norm)):
-                    self._flag_nonfinite_norm(norm)
+                    self._flags.flag_nonfinite_norm(norm)
                     return False
                 self.message_hub.update_scalar(f'train/{self.grad_name}', float(norm))
                 if self.grad_name == 'grad_norm':
                     self._grad_norm = norm
         return True
-
-    # Note [non-finite norm]: finite gradients can have an infinite total norm: squares summed in
-    # fp32 overflow once elements pass ~1.8e19 (torch's fp32 norm does this on CPU), and a true norm
-    # above fp32's max is inf in any accumulation. Clipping then computes coef = max_norm / inf = 0
-    # and silently zeroes every gradient (an Adam step still moves the weights through its moments).
-    # The wrappers treat such a norm as an overflow instead, on every device and both step paths:
-    # the flags are set, the update is skipped and the scalers back off.
-    def _flag_nonfinite_norm(self, norm: Tensor) -> None:
-        """Set this step's overflow flags if ``norm`` is inf/nan, on the device (no host sync)."""
-        bad = (~torch.isfinite(norm)).reshape(1).to(torch.float32)
-        for k in self._used_scalers:
-            flag = self._flag(k)
-            torch.maximum(flag, bad.to(flag.device), out=flag)
 
     # Note [fused step and clipping]: clip_grad_norm_ multiplies the unscaled grads by
     # coef = min(1, max_norm / (norm + 1e-6)). Dividing by grad_scale / coef does the same inside the
@@ -512,7 +474,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
     def _fusable(self) -> bool:
         if not getattr(self.optimizer, 'supports_fused_master_step', False):
             return False
-        if self._pending_scaler is None or self._stash.holds_grads or len(self._used_scalers) != 1:
+        if self._flags.pending is None or self._stash.holds_grads or len(self._flags.used) != 1:
             return False
         clip = self.clip_grad_kwargs
         if clip:
@@ -526,60 +488,28 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
 
     @torch.no_grad()
     def _fused_step(self, masters: MasterParams) -> None:
-        k = self._pending_scaler
-        scaler, flag = self.loss_scalers[k], self._flag(k)
-        grads, models, by_dtype = [], [], {}
-        for group, row in zip(self.optimizer.param_groups, masters.model_params):
-            g_row = []
-            for slot, model_p in zip(group['params'], row):
-                g = (model_p if model_p is not None else slot).grad
-                if g is not None and g.is_sparse:
-                    raise RuntimeError('mixed-precision wrappers do not support sparse gradients '
-                                       f'(parameter of shape {tuple(slot.shape)})')
-                g_row.append(g)
-                if g is not None:
-                    # Under FSDP: local shards, and the norm is combined across ranks below.
-                    sharded = self._sharding is not None and self._sharding.slot_is_sharded(g)
-                    by_dtype.setdefault((g.dtype, sharded), []).append(
-                        _sharding.local_tensor(g, 'a gradient'))
-            grads.append(g_row)
-            models.append(list(row))
-        inv_scale = scaler.inv_scale()
-        norms = [multi_tensor_unscale_l2norm(gs, inv_scale, found_inf=flag)[0]
-                 for gs in by_dtype.values()]
-        if self._sharding is not None:
-            # Under FSDP: the norm of the whole model's gradients, equal on every rank.
-            total = _sharding.global_norm({True: [n for (_, sh), n in zip(by_dtype, norms) if sh],
-                                           False: [n for (_, sh), n in zip(by_dtype, norms)
-                                                   if not sh]}, group=self._sharding.group)
-        else:
-            # Combined in double: the per-dtype norms are exact up to fp32's max, their fp32
-            # squares are not (a norm of 1e30 would square to inf).
-            total = (torch.linalg.vector_norm(torch.stack(norms).double()).float() if norms
-                     else None)
-        if self.clip_grad_kwargs and total is not None:
-            self._flag_nonfinite_norm(total)  # before the sync, so every rank skips together
+        """:meth:`step`'s stages for the fused update, which skips on the device by itself."""
+        k = self._flags.pending
+        scaler, flag = self.loss_scalers[k], self._flags.flag(k)
+        grads, models, by_dtype = fused_grads(self.optimizer, masters, self._sharding)
+        total = fused_unscale_norm(by_dtype, scaler, flag, self._sharding)
+        clipped_norm = total if self.clip_grad_kwargs else None
+        if clipped_norm is not None:
+            self._flags.flag_nonfinite_norm(total)  # before the sync, so every rank skips together
         self._sync_flags()
         grad_scale = scaler.scale
-        if self.clip_grad_kwargs and total is not None:
+        if clipped_norm is not None:  # Note [fused step and clipping]
             coef = torch.clamp(self.clip_grad_kwargs['max_norm'] / (total + 1e-6), max=1.0)
             grad_scale = grad_scale / coef
         self.optimizer.fused_master_step(grads, models, grad_scale=grad_scale, found_inf=flag)
-        # The step consumed the model gradients, as the unfused path's unscale does: a gradient
-        # left here would be zeroed (not freed) by zero_grad(set_to_none=False) and step a
-        # parameter that gets no gradient later (an unused branch) with zeros: weight decay and
-        # moments would move it, where torch.optim leaves a parameter without a gradient alone.
-        for g_row, row, group in zip(grads, masters.model_params, self.optimizer.param_groups):
-            for g, slot, model_p in zip(g_row, group['params'], row):
-                if g is not None:
-                    (model_p if model_p is not None else slot).grad = None
-        self._pending_scaler = None
+        release_fused_grads(grads, self.optimizer, masters)
+        self._flags.pending = None
         self._grad_norm = total
         # The update already happened (or not) on the device; the host needs the flag only for
         # bookkeeping. On an accelerator that arrives later, without a sync (Note [deferred
-        # outcomes] in mp_wrappers.step_outcomes); on the CPU reading it is free.
-        clipped_norm = total if self.clip_grad_kwargs else None
-        if self._defers_outcomes(flag.device):
+        # outcomes] in mp_wrappers.step_outcomes); on the CPU reading it is free. overflow_report
+        # names the parameters with bad gradients: it must read them at the step.
+        if defers_host_reads(flag.device) and not self.overflow_report:
             self._finish_step_deferred(clipped_norm)
             return
         skipped = bool(flag.item() > 0)
@@ -587,90 +517,16 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         if clipped_norm is not None and not skipped:
             self.message_hub.update_scalar(f'train/{self.grad_name}', float(clipped_norm))
 
-    # Note [in-place unscale]: when every optimizer slot is the model parameter itself (O0, O1, O3,
-    # FP16OptimWrapper over fp32 weights) and one scaler produced the step's gradients, there is no
-    # fp32 stash to fill: the gradients are checked and unscaled where they are, as torch's
-    # GradScaler does.
-    #
-    # Note [unit-scale check]: at a static scale of 1.0 nothing needs unscaling, so checking the
-    # gradients would be a read pass of its own: 45 MB for ResNet-18, ~5 ms of a 0.69 s step on
-    # one core of a Xeon VM, 1% (2% on two threads), the whole gap to mmengine's AmpOptimWrapper,
-    # which checks nothing on CPU (its GradScaler disables itself there). apex does no check at a
-    # static 1.0 either. By default ('auto') the step then only checks the loss, in backward (a
-    # scalar, on the device): a non-finite loss is the usual way non-finite gradients arise, and
-    # bf16 autocast's gradients are fp32 gradients of fp32 weights, which overflow only where fp32
-    # training would. amp_gnorm is computed at publications only. grad_check='always' restores the
-    # pass (it also yields the norm). benchmarks/bench_o1_overhead.py measures both.
-    def _unscales_in_place(self, masters: MasterParams) -> bool:
-        return (self._pending_scaler is not None and len(self._used_scalers) == 1
-                and not self._stash.holds_grads and not masters.has_half)
-
-    @torch.no_grad()
-    def _in_place_step(self, masters: MasterParams, **kwargs) -> None:
-        k = self._pending_scaler
-        scaler, flag = self.loss_scalers[k], self._flag(k)
-        slots = [slot for slot, _ in masters.slots()]
-        norm = None
-        loss_only = scaler.is_unit and self.grad_check == 'auto'
-        by_dtype: Dict[torch.dtype, List[Tensor]] = {}
-        for slot in slots:
-            g = slot.grad
-            if g is None:
-                continue
-            if g.is_sparse:
-                raise RuntimeError('mixed-precision wrappers do not support sparse gradients '
-                                   f'(parameter of shape {tuple(slot.shape)})')
-            if not loss_only:  # else gathered only if the norm is published (below)
-                by_dtype.setdefault(g.dtype, []).append(_sharding.local_tensor(g, 'a gradient'))
-        if loss_only:
-            pass  # the loss was checked in backward (Note [unit-scale check])
-        elif scaler.is_unit:
-            norms = [multi_tensor_unscale_l2norm(gs, 1.0, found_inf=flag)[0]
-                     for gs in by_dtype.values()]
-            # Local norms under FSDP: the whole model's norm is taken below when it is needed.
-            norm = (torch.linalg.vector_norm(torch.stack(norms).double()).float()
-                    if norms and self._sharding is None else None)
-        else:
-            inv_scale = scaler.inv_scale()
-            for gs in by_dtype.values():
-                multi_tensor_scale(gs, gs, inv_scale, flag)
-        self._pending_scaler = None
-        self._sync_flags(loss_only)
-        skipped = self._overflowed()
-        if not skipped:
-            if self.clip_grad_kwargs:
-                skipped = not self._clip_grad()  # a non-finite norm skips (Note [non-finite norm])
-            else:
-                if norm is None and self._publish_due():
-                    grads = ([g for gs in by_dtype.values() for g in gs] if not loss_only else
-                             [_sharding.local_tensor(s.grad, 'a gradient') for s in slots
-                              if s.grad is not None])
-                    norm = self._norm_of(grads) if grads else None
-                self._grad_norm = norm
-        if not skipped:
-            self.optimizer.step(**kwargs)
-        self._finish_step(skipped)
-        for slot in slots:  # consumed, as on the stash path: the next backward starts afresh
-            slot.grad = None
-    def _norm_of(self, grads: List[Tensor]) -> Tensor:
-        """L2 norm of unscaled gradients; under FSDP the norm of the whole model's."""
-        if self._sharding is None:
-            return multi_tensor_l2norm(grads)[0]
-        sharded, replicated = _sharding.split_by_sharding(grads, self._sharding)
-        return _sharding.global_norm({True: [multi_tensor_l2norm(sharded)[0]] if sharded else [],
-                                      False: [multi_tensor_l2norm(replicated)[0]]
-                                      if replicated else []}, group=self._sharding.group)
-
+    # ---- finishing a step: the scalers and the bookkeeping (step_outcomes.OutcomeLedger) ----------
     def _finish_step(self, skipped: bool) -> None:
         """Update the scalers and do the step's bookkeeping, reading the flags on the host."""
         # Earlier deferred steps first: outcomes are accounted in step order (this step has read
         # the device already).
         self._take_outcomes(wait=True)
-        used = list(self._used_scalers)
+        used = list(self._flags.used)
         where = where_direct(self.message_hub.get_info('iter'),
                              self.loss_scalers[0].steps) if skipped else ''
-        outcome = self._outcomes.settle(self.loss_scalers, used, [self._flag(k) for k in used],
-                                        skipped)
+        outcome = self._outcomes.settle(self.loss_scalers, used, self._flags.used_flags(), skipped)
         # The gradients are still here: the reports can name the parameters that overflowed.
         self._account(outcome, where, self.nonfinite_param_names)
         self._reset_step_state()
@@ -682,15 +538,10 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         # (publish_now=False): a publication reads the device (Note [deferred outcomes]).
         return self.message_hub.get_info('iter') is None and self.publish_now is not False
 
-    def _defers_outcomes(self, device: torch.device) -> bool:
-        """Whether a fused step's bookkeeping waits for its outcome to reach the host."""
-        # overflow_report names the parameters with bad gradients: it must read them at the step.
-        return defers_host_reads(device) and not self.overflow_report
-
     def _finish_step_deferred(self, clipped_norm: Optional[Tensor]) -> None:
         """:meth:`_finish_step` without host reads (Note [deferred outcomes])."""
-        used = list(self._used_scalers)
-        self._outcomes.settle_deferred(self.loss_scalers, used, [self._flag(k) for k in used],
+        self._outcomes.settle_deferred(self.loss_scalers, list(self._flags.used),
+                                       self._flags.used_flags(),
                                        self.message_hub.get_info('iter'), clipped_norm)
         self._reset_step_state()
         self._take_outcomes(wait=False)
@@ -709,7 +560,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         """One step's bookkeeping (:meth:`OutcomeLedger.account`)."""
         if outcome.skipped and outcome.seq == self._outcomes.seq - 1:
             self._grad_norm = None  # the norm of a step that did not happen is not published
-        self._outcomes.account(outcome, self, where, names, self._loss_nonfinite)
+        self._outcomes.account(outcome, self, where, names, self._flags.loss_nonfinite)
 
     def nonfinite_param_names(self, limit: int = 5) -> List[str]:
         """Names (or shapes, when the model was never seen) of parameters with inf/nan gradients.
@@ -728,11 +579,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         return found
 
     def _reset_step_state(self) -> None:
-        for flag in self._found_inf.values():
-            flag.zero_()
-        self._used_scalers = []
-        self._pending_scaler = None
-        self._loss_nonfinite = None
+        self._flags.reset()
         if self._masters is not None:
             self._stash.clear(self._masters)
 

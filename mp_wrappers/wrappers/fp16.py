@@ -258,8 +258,8 @@ class FP16OptimWrapper(ModelCastingOptimWrapper):
         if not grads_owner:
             return 0.0
         norm = torch.nn.utils.clip_grad_norm_(grads_owner, max_norm, norm_type=norm_type)
-        if not bool(torch.isfinite(norm)):  # Note [non-finite norm] (base.py): an overflow
-            self._flag_nonfinite_norm(norm)
+        if not bool(torch.isfinite(norm)):  # an overflow (Note [non-finite norm], overflow.py)
+            self._flags.flag_nonfinite_norm(norm)
             return -1.0
         return float(norm)
 
