@@ -23,18 +23,26 @@ Gradients reach the masters through :class:`GradStash`: model gradients, scaled 
 unscaled into fp32 buffers (accumulating when several losses with different scales contribute to one
 step), with a non-finite check, and handed to the optimizer as ``master.grad``.
 """
+import logging
+import warnings
 import weakref
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch import Tensor
+from mmengine.logging import print_log
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from .casting import HALF_DTYPES
+from .casting import HALF_DTYPES, forget_loaded_full_precision, loaded_full_precision
 from .distributed.sharding import local_tensors
 from .ops import multi_tensor_axpby, multi_tensor_scale
 
-__all__ = ['MasterParams', 'GradStash', 'grouped_scale', 'MastersInStateDict']
+__all__ = ['MasterParams', 'GradStash', 'grouped_scale', 'MastersInStateDict', 'bind_masters',
+           'zero_grads', 'MasterMismatchWarning']
+
+
+class MasterMismatchWarning(UserWarning):
+    """fp32 masters loaded from a checkpoint disagreed with the model's weights at training start."""
 
 
 def _buckets(pairs: Sequence[Tuple[Tensor, Tensor]]) -> Dict[tuple, Tuple[List[Tensor], List[Tensor]]]:
@@ -223,6 +231,55 @@ def _new_master(param: Tensor, initial: Optional[Tensor]) -> Tensor:
         raise ValueError(f'initial master value of shape {tuple(initial.shape)} on {initial.device} '
                          f'does not match the parameter ({tuple(param.shape)} on {param.device})')
     return source.detach().to(torch.float32, copy=True).requires_grad_(param.requires_grad)
+
+
+def bind_masters(masters: MasterParams, module: nn.Module,
+                 precast_weights: Dict[int, Tensor]) -> None:
+    """Note [masters lifecycle]: start the masters from ``module``'s weights, saying which were stale.
+
+    ``precast_weights``: ``id(half param) -> fp32 weight`` a cast by the wrapper rounded, taken
+    like full-precision values loaded into the model.
+    """
+    loaded = masters.loaded_from_checkpoint
+    full_precision = loaded_full_precision(module)
+    full_precision.update(precast_weights)
+    stale = masters.sync_with_model(full_precision)
+    forget_loaded_full_precision(module)
+    if not stale:
+        return
+    names = {id(p): n for n, p in module.named_parameters()}
+    listed = ', '.join(names.get(id(p), f'<param {tuple(p.shape)}>') for p in stale[:5])
+    more = f' and {len(stale) - 5} more' if len(stale) > 5 else ''
+    if loaded:
+        msg = (f'mp_wrappers: {len(stale)} fp32 master weights loaded from the checkpoint '
+               f'do not round to the model\'s weights ({listed}{more}): the model was '
+               'written after the optimizer state was loaded, or the checkpoint\'s '
+               'state_dict and optimizer state disagree. Training starts from the model\'s '
+               'weights; their masters were re-derived from them.')
+        warnings.warn(msg, MasterMismatchWarning, stacklevel=5)
+        print_log(msg, logger='current', level=logging.WARNING)
+    else:
+        print_log(f'mp_wrappers: re-derived {len(stale)} fp32 master weights from the '
+                  f'model, written after the optimizer wrapper was built ({listed}{more};'
+                  ' init_weights or load_from)', logger='current', level=logging.INFO)
+
+
+def zero_grads(masters: MasterParams, set_to_none: bool) -> None:
+    """Clear the gradients of the optimizer's slots and of the half model params behind them."""
+    for slot, model_p in masters.slots():
+        for p in (slot, model_p):
+            if p is None or p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                # As torch's Optimizer.zero_grad: grads that are views (FSDP's use_orig_params,
+                # DDP's gradient_as_bucket_view) cannot be detached in place.
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                p.grad.zero_()
 
 
 class MastersInStateDict:

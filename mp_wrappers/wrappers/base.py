@@ -22,39 +22,32 @@ are bound to the model's weights when training starts (Note [masters lifecycle] 
 rounded half weights.
 """
 import contextlib
-import logging
-import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-from mmengine.logging import print_log
 from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from .. import runner_adapter
-from ..casting import forget_loaded_full_precision, loaded_full_precision
 from ..distributed import sharding as _sharding
 from ..half_errors import add_half_hint
-from ..master import GradStash, MasterParams, MastersInStateDict
-from ..registry import HOOKS
+from ..master import (GradStash, MasterMismatchWarning, MasterParams, MastersInStateDict,
+                      bind_masters, zero_grads)
 from ..scaler import LossScaler
 from ..step_outcomes import (OutcomeLedger, StepOutcome, defers_host_reads, where_deferred,
                              where_direct)
-from . import checkpoint_format
-from .overflow import StepFlags
-from .unscale import (InPlaceGrads, StashedGrads, fused_grads, fused_unscale_norm,
-                      release_fused_grads, unscale_in_place)
+from . import checkpoint_format, options, publishing, runner_link
 from .checkpoint_format import STATE_KEY, CheckpointMismatchWarning
+from .model_view import ModelView
+from .overflow import StepFlags
+from .unscale import (InPlaceGrads, StashedGrads, fusable, fused_step, nonfinite_param_names,
+                      unscale_in_place)
 
+# The warnings are importable from here, beside the wrapper that raises them, as before.
 __all__ = ['MixedPrecisionOptimWrapper', 'STATE_KEY', 'CheckpointMismatchWarning',
-           'MasterMismatchWarning']
-
-
-class MasterMismatchWarning(UserWarning):
-    """fp32 masters loaded from a checkpoint disagreed with the model's weights at training start."""
+           'MasterMismatchWarning', 'mixed_precision_wrappers']
 
 
 class MixedPrecisionOptimWrapper(OptimWrapper):
@@ -105,50 +98,21 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
     unscaled gradients the optimizer stepped with).
     """
 
-    _COLLAPSE_POLICIES = ('warn', 'raise', 'ignore')
-    _GRAD_CHECKS = ('auto', 'always')
-
     def __init__(self, optimizer: Optimizer, loss_scalers: Sequence[LossScaler],
                  master_weights: bool = True, verbose: bool = True, accumulative_counts: int = 1,
                  clip_grad: Optional[dict] = None, overflow_report: bool = False,
                  on_scale_collapse: str = 'warn', collapse_patience: int = 10,
                  sync_found_inf: Optional[bool] = None,
                  log_interval: Optional[int] = None, grad_check: str = 'auto') -> None:
-        if not isinstance(optimizer, Optimizer):
-            raise TypeError(f'optimizer must be a torch.optim.Optimizer, got '
-                            f'{type(optimizer).__name__}')
-        if (isinstance(accumulative_counts, bool) or not isinstance(accumulative_counts, int)
-                or accumulative_counts < 1):
-            raise ValueError(f'accumulative_counts must be an integer >= 1, got '
-                             f'{accumulative_counts!r}')
-        if clip_grad is not None and not isinstance(clip_grad, dict):
-            raise TypeError(f'clip_grad must be a dict such as dict(max_norm=1.0) or None, got '
-                            f'{clip_grad!r}')
-        if on_scale_collapse not in self._COLLAPSE_POLICIES:
-            raise ValueError(f'on_scale_collapse={on_scale_collapse!r} is not allowed; expected '
-                             f'one of {self._COLLAPSE_POLICIES}')
-        for name, value in (('collapse_patience', collapse_patience),
-                            ('log_interval', log_interval)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ValueError(f'{name} must be an integer >= 1, got {value!r}')
-        if grad_check not in self._GRAD_CHECKS:
-            raise ValueError(f'grad_check={grad_check!r} is not allowed; expected one of '
-                             f'{self._GRAD_CHECKS}')
-        if sync_found_inf is not None and not isinstance(sync_found_inf, bool):
-            raise ValueError(f'sync_found_inf must be True, False or None, got {sync_found_inf!r}')
-        _check_params(optimizer)
-        if master_weights:
-            _refuse_sharded_inner_optimizer(optimizer, type(self).__name__)
+        options.check_options(optimizer, accumulative_counts, clip_grad, on_scale_collapse,
+                              collapse_patience, log_interval, grad_check, sync_found_inf)
+        options.check_optimizer(optimizer, master_weights, type(self).__name__)
         # mmengine pops 'type' from clip_grad; give it a copy so the user's config stays intact.
         super().__init__(optimizer, accumulative_counts=accumulative_counts,
                          clip_grad=dict(clip_grad) if clip_grad else None)
         self.loss_scalers: List[LossScaler] = list(loss_scalers)
         self.master_weights = bool(master_weights)
         self.verbose = bool(verbose)
-        self._masters: Optional[MasterParams] = None
-        self._stash = GradStash()
-        self._flags = StepFlags(self.loss_scalers)  # this step's overflow flags and scalers
         self.overflow_report = bool(overflow_report)
         self.on_scale_collapse = on_scale_collapse
         self.collapse_patience = collapse_patience
@@ -159,17 +123,18 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         # exactly: in epoch-based loops it counts iterations within the epoch and logs the last one
         # of each epoch, which ``log_interval`` arithmetic on the global iteration cannot match.
         self.publish_now: Optional[bool] = None
-        self._outcomes = OutcomeLedger()  # finished steps, and those on their way to the host
+        # The step's collaborators: overflow flags, fp32 gradient stash, finished steps.
+        self._flags = StepFlags(self.loss_scalers)
+        self._stash = GradStash()
+        self._outcomes = OutcomeLedger()
         self._grad_norm: Optional[Tensor] = None  # of the last applied step, read when publishing
         self._skipped_published = 0
-        self._model_is_ddp = False
-        self._sharding: Optional[_sharding.Sharding] = None  # FSDP1/FSDP2, seen in optim_context
-        self._grads_unsynced = False
-        self._param_names: Dict[int, str] = {}
-        self._names_for: Optional[int] = None
-        # Note [masters lifecycle]: the masters last bound to the model's weights, and the modules
-        # (the model, or parts of it passed to optim_context, as GANs do) carrying the state-dict
-        # hook that saves the masters in their checkpoints.
+        self._seen = ModelView()
+        self._grads_unsynced = False  # FSDP no_sync: grads are unsharded partial sums
+        # Note [masters lifecycle]: the masters, those last bound to the model's weights, and the
+        # modules (the model, or parts of it passed to optim_context, as GANs do) carrying the
+        # state-dict hook that saves the masters in their checkpoints.
+        self._masters: Optional[MasterParams] = None
         self._bound_masters: Optional[MasterParams] = None
         self._checkpoint_hooks: 'weakref.WeakKeyDictionary[nn.Module, Any]' = \
             weakref.WeakKeyDictionary()
@@ -177,8 +142,6 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         # until the next bind.
         self._precast_weights: Dict[int, Tensor] = {}
         self._check_at_first_forward = False
-        # (weakref to the model last passed to optim_context, its unwrapped module)
-        self._context_of: Optional[Tuple[Any, nn.Module]] = None
         # Note [wrapper lifecycle]: the runner building this wrapper gets our lifecycle hook.
         self._runner_ref: Optional['weakref.ref'] = None
         self._runner_looked_up: set = set()
@@ -194,13 +157,11 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         if self._runner_ref is not None or stage in self._runner_looked_up:
             return
         self._runner_looked_up.add(stage)
-        runner = runner_adapter.find_runner()
-        if runner is None:
-            return
-        hook_type = HOOKS.get('WrapperLifecycleHook')
-        hook = runner_adapter.ensure_hook(runner, hook_type, hook_type)
-        self._runner_ref = weakref.ref(runner)
-        hook.catch_up(runner, stage)
+        found = runner_link.find_runner_and_hook()
+        if found is not None:
+            runner, hook = found
+            self._runner_ref = weakref.ref(runner)
+            hook.catch_up(runner, stage)
 
     def trains_half_weights(self) -> bool:
         """Whether the weights the model computes with are (or will be, once cast) fp16/bf16."""
@@ -254,28 +215,8 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
     def _bind_masters(self, module: nn.Module) -> None:
         """Note [masters lifecycle]: start the masters from the model's weights."""
         masters = self._master_params()
-        loaded = masters.loaded_from_checkpoint
-        full_precision = loaded_full_precision(module)
-        full_precision.update(self._precast_weights)
-        stale = masters.sync_with_model(full_precision)
-        forget_loaded_full_precision(module)
-        self._precast_weights = {}
-        if stale:
-            names = {id(p): n for n, p in module.named_parameters()}
-            listed = ', '.join(names.get(id(p), f'<param {tuple(p.shape)}>') for p in stale[:5])
-            more = f' and {len(stale) - 5} more' if len(stale) > 5 else ''
-            if loaded:
-                msg = (f'mp_wrappers: {len(stale)} fp32 master weights loaded from the checkpoint '
-                       f'do not round to the model\'s weights ({listed}{more}): the model was '
-                       'written after the optimizer state was loaded, or the checkpoint\'s '
-                       'state_dict and optimizer state disagree. Training starts from the model\'s '
-                       'weights; their masters were re-derived from them.')
-                warnings.warn(msg, MasterMismatchWarning, stacklevel=4)
-                print_log(msg, logger='current', level=logging.WARNING)
-            else:
-                print_log(f'mp_wrappers: re-derived {len(stale)} fp32 master weights from the '
-                          f'model, written after the optimizer wrapper was built ({listed}{more};'
-                          ' init_weights or load_from)', logger='current', level=logging.INFO)
+        precast, self._precast_weights = self._precast_weights, {}
+        bind_masters(masters, module, precast)
         self._bound_masters = masters
         self._check_at_first_forward = False
 
@@ -298,22 +239,9 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
     @contextlib.contextmanager
     def optim_context(self, model: nn.Module):
         """mmengine's forward context (DDP ``no_sync`` while accumulating); records param names."""
-        seen = self._context_of
-        if seen is not None and seen[0]() is model:
-            # The same model object as last time: its wrapping cannot have changed (a fresh
-            # DDP/FSDP wrapper is a new object), and these checks cost tiny models ~10% per step.
-            module = seen[1]
-        else:
-            self._model_is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-            self._sharding = _sharding.sharding_of(model)
-            if self._sharding is not None:
-                _sharding.check_elementwise_optimizer(self.optimizer, self._sharding)
-            module = model.module if is_model_wrapper(model) else model
-            self._context_of = (weakref.ref(model), module)
+        module, new = self._seen.see(model, self.optimizer)
+        if new:
             self._attach_to_runner('forward')
-        if self._names_for != id(module):
-            self._param_names = {id(p): n for n, p in module.named_parameters()}
-            self._names_for = id(module)
         self._prepare_model(model)
         with super().optim_context(model):
             try:
@@ -325,12 +253,6 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
                 raise hinted from exc
 
     # ---- backward --------------------------------------------------------------------------------
-    def _check_loss_id(self, loss_id: int) -> None:
-        n = len(self.loss_scalers)
-        if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < n:
-            raise ValueError(f'loss_id={loss_id!r} is out of range: this wrapper has num_losses={n},'
-                             f' so loss_id must be an integer in [0, {n - 1}]')
-
     def backward(self, loss: Tensor, loss_id: int = 0, **kwargs) -> None:
         """Scale ``loss`` with scaler ``loss_id`` and back-propagate.
 
@@ -339,7 +261,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             loss_id (int): Which loss scaler to use. Defaults to 0.
             **kwargs: Passed on to ``Tensor.backward`` (e.g. ``retain_graph``).
         """
-        self._check_loss_id(loss_id)
+        options.check_loss_id(loss_id, len(self.loss_scalers))
         if self._stash.holds_grads and self._masters is not None:
             self._stash.withdraw(self._masters)
         if self._flags.pending is not None and self._flags.pending != loss_id:
@@ -348,10 +270,10 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self._flags.check_loss(loss, loss_id, report=self.overflow_report)
         # FSDP reads its gradient-sync flag during backward, not in the forward like DDP.
         sync = self.should_sync()
-        with _sharding.no_sync_for_backward(self._sharding, sync):
+        sharding = self._seen.sharding
+        with _sharding.no_sync_for_backward(sharding, sync):
             self.loss_scalers[loss_id].scale_loss(loss).backward(**kwargs)
-        # Under FSDP no_sync the grads are unsharded partial sums until the synced backward.
-        self._grads_unsynced = self._sharding is not None and not sync
+        self._grads_unsynced = sharding is not None and not sync
         self._flags.backward_done(loss_id)
         self._inner_count += 1
 
@@ -403,7 +325,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         """
         masters = self._master_params()
         if not kwargs and self._fusable():
-            self._fused_step(masters)  # the same stages, decided on the device
+            self._fused_step(masters)  # the same stages, in the kernels, decided on the device
             return
         grads = self._unscale_and_check(masters)
         # One host read per step, as torch's GradScaler does: the host must know whether to call
@@ -422,10 +344,9 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         flags = self._flags
         if (flags.pending is not None and len(flags.used) == 1 and not self._stash.holds_grads
                 and not masters.has_half):  # Note [in-place unscale]
-            k = flags.pending
-            scaler = self.loss_scalers[k]
-            grads = unscale_in_place(masters, scaler, flags.flag(k), self.grad_check,
-                                     self._sharding)
+            scaler = self.loss_scalers[flags.pending]
+            grads = unscale_in_place(masters, scaler, flags.flag(flags.pending), self.grad_check,
+                                     self._seen.sharding)
             flags.pending = None
             self._sync_flags(loss_only=scaler.is_unit and self.grad_check == 'auto')
             return grads
@@ -434,7 +355,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         return StashedGrads(self._stash, masters)
 
     def _sync_flags(self, loss_only: bool = False) -> None:
-        self._flags.sync(self.sync_found_inf, self._model_is_ddp, loss_only)
+        self._flags.sync(self.sync_found_inf, self._seen.is_ddp, loss_only)
 
     def _clip_or_measure(self, grads: Union[InPlaceGrads, StashedGrads]) -> bool:
         """Hand the unscaled grads to the optimizer and clip them (``clip_grad``), or take the
@@ -442,7 +363,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         grads.hand_to_optimizer()
         if self.clip_grad_kwargs:
             return self._clip_grad()
-        self._grad_norm = grads.norm_to_publish(self._publish_due(), self._sharding,
+        self._grad_norm = grads.norm_to_publish(self._publish_due(), self._seen.sharding,
                                                 self._grad_norm)
         return True
 
@@ -452,9 +373,9 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         norm] in mp_wrappers.wrappers.overflow)."""
         params = [p for g in self.optimizer.param_groups for p in g['params'] if p.grad is not None]
         if params:
-            if self._sharding is not None and self.grad_name == 'grad_norm':
-                norm = _sharding.clip_grad_norm_sharded(params, self._sharding,
-                                                        **self.clip_grad_kwargs)
+            sharding = self._seen.sharding
+            if sharding is not None and self.grad_name == 'grad_norm':
+                norm = _sharding.clip_grad_norm_sharded(params, sharding, **self.clip_grad_kwargs)
             else:
                 norm = self.clip_func(params, **self.clip_grad_kwargs)
             if norm is not None:
@@ -466,49 +387,22 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
                     self._grad_norm = norm
         return True
 
-    # Note [fused step and clipping]: clip_grad_norm_ multiplies the unscaled grads by
-    # coef = min(1, max_norm / (norm + 1e-6)). Dividing by grad_scale / coef does the same inside the
-    # fused kernel, so norm clipping costs no extra pass. Other clip settings take the unfused path.
-    _FUSABLE_CLIP_KEYS = {'max_norm', 'norm_type', 'error_if_nonfinite', 'foreach'}
-
     def _fusable(self) -> bool:
-        if not getattr(self.optimizer, 'supports_fused_master_step', False):
-            return False
-        if self._flags.pending is None or self._stash.holds_grads or len(self._flags.used) != 1:
-            return False
-        clip = self.clip_grad_kwargs
-        if clip:
-            if getattr(self, 'grad_name', 'grad_norm') != 'grad_norm':
-                return False
-            if not set(clip) <= self._FUSABLE_CLIP_KEYS or float(clip.get('norm_type', 2.0)) != 2.0:
-                return False
-            if clip.get('error_if_nonfinite', False):
-                return False
-        return True
+        return fusable(self.optimizer, self._flags, self._stash, self.clip_grad_kwargs,
+                       getattr(self, 'grad_name', 'grad_norm'))
 
-    @torch.no_grad()
     def _fused_step(self, masters: MasterParams) -> None:
-        """:meth:`step`'s stages for the fused update, which skips on the device by itself."""
-        k = self._flags.pending
-        scaler, flag = self.loss_scalers[k], self._flags.flag(k)
-        grads, models, by_dtype = fused_grads(self.optimizer, masters, self._sharding)
-        total = fused_unscale_norm(by_dtype, scaler, flag, self._sharding)
-        clipped_norm = total if self.clip_grad_kwargs else None
-        if clipped_norm is not None:
-            self._flags.flag_nonfinite_norm(total)  # before the sync, so every rank skips together
-        self._sync_flags()
-        grad_scale = scaler.scale
-        if clipped_norm is not None:  # Note [fused step and clipping]
-            coef = torch.clamp(self.clip_grad_kwargs['max_norm'] / (total + 1e-6), max=1.0)
-            grad_scale = grad_scale / coef
-        self.optimizer.fused_master_step(grads, models, grad_scale=grad_scale, found_inf=flag)
-        release_fused_grads(grads, self.optimizer, masters)
-        self._flags.pending = None
+        """:meth:`step` through the fused update, which skips itself on the device."""
+        flag = self._flags.flag(self._flags.pending)
+        total = fused_step(self.optimizer, masters, self.loss_scalers[self._flags.pending],
+                           self._flags, self.clip_grad_kwargs, self._seen.sharding,
+                           self._sync_flags)
         self._grad_norm = total
-        # The update already happened (or not) on the device; the host needs the flag only for
-        # bookkeeping. On an accelerator that arrives later, without a sync (Note [deferred
-        # outcomes] in mp_wrappers.step_outcomes); on the CPU reading it is free. overflow_report
-        # names the parameters with bad gradients: it must read them at the step.
+        clipped_norm = total if self.clip_grad_kwargs else None
+        # The host needs the flag only for bookkeeping. On an accelerator that arrives later,
+        # without a sync (Note [deferred outcomes] in mp_wrappers.step_outcomes); on the CPU
+        # reading it is free. overflow_report names the parameters with bad gradients: it must
+        # read them at the step.
         if defers_host_reads(flag.device) and not self.overflow_report:
             self._finish_step_deferred(clipped_norm)
             return
@@ -523,20 +417,15 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         # Earlier deferred steps first: outcomes are accounted in step order (this step has read
         # the device already).
         self._take_outcomes(wait=True)
-        used = list(self._flags.used)
         where = where_direct(self.message_hub.get_info('iter'),
                              self.loss_scalers[0].steps) if skipped else ''
-        outcome = self._outcomes.settle(self.loss_scalers, used, self._flags.used_flags(), skipped)
+        outcome = self._outcomes.settle(self.loss_scalers, list(self._flags.used),
+                                        self._flags.used_flags(), skipped)
         # The gradients are still here: the reports can name the parameters that overflowed.
         self._account(outcome, where, self.nonfinite_param_names)
         self._reset_step_state()
         if self._publishes_every_step():
             self.publish_scalars()
-
-    def _publishes_every_step(self) -> bool:
-        # Outside a training loop (no MessageHub 'iter') every step publishes, unless told not to
-        # (publish_now=False): a publication reads the device (Note [deferred outcomes]).
-        return self.message_hub.get_info('iter') is None and self.publish_now is not False
 
     def _finish_step_deferred(self, clipped_norm: Optional[Tensor]) -> None:
         """:meth:`_finish_step` without host reads (Note [deferred outcomes])."""
@@ -555,43 +444,30 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
                 self.message_hub.update_scalar(f'train/{self.grad_name}', outcome.norm)
             self._account(outcome, where_deferred(outcome, self.message_hub.get_info('iter')))
 
-    def _account(self, outcome: StepOutcome, where: str,
-                 names: Optional[Callable[[], List[str]]] = None) -> None:
+    def _account(self, outcome: StepOutcome, where: str, names=None) -> None:
         """One step's bookkeeping (:meth:`OutcomeLedger.account`)."""
         if outcome.skipped and outcome.seq == self._outcomes.seq - 1:
             self._grad_norm = None  # the norm of a step that did not happen is not published
         self._outcomes.account(outcome, self, where, names, self._flags.loss_nonfinite)
 
     def nonfinite_param_names(self, limit: int = 5) -> List[str]:
-        """Names (or shapes, when the model was never seen) of parameters with inf/nan gradients.
-
-        Looks at this step's unscaled stash and at the model gradients still present; a host sync.
-        """
-        masters = self._master_params()
-        found = []
-        for slot, model_p in masters.slots():
-            grads = [self._stash.grad_of(slot), (model_p if model_p is not None else slot).grad]
-            if any(g is not None and not bool(torch.isfinite(g).all()) for g in grads):
-                param = model_p if model_p is not None else slot
-                found.append(self._param_names.get(id(param), f'<param {tuple(param.shape)}>'))
-                if len(found) == limit:
-                    break
-        return found
+        """Names (or shapes, when the model was never seen) of parameters with inf/nan gradients
+        in this step's unscaled stash or the model gradients still present; a host sync."""
+        return nonfinite_param_names(self._master_params(), self._stash, self._seen.name_of, limit)
 
     def _reset_step_state(self) -> None:
         self._flags.reset()
         if self._masters is not None:
             self._stash.clear(self._masters)
 
-    # ---- what the logs show ------------------------------------------------------------------------
+    # ---- what the logs show (mp_wrappers.wrappers.publishing) --------------------------------------
     def _publish_due(self) -> bool:
-        if self.publish_now is not None:
-            return self.publish_now
-        it = self.message_hub.get_info('iter')
-        if it is None:
-            return True
-        interval = 10 if self.log_interval is None else self.log_interval
-        return (it + 1) % interval == 0
+        return publishing.publish_due(self.message_hub, self.publish_now, self.log_interval)
+
+    def _publishes_every_step(self) -> bool:
+        # Outside a training loop (no MessageHub 'iter') every step publishes, unless told not to
+        # (publish_now=False): a publication reads the device (Note [deferred outcomes]).
+        return self.message_hub.get_info('iter') is None and self.publish_now is not False
 
     def publish_scalars(self) -> None:
         """Write the ``amp_*`` scalars to the MessageHub (reads device state: a host sync).
@@ -600,16 +476,8 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         ``publish_now``).
         """
         self._take_outcomes(wait=True)
-        hub = self.message_hub
-        for k, scaler in enumerate(self.loss_scalers):
-            hub.update_scalar('train/amp_scale' if k == 0 else f'train/amp_scale_{k}',
-                              scaler.loss_scale)
-        total = sum(s.skipped_steps for s in self.loss_scalers)
-        hub.update_scalar('train/amp_skipped', float(total))
-        hub.update_scalar('train/amp_skipped_recent', float(total - self._skipped_published))
-        self._skipped_published = total
-        if self._grad_norm is not None:
-            hub.update_scalar('train/amp_gnorm', float(self._grad_norm))
+        self._skipped_published = publishing.publish_amp_scalars(
+            self.message_hub, self.loss_scalers, self._skipped_published, self._grad_norm)
 
     @property
     def last_step_skipped(self) -> bool:
@@ -632,20 +500,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         masters = self._master_params()
         # Detach the fp32 stash first: it is rewritten before its next use, zeroing it is waste.
         self._reset_step_state()
-        for slot, model_p in masters.slots():
-            for p in (slot, model_p):
-                if p is None or p.grad is None:
-                    continue
-                if set_to_none:
-                    p.grad = None
-                else:
-                    # As torch's Optimizer.zero_grad: grads that are views (FSDP's use_orig_params,
-                    # DDP's gradient_as_bucket_view) cannot be detached in place.
-                    if p.grad.grad_fn is not None:
-                        p.grad.detach_()
-                    else:
-                        p.grad.requires_grad_(False)
-                    p.grad.zero_()
+        zero_grads(masters, set_to_none)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def master_params(self) -> List[Tensor]:
@@ -712,44 +567,6 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             return  # ApexOptimWrapper checks at load time and loads at its first forward
         self._foreign_checked = id(ours)
         checkpoint_format.warn_if_foreign(ours, type(self).__name__, self._policy())
-
-
-def _refuse_sharded_inner_optimizer(optimizer: Optimizer, wrapper: str) -> None:
-    """Refuse fp32 masters over an optimizer that steps its own inner optimizer (ZeRO).
-
-    ``ZeroRedundancyOptimizer`` builds a local optimizer over its shard of the parameters it was
-    given and steps that one; masters swapped into its outer ``param_groups`` would receive the
-    gradients and never be updated, while the inner optimizer steps half parameters whose
-    gradients the wrapper consumed: the model would not train, silently.
-    """
-    try:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-    except ImportError:  # torch built without distributed support
-        return
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        level = "opt_level='O2'" if wrapper == 'ApexOptimWrapper' else 'its fp32 master weights'
-        raise ValueError(
-            f'{wrapper} with {level} cannot step a {type(optimizer).__name__}: ZeRO steps its '
-            'own inner optimizer over the model\'s parameters, so fp32 master weights would never '
-            'be updated and the model would not train. Use ApexOptimWrapper with '
-            "opt_level='O1' (fp32 weights, autocast) or opt_level='O3' (half weights, no masters) "
-            "with ZeroRedundancyOptimizer, or keep opt_level='O2' with a plain optimizer, e.g. "
-            "optimizer=dict(type='AdamW', lr=...).")
-
-
-def _check_params(optimizer: Optimizer) -> None:
-    """Refuse optimizers that cannot be trained in mixed precision, with a reason."""
-    params = [p for g in optimizer.param_groups for p in g['params']]
-    if not params:
-        raise ValueError('the optimizer has no parameters to train')
-    devices = {p.device for p in params}
-    if len(devices) > 1:
-        raise ValueError(f'the optimizer holds parameters on several devices ({sorted(map(str, devices))}); '
-                         'mixed-precision wrappers need them on one device')
-    for i, p in enumerate(params):
-        if not p.is_floating_point():
-            raise TypeError(f'parameter {i} has dtype {p.dtype}; only floating-point parameters '
-                            'can be optimized')
 
 
 def mixed_precision_wrappers(optim_wrapper: Any) -> List[Tuple[str, 'MixedPrecisionOptimWrapper']]:

@@ -18,7 +18,7 @@ stash to fill: the gradients are checked and unscaled where they are, as torch's
 Under FSDP the kernels run on local shards and norms are combined across ranks
 (:mod:`mp_wrappers.distributed.sharding`).
 """
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -28,9 +28,10 @@ from ..distributed import sharding as _sharding
 from ..master import GradStash, MasterParams
 from ..ops import multi_tensor_l2norm, multi_tensor_scale, multi_tensor_unscale_l2norm
 from ..scaler import LossScaler
+from .overflow import StepFlags
 
-__all__ = ['norm_of', 'fused_grads', 'fused_unscale_norm', 'release_fused_grads',
-           'InPlaceGrads', 'unscale_in_place', 'StashedGrads']
+__all__ = ['norm_of', 'fusable', 'fused_step', 'InPlaceGrads', 'unscale_in_place', 'StashedGrads',
+           'nonfinite_param_names']
 
 Sharding = Optional['_sharding.Sharding']
 
@@ -52,7 +53,55 @@ def norm_of(grads: List[Tensor], sharding: Sharding) -> Tensor:
 
 
 # ---- the fused path ------------------------------------------------------------------------------
-def fused_grads(optimizer: Optimizer, masters: MasterParams, sharding: Sharding
+# Note [fused step and clipping]: clip_grad_norm_ multiplies the unscaled grads by
+# coef = min(1, max_norm / (norm + 1e-6)). Dividing by grad_scale / coef does the same inside the
+# fused kernel, so norm clipping costs no extra pass. Other clip settings take the unfused path.
+_FUSABLE_CLIP_KEYS = {'max_norm', 'norm_type', 'error_if_nonfinite', 'foreach'}
+
+
+def fusable(optimizer: Optimizer, flags: StepFlags, stash: GradStash, clip: Optional[dict],
+            grad_name: str) -> bool:
+    """Whether the step can take the fused path: an optimizer with the fused master step, the
+    gradients of one scaler still in the model, and no clipping beyond Note [fused step and
+    clipping]."""
+    if not getattr(optimizer, 'supports_fused_master_step', False):
+        return False
+    if flags.pending is None or stash.holds_grads or len(flags.used) != 1:
+        return False
+    if clip:
+        if grad_name != 'grad_norm':
+            return False
+        if not set(clip) <= _FUSABLE_CLIP_KEYS or float(clip.get('norm_type', 2.0)) != 2.0:
+            return False
+        if clip.get('error_if_nonfinite', False):
+            return False
+    return True
+
+
+@torch.no_grad()
+def fused_step(optimizer: Optimizer, masters: MasterParams, scaler: LossScaler,
+               flags: StepFlags, clip: Optional[dict], sharding: Sharding,
+               sync_flags: Callable[[], None]) -> Optional[Tensor]:
+    """Check, clip and step in the fused kernels (the update skips itself on the device where
+    the flag is set); returns the norm of the unscaled gradients (None without gradients)."""
+    flag = flags.flag(flags.pending)
+    grads, models, by_dtype = _fused_grads(optimizer, masters, sharding)
+    total = _fused_unscale_norm(by_dtype, scaler, flag, sharding)
+    clipping = bool(clip) and total is not None
+    if clipping:
+        flags.flag_nonfinite_norm(total)  # before the sync, so every rank skips together
+    sync_flags()
+    grad_scale = scaler.scale
+    if clipping:  # Note [fused step and clipping]
+        coef = torch.clamp(clip['max_norm'] / (total + 1e-6), max=1.0)
+        grad_scale = grad_scale / coef
+    optimizer.fused_master_step(grads, models, grad_scale=grad_scale, found_inf=flag)
+    _release_fused_grads(grads, optimizer, masters)
+    flags.pending = None
+    return total
+
+
+def _fused_grads(optimizer: Optimizer, masters: MasterParams, sharding: Sharding
                 ) -> Tuple[List[List[Optional[Tensor]]], List[List[Optional[Tensor]]],
                            Dict[tuple, List[Tensor]]]:
     """The model gradients per group and slot, the model params beside them, and the gradients'
@@ -74,7 +123,7 @@ def fused_grads(optimizer: Optimizer, masters: MasterParams, sharding: Sharding
     return grads, models, by_dtype
 
 
-def fused_unscale_norm(by_dtype: Dict[tuple, List[Tensor]], scaler: LossScaler, flag: Tensor,
+def _fused_unscale_norm(by_dtype: Dict[tuple, List[Tensor]], scaler: LossScaler, flag: Tensor,
                        sharding: Sharding) -> Optional[Tensor]:
     """Check the gradients for inf/nan into ``flag`` and return the norm of the unscaled
     gradients (None without gradients); nothing is written."""
@@ -91,7 +140,7 @@ def fused_unscale_norm(by_dtype: Dict[tuple, List[Tensor]], scaler: LossScaler, 
     return torch.linalg.vector_norm(torch.stack(norms).double()).float() if norms else None
 
 
-def release_fused_grads(grads: List[List[Optional[Tensor]]], optimizer: Optimizer,
+def _release_fused_grads(grads: List[List[Optional[Tensor]]], optimizer: Optimizer,
                         masters: MasterParams) -> None:
     """Drop the model gradients the fused step consumed.
 
@@ -188,3 +237,18 @@ class StashedGrads:
 
     def release(self) -> None:
         """Nothing to do: finishing the step clears the stash."""
+
+
+def nonfinite_param_names(masters: MasterParams, stash: GradStash, name_of: Callable[[Tensor], str],
+                          limit: int = 5) -> List[str]:
+    """The first ``limit`` parameters with inf/nan in this step's unscaled stash or in the model
+    gradients still present (host reads)."""
+    found = []
+    for slot, model_p in masters.slots():
+        param = model_p if model_p is not None else slot
+        grads = [stash.grad_of(slot), param.grad]
+        if any(g is not None and not bool(torch.isfinite(g).all()) for g in grads):
+            found.append(name_of(param))
+            if len(found) == limit:
+                break
+    return found

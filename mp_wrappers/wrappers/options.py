@@ -1,0 +1,91 @@
+"""Checks of the options and optimizers the mixed-precision wrappers are built with.
+
+Every refusal says what was given and what is allowed, at construction, before anything is changed.
+"""
+from typing import Any
+
+from torch.optim import Optimizer
+
+__all__ = ['COLLAPSE_POLICIES', 'GRAD_CHECKS', 'check_options', 'check_optimizer', 'check_loss_id']
+
+COLLAPSE_POLICIES = ('warn', 'raise', 'ignore')
+GRAD_CHECKS = ('auto', 'always')
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f'{name} must be an integer >= 1, got {value!r}')
+
+
+def check_options(optimizer: Any, accumulative_counts: Any, clip_grad: Any,
+                  on_scale_collapse: Any, collapse_patience: Any, log_interval: Any,
+                  grad_check: Any, sync_found_inf: Any) -> None:
+    """Refuse wrapper options of the wrong type or value (see MixedPrecisionOptimWrapper)."""
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f'optimizer must be a torch.optim.Optimizer, got '
+                        f'{type(optimizer).__name__}')
+    if (isinstance(accumulative_counts, bool) or not isinstance(accumulative_counts, int)
+            or accumulative_counts < 1):
+        raise ValueError(f'accumulative_counts must be an integer >= 1, got '
+                         f'{accumulative_counts!r}')
+    if clip_grad is not None and not isinstance(clip_grad, dict):
+        raise TypeError(f'clip_grad must be a dict such as dict(max_norm=1.0) or None, got '
+                        f'{clip_grad!r}')
+    if on_scale_collapse not in COLLAPSE_POLICIES:
+        raise ValueError(f'on_scale_collapse={on_scale_collapse!r} is not allowed; expected '
+                         f'one of {COLLAPSE_POLICIES}')
+    _positive_int('collapse_patience', collapse_patience)
+    _positive_int('log_interval', log_interval)
+    if grad_check not in GRAD_CHECKS:
+        raise ValueError(f'grad_check={grad_check!r} is not allowed; expected one of '
+                         f'{GRAD_CHECKS}')
+    if sync_found_inf is not None and not isinstance(sync_found_inf, bool):
+        raise ValueError(f'sync_found_inf must be True, False or None, got {sync_found_inf!r}')
+
+
+def check_optimizer(optimizer: Optimizer, master_weights: bool, wrapper: str) -> None:
+    """Refuse optimizers that cannot be trained in mixed precision, with a reason."""
+    params = [p for g in optimizer.param_groups for p in g['params']]
+    if not params:
+        raise ValueError('the optimizer has no parameters to train')
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f'the optimizer holds parameters on several devices ({sorted(map(str, devices))}); '
+                         'mixed-precision wrappers need them on one device')
+    for i, p in enumerate(params):
+        if not p.is_floating_point():
+            raise TypeError(f'parameter {i} has dtype {p.dtype}; only floating-point parameters '
+                            'can be optimized')
+    if master_weights:
+        _refuse_sharded_inner_optimizer(optimizer, wrapper)
+
+
+def _refuse_sharded_inner_optimizer(optimizer: Optimizer, wrapper: str) -> None:
+    """Refuse fp32 masters over an optimizer that steps its own inner optimizer (ZeRO).
+
+    ``ZeroRedundancyOptimizer`` builds a local optimizer over its shard of the parameters it was
+    given and steps that one; masters swapped into its outer ``param_groups`` would receive the
+    gradients and never be updated, while the inner optimizer steps half parameters whose
+    gradients the wrapper consumed: the model would not train, silently.
+    """
+    try:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+    except ImportError:  # torch built without distributed support
+        return
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        level = "opt_level='O2'" if wrapper == 'ApexOptimWrapper' else 'its fp32 master weights'
+        raise ValueError(
+            f'{wrapper} with {level} cannot step a {type(optimizer).__name__}: ZeRO steps its '
+            'own inner optimizer over the model\'s parameters, so fp32 master weights would never '
+            'be updated and the model would not train. Use ApexOptimWrapper with '
+            "opt_level='O1' (fp32 weights, autocast) or opt_level='O3' (half weights, no masters) "
+            "with ZeroRedundancyOptimizer, or keep opt_level='O2' with a plain optimizer, e.g. "
+            "optimizer=dict(type='AdamW', lr=...).")
+
+
+def check_loss_id(loss_id: Any, num_losses: int) -> None:
+    """Refuse a ``loss_id`` that names no loss scaler."""
+    n = num_losses
+    if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < n:
+        raise ValueError(f'loss_id={loss_id!r} is out of range: this wrapper has num_losses={n},'
+                         f' so loss_id must be an integer in [0, {n - 1}]')
