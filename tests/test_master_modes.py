@@ -105,7 +105,7 @@ class RoundO2ModelTowardZero(Hook):
                 model_p.copy_(bf16_split(master)[0])
         # This write is instrumentation, not a new start: keep the wrapper's check at the first
         # forward (Note [masters lifecycle]) from re-deriving the masters from these weights.
-        runner.optim_wrapper._check_at_first_forward = False
+        runner.optim_wrapper._binding.check_at_first_forward = False
 
     def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
         masters = runner.optim_wrapper._masters  # the final weights too

@@ -33,8 +33,8 @@ from torch.optim import Optimizer
 
 from ..distributed import sharding as _sharding
 from ..half_errors import add_half_hint
-from ..master import (GradStash, MasterMismatchWarning, MasterParams, MastersInStateDict,
-                      bind_masters, zero_grads)
+from ..master import GradStash, MasterMismatchWarning, MasterParams, zero_grads
+from ..master_binding import MasterBinding
 from ..scaler import LossScaler
 from ..step_outcomes import (OutcomeLedger, StepOutcome, defers_host_reads, where_deferred,
                              where_direct)
@@ -125,23 +125,12 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self.publish_now: Optional[bool] = None
         # The step's collaborators: overflow flags, fp32 gradient stash, finished steps.
         self._flags = StepFlags(self.loss_scalers)
-        self._stash = GradStash()
         self._outcomes = OutcomeLedger()
         self._grad_norm: Optional[Tensor] = None  # of the last applied step, read when publishing
         self._skipped_published = 0
         self._seen = ModelView()
         self._grads_unsynced = False  # FSDP no_sync: grads are unsharded partial sums
-        # Note [masters lifecycle]: the masters, those last bound to the model's weights, and the
-        # modules (the model, or parts of it passed to optim_context, as GANs do) carrying the
-        # state-dict hook that saves the masters in their checkpoints.
-        self._masters: Optional[MasterParams] = None
-        self._bound_masters: Optional[MasterParams] = None
-        self._checkpoint_hooks: 'weakref.WeakKeyDictionary[nn.Module, Any]' = \
-            weakref.WeakKeyDictionary()
-        # id(half param) -> the fp32 weight a cast by this wrapper rounded (ApexOptimWrapper O2),
-        # until the next bind.
-        self._precast_weights: Dict[int, Tensor] = {}
-        self._check_at_first_forward = False
+        self._binding = MasterBinding()  # the masters, their stash, their binding to the model
         # Note [wrapper lifecycle]: the runner building this wrapper gets our lifecycle hook.
         self._runner_ref: Optional['weakref.ref'] = None
         self._runner_looked_up: set = set()
@@ -171,24 +160,25 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         """Prepare ``model`` before the first forward of a training run (subclasses that cast the
         model do it here); called by the lifecycle hook in ``before_train``."""
 
-    # ---- masters ---------------------------------------------------------------------------------
+    # ---- masters (Note [masters lifecycle]; mp_wrappers.master_binding) --------------------------
     def _new_masters(self, initial_values: Optional[Dict[int, Tensor]] = None) -> MasterParams:
         """Subclass hook: the master-weight mode (ApexOptimWrapper's lean bf16 storages)."""
         return MasterParams(self.optimizer, create_masters=self.master_weights,
                             initial_values=initial_values)
 
     def _master_params(self) -> MasterParams:
-        if self._masters is None or self._masters.optimizer is not self.optimizer:
-            self._rebuild_masters()
-        else:
-            self._masters.check_groups()
-        return self._masters
+        return self._binding.current(self.optimizer, self._new_masters)
 
     def _rebuild_masters(self, initial_values: Optional[Dict[int, Tensor]] = None) -> None:
-        """New masters for ``self.optimizer`` (from ``initial_values`` where given), unbound."""
-        self._masters = self._new_masters(initial_values)
-        self._stash = GradStash()
-        self._bound_masters = None
+        self._binding.rebuild(self._new_masters, initial_values)
+
+    @property
+    def _masters(self) -> Optional[MasterParams]:
+        return self._binding.masters
+
+    @property
+    def _stash(self) -> GradStash:
+        return self._binding.stash
 
     def full_precision_weights(self) -> Dict[int, Tensor]:
         """``id(model param) -> fp32 master`` for every half param this wrapper keeps a master of.
@@ -200,25 +190,12 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         return self._master_params().full_precision_of()
 
     def _prepare_model(self, model: nn.Module) -> None:
-        """Bind the masters to ``model``'s weights (once per set of masters, see ``_bind_masters``)
-        and hook its ``state_dict`` to save them (once per module).
+        """Bind the masters to ``model``'s weights and hook its ``state_dict`` to save them.
 
         Subclasses that prepare the model further (casting) do it before calling this.
         """
         module = model.module if is_model_wrapper(model) else model
-        if self._bound_masters is not self._masters or self._check_at_first_forward:
-            self._bind_masters(module)
-        if module not in self._checkpoint_hooks:  # the per-iteration cost: a dict lookup
-            self._checkpoint_hooks[module] = module._register_state_dict_hook(
-                MastersInStateDict(self))
-
-    def _bind_masters(self, module: nn.Module) -> None:
-        """Note [masters lifecycle]: start the masters from the model's weights."""
-        masters = self._master_params()
-        precast, self._precast_weights = self._precast_weights, {}
-        bind_masters(masters, module, precast)
-        self._bound_masters = masters
-        self._check_at_first_forward = False
+        self._binding.prepare(module, self, self._master_params)
 
     def initialize_count_status(self, model: nn.Module, init_counts: int,
                                 max_counts: int) -> None:
@@ -229,7 +206,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self._prepare_model(model)
         # Hooks' before_train / before_train_iter run between here and the first forward and may
         # write the weights too: check once more then (one comparison pass).
-        self._check_at_first_forward = True
+        self._binding.check_at_first_forward = True
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a param group; its fp16/bf16 params get fp32 masters (apex's add_param_group)."""
@@ -552,7 +529,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         if ours is not None:
             self._load_extra_state(ours)
         self._outcomes.seq = self.loss_scalers[0].steps  # numbering continues from the checkpoint
-        self._bound_masters = None  # check the loaded masters against the model at the next bind
+        self._binding.unbind()  # check the loaded masters against the model at the next bind
 
     def _load_extra_state(self, ours: Dict[str, Any]) -> None:
         """Subclass hook: read the entries added by :meth:`_extra_state`."""

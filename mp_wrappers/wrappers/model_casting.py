@@ -138,7 +138,7 @@ class ModelCastingOptimWrapper(MixedPrecisionOptimWrapper):
         # Masters made before the cast (e.g. by zero_grad) would miss params: make them now.
         self._rebuild_masters(initial_values=full_precision)
         # Also for the bind: deferred optimizer state loaded below may disagree with them.
-        self._precast_weights = full_precision
+        self._binding.precast_weights = full_precision
         self._model_prepared(module, device)
         if self._deferred_state is not None:
             state, self._deferred_state = self._deferred_state, None
