@@ -194,20 +194,23 @@ class OutcomeQueue:
 class OutcomeLedger:
     """The host's record of finished steps, in step order (see the module doc).
 
-    The reporting settings are read from the wrapper at each call (``owner``: its ``verbose``,
-    ``overflow_report``, ``on_scale_collapse``, ``collapse_patience`` and ``loss_scalers``), as users
-    and hooks may change them between steps.
+    The wrapper is read at each call (``owner``: its ``verbose``, ``overflow_report``,
+    ``on_scale_collapse``, ``collapse_patience``, ``loss_scalers``, ``message_hub`` and
+    ``grad_name``), as users and hooks may change its settings between steps.
 
     Attributes:
         seq (int): Steps finished (applied or skipped), numbering the outcomes.
         last_skipped (bool): Whether the latest accounted step was skipped.
         stuck_steps (int): Consecutive overflowing steps with no room to lower the scale.
+        grad_norm (Tensor, optional): The norm of the unscaled gradients of the latest step
+            (``amp_gnorm``), forgotten once that step turns out skipped.
     """
 
     def __init__(self) -> None:
         self.seq = 0
         self.last_skipped = False
         self.stuck_steps = 0
+        self.grad_norm: Optional[Tensor] = None
         self._queue = OutcomeQueue()  # of fused steps on an accelerator, on their way to the host
 
     def __len__(self) -> int:
@@ -251,6 +254,14 @@ class OutcomeLedger:
             return iter(())
         return self._queue.take(wait=wait)
 
+    def catch_up(self, owner: Any, wait: bool) -> None:
+        """Account for the queued outcomes that have arrived (all of them with ``wait``); a
+        clipped step's norm goes to the MessageHub as mmengine's ``grad_norm`` then."""
+        for outcome in self.arrived(wait):
+            if outcome.norm is not None and not outcome.skipped:
+                owner.message_hub.update_scalar(f'train/{owner.grad_name}', outcome.norm)
+            self.account(outcome, owner, where_deferred(outcome, owner.message_hub.get_info('iter')))
+
     def account(self, outcome: StepOutcome, owner: Any, where: str,
                 names: Optional[Callable[[], List[str]]] = None,
                 loss_nonfinite: Optional[Tensor] = None) -> None:
@@ -263,6 +274,8 @@ class OutcomeLedger:
         if not outcome.skipped:
             self.stuck_steps = 0
             return
+        if outcome.seq == self.seq - 1:
+            self.grad_norm = None  # the norm of a step that did not happen is not published
         self._react_to_overflow(outcome, owner, where, names, loss_nonfinite)
         if owner.verbose:
             for k, flagged, before, after in zip(outcome.scalers, outcome.flags,

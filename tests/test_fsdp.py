@@ -86,7 +86,7 @@ def _run(model, wrapper, batches, rank, world, accumulate=1, fault=None, dtype=N
                     break
         wrapper.step()
         wrapper.zero_grad()
-        norms.append(None if wrapper._grad_norm is None else float(wrapper._grad_norm))
+        norms.append(None if wrapper._outcomes.grad_norm is None else float(wrapper._outcomes.grad_norm))
         skipped.append(wrapper.last_step_skipped)
         scales.append(wrapper.loss_scale)
     return dict(norms=norms, skipped=skipped, scales=scales)

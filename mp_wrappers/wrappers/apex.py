@@ -80,7 +80,7 @@ class ApexOptimWrapper(ModelCastingOptimWrapper):
         clip_grad (dict, optional): mmengine's ``clip_grad``, applied to unscaled fp32 gradients.
         **kwargs: Options shared by all our wrappers (``overflow_report``, ``on_scale_collapse``,
             ``collapse_patience``, ``sync_found_inf``, ``log_interval``, ``grad_check``): see
-            :class:`~mp_wrappers.wrappers.base.MixedPrecisionOptimWrapper`.
+            :mod:`mp_wrappers.wrappers.options`.
 
     Examples:
         >>> optim_wrapper = dict(

@@ -7,19 +7,15 @@ state_dict with loss scaling and fp32 master weights:
   scaled in the model until they must be unscaled: at ``step()``, or when a backward with a different
   scaler comes first (several losses, apex's ``num_losses``), so accumulation never needs apex's
   ``delay_unscale``.
-* ``step()`` unscales the model gradients into fp32 gradients of the masters (with a non-finite check),
-  skips the optimizer step if any gradient is inf/nan, static scales included, else clips the unscaled
-  gradients (``clip_grad``), steps and copies the masters back into the model. Each scaler used in the
-  step is then updated with its own overflow flag.
-* ``state_dict()`` is the inner optimizer's state plus our own key (scalers, masters) so that
-  mmengine's checkpoints and ``Runner.resume`` carry everything; loading also adopts mmengine
-  ``AmpOptimWrapper`` (``loss_scaler``) and apex (``apex_amp``) scaler state.
+* ``step()`` unscales the model gradients (with a non-finite check), skips the optimizer step if any
+  gradient is inf/nan, static scales included, else clips the unscaled gradients (``clip_grad``),
+  steps and copies the masters back into the model; each scaler used is then updated with its own
+  overflow flag.
+* ``state_dict()`` is the inner optimizer's state plus our own key (scalers, masters):
+  :mod:`mp_wrappers.wrappers.checkpoint_format`.
 
-Masters are created lazily from ``self.optimizer`` and rebuilt if ``self.optimizer`` is replaced
-(mmengine's FSDP strategy does that), so nothing caches parameter lists beyond their optimizer. They
-are bound to the model's weights when training starts (Note [masters lifecycle] in
-:mod:`mp_wrappers.master`), and from then on the model's ``state_dict()`` saves them in place of the
-rounded half weights.
+Masters are made lazily from ``self.optimizer`` and bound to the model's weights when training starts
+(:mod:`mp_wrappers.master_binding`, Note [masters lifecycle] in :mod:`mp_wrappers.master`).
 """
 import contextlib
 import weakref
@@ -36,8 +32,7 @@ from ..half_errors import add_half_hint
 from ..master import GradStash, MasterMismatchWarning, MasterParams, zero_grads
 from ..master_binding import MasterBinding
 from ..scaler import LossScaler
-from ..step_outcomes import (OutcomeLedger, StepOutcome, defers_host_reads, where_deferred,
-                             where_direct)
+from ..step_outcomes import OutcomeLedger, defers_host_reads, where_direct
 from . import checkpoint_format, options, publishing, runner_link
 from .checkpoint_format import STATE_KEY, CheckpointMismatchWarning
 from .model_view import ModelView
@@ -63,39 +58,16 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         verbose (bool): Log every skipped step (always on rank 0 only).
         accumulative_counts (int): Iterations per optimizer step (mmengine). Defaults to 1.
         clip_grad (dict, optional): mmengine's ``clip_grad``; applied to unscaled fp32 gradients.
-        overflow_report (bool): On every skipped step, log the first parameters whose gradients
-            hold inf/nan and whether the loss itself was non-finite. Defaults to False.
-        on_scale_collapse (str): What to do when ``collapse_patience`` consecutive steps overflow
-            while the scale cannot go lower (a static scale, or a dynamic one at its floor:
-            ``min_loss_scale``, or 1.0 without one): ``'warn'`` (default), ``'raise'``
-            (``FloatingPointError``) or ``'ignore'``.
-        collapse_patience (int): See ``on_scale_collapse``. Defaults to 10.
-        sync_found_inf (bool, optional): All-reduce (MAX) the overflow flag across ranks before
-            deciding to skip. None (default) does it when a process group of several ranks exists
-            and the model is not DDP-wrapped (DDP already all-reduces the gradients, so every rank
-            sees the same inf); sharded setups need it.
-        log_interval (int, optional): Iterations between publications of the ``amp_*`` scalars
-            to the MessageHub during training (each costs a host sync on GPU, and, at a static
-            scale of 1.0, one read of the gradients for ``amp_gnorm``). None: every 10, the
-            LoggerHook's default; the wrappers' lifecycle hook sets it to the LoggerHook's
-            interval. ``publish_now`` (True/False, set per iteration by that hook) overrides it;
-            None (the default) uses ``log_interval``. Outside a training loop (no ``iter`` in the
-            MessageHub) every step publishes.
-        grad_check (str): Which steps read every gradient for inf/nan. ``'auto'`` (default): every
-            step whose loss is scaled (dynamic, or a static scale other than 1.0: the unscaling
-            pass checks for free) or whose gradients pass through fp32 master copies anyway (O2,
-            ``FP16OptimWrapper`` over a half model); at a static scale of 1.0 with the gradients in
-            place (O1/O3 in bf16, O0, ``FP16OptimWrapper`` over fp32 weights) only the loss is
-            checked, a step whose loss is not finite being skipped, as apex does nothing there and
-            mmengine's ``AmpOptimWrapper`` checks nothing on CPU: one read of every gradient per
-            step would cost 1-2% of a ResNet-18 step (Note [unit-scale check]). ``'always'``:
-            read every gradient on every step, so a finite loss with non-finite gradients is
-            skipped too.
+        overflow_report, on_scale_collapse, collapse_patience, sync_found_inf, log_interval,
+            grad_check: The options every wrapper shares, described in
+            :mod:`mp_wrappers.wrappers.options`.
 
-    The MessageHub scalars (names without ``loss``/``grad_norm``, which mmengine would print as
-    10-iteration means): ``amp_scale`` (``amp_scale_<k>`` for loss ``k`` > 0), ``amp_skipped``
-    (total), ``amp_skipped_recent`` (since the previous publication), ``amp_gnorm`` (norm of the
-    unscaled gradients the optimizer stepped with).
+    Stages of :meth:`step`: unscale and check the gradients (fused, in place or into the fp32
+    stash: :mod:`~mp_wrappers.wrappers.unscale`; overflow flags:
+    :mod:`~mp_wrappers.wrappers.overflow`), decide to skip, clip (or measure the norm), step the
+    optimizer, copy the masters to the model, then update the scalers and account for the step
+    (:class:`~mp_wrappers.step_outcomes.OutcomeLedger`) and publish the ``amp_*`` scalars
+    (:mod:`~mp_wrappers.wrappers.publishing`).
     """
 
     def __init__(self, optimizer: Optimizer, loss_scalers: Sequence[LossScaler],
@@ -126,7 +98,6 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         # The step's collaborators: overflow flags, fp32 gradient stash, finished steps.
         self._flags = StepFlags(self.loss_scalers)
         self._outcomes = OutcomeLedger()
-        self._grad_norm: Optional[Tensor] = None  # of the last applied step, read when publishing
         self._skipped_published = 0
         self._seen = ModelView()
         self._grads_unsynced = False  # FSDP no_sync: grads are unsharded partial sums
@@ -340,8 +311,8 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         grads.hand_to_optimizer()
         if self.clip_grad_kwargs:
             return self._clip_grad()
-        self._grad_norm = grads.norm_to_publish(self._publish_due(), self._seen.sharding,
-                                                self._grad_norm)
+        self._outcomes.grad_norm = grads.norm_to_publish(self._publish_due(), self._seen.sharding,
+                                                self._outcomes.grad_norm)
         return True
 
     def _clip_grad(self) -> bool:
@@ -361,7 +332,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
                     return False
                 self.message_hub.update_scalar(f'train/{self.grad_name}', float(norm))
                 if self.grad_name == 'grad_norm':
-                    self._grad_norm = norm
+                    self._outcomes.grad_norm = norm
         return True
 
     def _fusable(self) -> bool:
@@ -374,7 +345,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         total = fused_step(self.optimizer, masters, self.loss_scalers[self._flags.pending],
                            self._flags, self.clip_grad_kwargs, self._seen.sharding,
                            self._sync_flags)
-        self._grad_norm = total
+        self._outcomes.grad_norm = total
         clipped_norm = total if self.clip_grad_kwargs else None
         # The host needs the flag only for bookkeeping. On an accelerator that arrives later,
         # without a sync (Note [deferred outcomes] in mp_wrappers.step_outcomes); on the CPU
@@ -399,7 +370,8 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         outcome = self._outcomes.settle(self.loss_scalers, list(self._flags.used),
                                         self._flags.used_flags(), skipped)
         # The gradients are still here: the reports can name the parameters that overflowed.
-        self._account(outcome, where, self.nonfinite_param_names)
+        self._outcomes.account(outcome, self, where, self.nonfinite_param_names,
+                               self._flags.loss_nonfinite)
         self._reset_step_state()
         if self._publishes_every_step():
             self.publish_scalars()
@@ -416,16 +388,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
 
     def _take_outcomes(self, wait: bool) -> None:
         """Account for the deferred outcomes that have arrived (all of them with ``wait``)."""
-        for outcome in self._outcomes.arrived(wait):
-            if outcome.norm is not None and not outcome.skipped:
-                self.message_hub.update_scalar(f'train/{self.grad_name}', outcome.norm)
-            self._account(outcome, where_deferred(outcome, self.message_hub.get_info('iter')))
-
-    def _account(self, outcome: StepOutcome, where: str, names=None) -> None:
-        """One step's bookkeeping (:meth:`OutcomeLedger.account`)."""
-        if outcome.skipped and outcome.seq == self._outcomes.seq - 1:
-            self._grad_norm = None  # the norm of a step that did not happen is not published
-        self._outcomes.account(outcome, self, where, names, self._flags.loss_nonfinite)
+        self._outcomes.catch_up(self, wait)
 
     def nonfinite_param_names(self, limit: int = 5) -> List[str]:
         """Names (or shapes, when the model was never seen) of parameters with inf/nan gradients
@@ -454,7 +417,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         """
         self._take_outcomes(wait=True)
         self._skipped_published = publishing.publish_amp_scalars(
-            self.message_hub, self.loss_scalers, self._skipped_published, self._grad_norm)
+            self.message_hub, self.loss_scalers, self._skipped_published, self._outcomes.grad_norm)
 
     @property
     def last_step_skipped(self) -> bool:
@@ -521,11 +484,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         masters = self._master_params()
         checkpoint_format.check_optimizer_state(self.optimizer, loaded.optimizer)
         super().load_state_dict(loaded.optimizer)  # pops base_param_settings, loads the optimizer
-        if ours is not None and 'fp32_master_params' in ours and masters.has_half:
-            masters.load_state_dict(ours['fp32_master_params'])
-        else:
-            masters.copy_model_to_masters()
-        checkpoint_format.load_scaler_states(self.loss_scalers, loaded)
+        checkpoint_format.load_masters_and_scalers(masters, self.loss_scalers, loaded)
         if ours is not None:
             self._load_extra_state(ours)
         self._outcomes.seq = self.loss_scalers[0].steps  # numbering continues from the checkpoint

@@ -31,7 +31,8 @@ from ..scaler import LossScaler
 
 __all__ = ['STATE_KEY', 'STATE_VERSION', 'APEX_KEY', 'FOREIGN_KEYS', 'CheckpointMismatchWarning',
            'LoadedState', 'wrapper_state', 'apex_amp_state', 'split_state_dict',
-           'check_optimizer_state', 'load_scaler_states', 'warn_if_foreign']
+           'check_optimizer_state', 'load_masters_and_scalers', 'load_scaler_states',
+           'warn_if_foreign']
 
 # Our top-level key in the wrapper's state_dict (beside the optimizer's 'state' and 'param_groups').
 STATE_KEY = 'mp_wrappers'
@@ -81,6 +82,17 @@ def split_state_dict(state_dict: dict) -> LoadedState:
             raise ValueError(f"state_dict['{STATE_KEY}'] has version {version}; this "
                              f'mp_wrappers reads versions <= {STATE_VERSION}')
     return loaded
+
+
+def load_masters_and_scalers(masters: MasterParams, scalers: Sequence[LossScaler],
+                             loaded: LoadedState) -> None:
+    """Load the saved masters (without any, re-derive them from the loaded model) and scalers."""
+    ours = loaded.ours
+    if ours is not None and 'fp32_master_params' in ours and masters.has_half:
+        masters.load_state_dict(ours['fp32_master_params'])
+    else:
+        masters.copy_model_to_masters()
+    load_scaler_states(scalers, loaded)
 
 
 def load_scaler_states(scalers: Sequence[LossScaler], loaded: LoadedState) -> None:

@@ -118,7 +118,7 @@ class FP16OptimWrapper(ModelCastingOptimWrapper):
             :class:`~mp_wrappers.wrappers.model_casting.ModelCastingOptimWrapper`.
         **kwargs: Options shared by all our wrappers (``overflow_report``, ``on_scale_collapse``,
             ``collapse_patience``, ``sync_found_inf``, ``log_interval``, ``grad_check``): see
-            :class:`~mp_wrappers.wrappers.base.MixedPrecisionOptimWrapper`.
+            :mod:`mp_wrappers.wrappers.options`.
 
     Examples:
         >>> optim_wrapper = dict(

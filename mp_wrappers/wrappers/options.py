@@ -1,4 +1,36 @@
-"""Checks of the options and optimizers the mixed-precision wrappers are built with.
+"""The options every mixed-precision wrapper shares, and the checks of its options and optimizer.
+
+``ApexOptimWrapper`` and ``FP16OptimWrapper`` take these as keyword arguments beside their own
+(:class:`~mp_wrappers.wrappers.base.MixedPrecisionOptimWrapper` reads them):
+
+    overflow_report (bool): On every skipped step, log the first parameters whose gradients
+        hold inf/nan and whether the loss itself was non-finite. Defaults to False.
+    on_scale_collapse (str): What to do when ``collapse_patience`` consecutive steps overflow
+        while the scale cannot go lower (a static scale, or a dynamic one at its floor:
+        ``min_loss_scale``, or 1.0 without one): ``'warn'`` (default), ``'raise'``
+        (``FloatingPointError``) or ``'ignore'``.
+    collapse_patience (int): See ``on_scale_collapse``. Defaults to 10.
+    sync_found_inf (bool, optional): All-reduce (MAX) the overflow flag across ranks before
+        deciding to skip. None (default) does it when a process group of several ranks exists
+        and the model is not DDP-wrapped (DDP already all-reduces the gradients, so every rank
+        sees the same inf); sharded setups need it.
+    log_interval (int, optional): Iterations between publications of the ``amp_*`` scalars
+        to the MessageHub during training (each costs a host sync on GPU, and, at a static
+        scale of 1.0, one read of the gradients for ``amp_gnorm``). None: every 10, the
+        LoggerHook's default; the wrappers' lifecycle hook sets it to the LoggerHook's
+        interval. ``publish_now`` (True/False, set per iteration by that hook) overrides it;
+        None (the default) uses ``log_interval``. Outside a training loop (no ``iter`` in the
+        MessageHub) every step publishes.
+    grad_check (str): Which steps read every gradient for inf/nan. ``'auto'`` (default): every
+        step whose loss is scaled (dynamic, or a static scale other than 1.0: the unscaling
+        pass checks for free) or whose gradients pass through fp32 master copies anyway (O2,
+        ``FP16OptimWrapper`` over a half model); at a static scale of 1.0 with the gradients in
+        place (O1/O3 in bf16, O0, ``FP16OptimWrapper`` over fp32 weights) only the loss is
+        checked, a step whose loss is not finite being skipped, as apex does nothing there and
+        mmengine's ``AmpOptimWrapper`` checks nothing on CPU: one read of every gradient per
+        step would cost 1-2% of a ResNet-18 step (Note [unit-scale check] in overflow.py). ``'always'``:
+        read every gradient on every step, so a finite loss with non-finite gradients is
+        skipped too.
 
 Every refusal says what was given and what is allowed, at construction, before anything is changed.
 """
