@@ -51,7 +51,7 @@ def test_one_lifecycle_hook_per_runner_built_by_the_runner(tmp_path, launcher):
     runner = train(make_runner(tmp_path, 'O2', iters=2))
     hooks = [h for h in runner.hooks if isinstance(h, WrapperLifecycleHook)]
     assert len(hooks) == 1 and runner.hooks[0] is hooks[0]  # HIGHEST: before every other hook
-    assert runner.optim_wrapper._runner_ref() is runner
+    assert runner.optim_wrapper._runner.ref() is runner
 
 
 def test_catch_up_rejects_an_unknown_stage(tmp_path):
@@ -72,7 +72,7 @@ def test_a_wrapper_without_a_runner_looks_once_per_stage(monkeypatch):
             loss = model(torch.randn(8, 4)).float().sum()
         wrapper.update_params(loss)
     assert len(calls) == 2  # at construction and at the first forward, never per iteration
-    assert wrapper._runner_ref is None
+    assert wrapper._runner.ref is None
 
 
 def _prebuilt_runner(work_dir, hooks):

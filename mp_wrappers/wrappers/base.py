@@ -18,25 +18,24 @@ Masters are made lazily from ``self.optimizer`` and bound to the model's weights
 (:mod:`mp_wrappers.master_binding`, Note [masters lifecycle] in :mod:`mp_wrappers.master`).
 """
 import contextlib
-import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..distributed import sharding as _sharding
 from ..half_errors import add_half_hint
-from ..master import GradStash, MasterMismatchWarning, MasterParams, zero_grads
-from ..master_binding import MasterBinding
+from ..master import MasterMismatchWarning, MasterParams, zero_grads
+from ..master_binding import MasterBinding, WrapperMasters
 from ..scaler import LossScaler
 from ..step_outcomes import OutcomeLedger, defers_host_reads, where_direct
-from . import checkpoint_format, options, publishing, runner_link
-from .checkpoint_format import STATE_KEY, CheckpointMismatchWarning
+from . import options, publishing
+from .checkpoint_format import STATE_KEY, CheckpointMismatchWarning, WrapperCheckpoint
 from .model_view import ModelView
 from .overflow import StepFlags
+from .runner_link import RunnerLink
 from .unscale import (InPlaceGrads, StashedGrads, fusable, fused_step, nonfinite_param_names,
                       unscale_in_place)
 
@@ -45,7 +44,7 @@ __all__ = ['MixedPrecisionOptimWrapper', 'STATE_KEY', 'CheckpointMismatchWarning
            'MasterMismatchWarning', 'mixed_precision_wrappers']
 
 
-class MixedPrecisionOptimWrapper(OptimWrapper):
+class MixedPrecisionOptimWrapper(WrapperMasters, WrapperCheckpoint, OptimWrapper):
     """Loss scaling, fp32 master weights and overflow skipping for mmengine.
 
     Subclasses choose the scalers and the precision policy; see :class:`FP16OptimWrapper` and
@@ -63,11 +62,11 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
             :mod:`mp_wrappers.wrappers.options`.
 
     Stages of :meth:`step`: unscale and check the gradients (fused, in place or into the fp32
-    stash: :mod:`~mp_wrappers.wrappers.unscale`; overflow flags:
-    :mod:`~mp_wrappers.wrappers.overflow`), decide to skip, clip (or measure the norm), step the
-    optimizer, copy the masters to the model, then update the scalers and account for the step
-    (:class:`~mp_wrappers.step_outcomes.OutcomeLedger`) and publish the ``amp_*`` scalars
-    (:mod:`~mp_wrappers.wrappers.publishing`).
+    stash: :mod:`~mp_wrappers.wrappers.unscale`; flags: :mod:`~mp_wrappers.wrappers.overflow`),
+    decide to skip, clip (or measure the norm), step the optimizer, copy the masters to the model,
+    then update the scalers, account for the step (:mod:`mp_wrappers.step_outcomes`) and publish
+    (:mod:`~mp_wrappers.wrappers.publishing`). The masters' API is :class:`WrapperMasters`
+    (:mod:`mp_wrappers.master_binding`), ``state_dict`` is :class:`WrapperCheckpoint`'s.
     """
 
     def __init__(self, optimizer: Optimizer, loss_scalers: Sequence[LossScaler],
@@ -95,78 +94,22 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         # exactly: in epoch-based loops it counts iterations within the epoch and logs the last one
         # of each epoch, which ``log_interval`` arithmetic on the global iteration cannot match.
         self.publish_now: Optional[bool] = None
-        # The step's collaborators: overflow flags, fp32 gradient stash, finished steps.
-        self._flags = StepFlags(self.loss_scalers)
-        self._outcomes = OutcomeLedger()
+        self._flags = StepFlags(self.loss_scalers)  # this step's overflow flags and scalers
+        self._outcomes = OutcomeLedger()  # the finished steps (and those on their way to the host)
         self._skipped_published = 0
         self._seen = ModelView()
         self._grads_unsynced = False  # FSDP no_sync: grads are unsharded partial sums
         self._binding = MasterBinding()  # the masters, their stash, their binding to the model
-        # Note [wrapper lifecycle]: the runner building this wrapper gets our lifecycle hook.
-        self._runner_ref: Optional['weakref.ref'] = None
-        self._runner_looked_up: set = set()
+        self._runner = RunnerLink()  # Note [wrapper lifecycle]: the runner gets our lifecycle hook
         self._attach_to_runner('build')
 
-    # ---- the runner (Note [runner adapter]) ------------------------------------------------------
+    # ---- the runner and the model ----------------------------------------------------------------
     def _attach_to_runner(self, stage: str) -> None:
-        """Register our lifecycle hook in the runner on the call stack (once per wrapper).
-
-        Looked for at most once per stage (``'build'``, ``'count_status'``, ``'forward'``): a
-        wrapper used without a runner pays one stack walk per stage, never per iteration.
-        """
-        if self._runner_ref is not None or stage in self._runner_looked_up:
-            return
-        self._runner_looked_up.add(stage)
-        found = runner_link.find_runner_and_hook()
-        if found is not None:
-            runner, hook = found
-            self._runner_ref = weakref.ref(runner)
-            hook.catch_up(runner, stage)
-
-    def trains_half_weights(self) -> bool:
-        """Whether the weights the model computes with are (or will be, once cast) fp16/bf16."""
-        return self._master_params().has_half
+        self._runner.attach(stage)  # Note [wrapper lifecycle]: mp_wrappers.wrappers.runner_link
 
     def prepare_for_training(self, model: nn.Module) -> None:
         """Prepare ``model`` before the first forward of a training run (subclasses that cast the
         model do it here); called by the lifecycle hook in ``before_train``."""
-
-    # ---- masters (Note [masters lifecycle]; mp_wrappers.master_binding) --------------------------
-    def _new_masters(self, initial_values: Optional[Dict[int, Tensor]] = None) -> MasterParams:
-        """Subclass hook: the master-weight mode (ApexOptimWrapper's lean bf16 storages)."""
-        return MasterParams(self.optimizer, create_masters=self.master_weights,
-                            initial_values=initial_values)
-
-    def _master_params(self) -> MasterParams:
-        return self._binding.current(self.optimizer, self._new_masters)
-
-    def _rebuild_masters(self, initial_values: Optional[Dict[int, Tensor]] = None) -> None:
-        self._binding.rebuild(self._new_masters, initial_values)
-
-    @property
-    def _masters(self) -> Optional[MasterParams]:
-        return self._binding.masters
-
-    @property
-    def _stash(self) -> GradStash:
-        return self._binding.stash
-
-    def full_precision_weights(self) -> Dict[int, Tensor]:
-        """``id(model param) -> fp32 master`` for every half param this wrapper keeps a master of.
-
-        What checkpoints save and what ``mp_wrappers.MixedPrecisionEMAHook`` averages: the full-
-        precision weights the optimizer steps. Params without a master (fp32 params, or half
-        params at levels without masters) are not listed.
-        """
-        return self._master_params().full_precision_of()
-
-    def _prepare_model(self, model: nn.Module) -> None:
-        """Bind the masters to ``model``'s weights and hook its ``state_dict`` to save them.
-
-        Subclasses that prepare the model further (casting) do it before calling this.
-        """
-        module = model.module if is_model_wrapper(model) else model
-        self._binding.prepare(module, self, self._master_params)
 
     def initialize_count_status(self, model: nn.Module, init_counts: int,
                                 max_counts: int) -> None:
@@ -178,10 +121,6 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         # Hooks' before_train / before_train_iter run between here and the first forward and may
         # write the weights too: check once more then (one comparison pass).
         self._binding.check_at_first_forward = True
-
-    def add_param_group(self, param_group: dict) -> None:
-        """Add a param group; its fp16/bf16 params get fp32 masters (apex's add_param_group)."""
-        self._master_params().add_param_group(param_group)
 
     # ---- the model (seen only in optim_context) ---------------------------------------------------
     @contextlib.contextmanager
@@ -311,8 +250,9 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         grads.hand_to_optimizer()
         if self.clip_grad_kwargs:
             return self._clip_grad()
-        self._outcomes.grad_norm = grads.norm_to_publish(self._publish_due(), self._seen.sharding,
-                                                self._outcomes.grad_norm)
+        outcomes = self._outcomes
+        outcomes.grad_norm = grads.norm_to_publish(self._publish_due(), self._seen.sharding,
+                                                   outcomes.grad_norm)
         return True
 
     def _clip_grad(self) -> bool:
@@ -373,7 +313,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self._outcomes.account(outcome, self, where, self.nonfinite_param_names,
                                self._flags.loss_nonfinite)
         self._reset_step_state()
-        if self._publishes_every_step():
+        if publishing.publishes_every_step(self.message_hub, self.publish_now):
             self.publish_scalars()
 
     def _finish_step_deferred(self, clipped_norm: Optional[Tensor]) -> None:
@@ -383,7 +323,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
                                        self.message_hub.get_info('iter'), clipped_norm)
         self._reset_step_state()
         self._take_outcomes(wait=False)
-        if self._publishes_every_step():
+        if publishing.publishes_every_step(self.message_hub, self.publish_now):
             self.publish_scalars()
 
     def _take_outcomes(self, wait: bool) -> None:
@@ -403,11 +343,6 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
     # ---- what the logs show (mp_wrappers.wrappers.publishing) --------------------------------------
     def _publish_due(self) -> bool:
         return publishing.publish_due(self.message_hub, self.publish_now, self.log_interval)
-
-    def _publishes_every_step(self) -> bool:
-        # Outside a training loop (no MessageHub 'iter') every step publishes, unless told not to
-        # (publish_now=False): a publication reads the device (Note [deferred outcomes]).
-        return self.message_hub.get_info('iter') is None and self.publish_now is not False
 
     def publish_scalars(self) -> None:
         """Write the ``amp_*`` scalars to the MessageHub (reads device state: a host sync).
@@ -442,11 +377,7 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
         self._reset_step_state()
         zero_grads(masters, set_to_none)
 
-    # ---- helpers ---------------------------------------------------------------------------------
-    def master_params(self) -> List[Tensor]:
-        """The params the inner optimizer steps (fp32 masters, and fp32 params as they are)."""
-        return [slot for slot, _ in self._master_params().slots()]
-
+    # ---- apex/mmengine attributes ------------------------------------------------------------------
     @property
     def loss_scale(self) -> float:
         """The current scale of loss scaler 0 (host read)."""
@@ -455,54 +386,6 @@ class MixedPrecisionOptimWrapper(OptimWrapper):
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
         self.loss_scalers[0].loss_scale = value
-
-    # ---- checkpoints (the format: mp_wrappers.wrappers.checkpoint_format) --------------------------
-    def _extra_state(self) -> Dict[str, Any]:
-        """Subclass hook: more entries for our state key."""
-        return {}
-
-    def state_dict(self) -> dict:
-        """Optimizer state + ``base_param_settings`` + ``'mp_wrappers'`` (scalers, fp32 masters)."""
-        masters = self._master_params()
-        state = super().state_dict()
-        state[STATE_KEY] = checkpoint_format.wrapper_state(
-            type(self).__name__, self.loss_scalers, masters, self._extra_state())
-        return state
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load optimizer, scaler and master state; validate it against the model first.
-
-        Accepts dicts written by this wrapper, by mmengine's ``OptimWrapper``/``AmpOptimWrapper``
-        (``loss_scaler``) and by apex-based wrappers (``apex_amp``). Without saved masters, the
-        masters are re-derived from the model's (already loaded) weights.
-        """
-        loaded = checkpoint_format.split_state_dict(state_dict)
-        self._take_outcomes(wait=True)  # account for the steps taken before the load first
-        ours = loaded.ours
-        if ours is not None:
-            self._warn_if_foreign(ours)
-        masters = self._master_params()
-        checkpoint_format.check_optimizer_state(self.optimizer, loaded.optimizer)
-        super().load_state_dict(loaded.optimizer)  # pops base_param_settings, loads the optimizer
-        checkpoint_format.load_masters_and_scalers(masters, self.loss_scalers, loaded)
-        if ours is not None:
-            self._load_extra_state(ours)
-        self._outcomes.seq = self.loss_scalers[0].steps  # numbering continues from the checkpoint
-        self._binding.unbind()  # check the loaded masters against the model at the next bind
-
-    def _load_extra_state(self, ours: Dict[str, Any]) -> None:
-        """Subclass hook: read the entries added by :meth:`_extra_state`."""
-
-    def _policy(self) -> Dict[str, Any]:
-        """Subclass hook: the precision settings a checkpoint records and is compared on."""
-        return {}
-
-    def _warn_if_foreign(self, ours: Dict[str, Any]) -> None:
-        """Warn when the checkpoint came from another wrapper or policy (once per checkpoint)."""
-        if getattr(self, '_foreign_checked', None) == id(ours):
-            return  # ApexOptimWrapper checks at load time and loads at its first forward
-        self._foreign_checked = id(ours)
-        checkpoint_format.warn_if_foreign(ours, type(self).__name__, self._policy())
 
 
 def mixed_precision_wrappers(optim_wrapper: Any) -> List[Tuple[str, 'MixedPrecisionOptimWrapper']]:

@@ -16,6 +16,9 @@ key order is part of the format: checkpoints are compared byte for byte (tests/g
 Loading also adopts mmengine ``AmpOptimWrapper``'s ``loss_scaler`` and apex's ``apex_amp``.
 A version above :data:`STATE_VERSION` is refused; a checkpoint written by another wrapper or
 precision policy loads with a :class:`CheckpointMismatchWarning`.
+
+:class:`WrapperCheckpoint` is the wrappers' ``state_dict``/``load_state_dict`` in this format; the
+functions below it read and write the parts.
 """
 import logging
 import warnings
@@ -29,7 +32,7 @@ from torch.optim import Optimizer
 from ..master import MasterParams
 from ..scaler import LossScaler
 
-__all__ = ['STATE_KEY', 'STATE_VERSION', 'APEX_KEY', 'FOREIGN_KEYS', 'CheckpointMismatchWarning',
+__all__ = ['WrapperCheckpoint', 'STATE_KEY', 'STATE_VERSION', 'APEX_KEY', 'FOREIGN_KEYS', 'CheckpointMismatchWarning',
            'LoadedState', 'wrapper_state', 'apex_amp_state', 'split_state_dict',
            'check_optimizer_state', 'load_masters_and_scalers', 'load_scaler_states',
            'warn_if_foreign']
@@ -44,6 +47,65 @@ FOREIGN_KEYS = (STATE_KEY, APEX_KEY, 'loss_scaler')
 
 class CheckpointMismatchWarning(UserWarning):
     """A checkpoint written by another wrapper or precision policy was loaded (what carried over)."""
+
+
+class WrapperCheckpoint:
+    """``state_dict``/``load_state_dict`` of :class:`~mp_wrappers.wrappers.base.MixedPrecisionOptimWrapper`.
+
+    A base class of the wrapper (before mmengine's ``OptimWrapper``, whose methods ``super()`` calls
+    reach), kept with the format it writes. It uses the wrapper's masters (``_master_params()``),
+    ``loss_scalers``, step ledger (``_outcomes``, ``_take_outcomes``) and master binding
+    (``_binding``); subclasses add entries with the three hooks below.
+    """
+
+    def _extra_state(self) -> Dict[str, Any]:
+        """Subclass hook: more entries for our state key."""
+        return {}
+
+    def _load_extra_state(self, ours: Dict[str, Any]) -> None:
+        """Subclass hook: read the entries added by :meth:`_extra_state`."""
+
+    def _policy(self) -> Dict[str, Any]:
+        """Subclass hook: the precision settings a checkpoint records and is compared on."""
+        return {}
+
+    def state_dict(self) -> dict:
+        """Optimizer state + ``base_param_settings`` + ``'mp_wrappers'`` (scalers, fp32 masters).
+
+        Everything is tensors and plain Python numbers: ``torch.load(weights_only=True)`` reads it.
+        """
+        masters = self._master_params()  # (re)made before the optimizer's state is read
+        state = super().state_dict()
+        state[STATE_KEY] = wrapper_state(type(self).__name__, self.loss_scalers, masters,
+                                         self._extra_state())
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load optimizer, scaler and master state; validate it against the model first.
+
+        Accepts dicts written by this wrapper, by mmengine's ``OptimWrapper``/``AmpOptimWrapper``
+        (``loss_scaler``) and by apex-based wrappers (``apex_amp``). Without saved masters, the
+        masters are re-derived from the model's (already loaded) weights.
+        """
+        loaded = split_state_dict(state_dict)
+        self._take_outcomes(wait=True)  # account for the steps taken before the load first
+        if loaded.ours is not None:
+            self._warn_if_foreign(loaded.ours)
+        masters = self._master_params()
+        check_optimizer_state(self.optimizer, loaded.optimizer)
+        super().load_state_dict(loaded.optimizer)  # pops base_param_settings, loads the optimizer
+        load_masters_and_scalers(masters, self.loss_scalers, loaded)
+        if loaded.ours is not None:
+            self._load_extra_state(loaded.ours)
+        self._outcomes.seq = self.loss_scalers[0].steps  # numbering continues from the checkpoint
+        self._binding.unbind()  # check the loaded masters against the model at the next bind
+
+    def _warn_if_foreign(self, ours: Dict[str, Any]) -> None:
+        """Warn when the checkpoint came from another wrapper or policy (once per checkpoint)."""
+        if getattr(self, '_foreign_checked', None) == id(ours):
+            return  # ApexOptimWrapper checks at load time and loads at its first forward
+        self._foreign_checked = id(ours)
+        warn_if_foreign(ours, type(self).__name__, self._policy())
 
 
 def wrapper_state(wrapper: str, scalers: Sequence[LossScaler], masters: MasterParams,

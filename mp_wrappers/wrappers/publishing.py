@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..scaler import LossScaler
 
-__all__ = ['publish_due', 'publish_amp_scalars']
+__all__ = ['publish_due', 'publishes_every_step', 'publish_amp_scalars']
 
 
 def publish_due(hub: MessageHub, publish_now: Optional[bool], log_interval: Optional[int]) -> bool:
@@ -26,6 +26,12 @@ def publish_due(hub: MessageHub, publish_now: Optional[bool], log_interval: Opti
         return True
     interval = 10 if log_interval is None else log_interval
     return (it + 1) % interval == 0
+
+
+def publishes_every_step(hub: MessageHub, publish_now: Optional[bool]) -> bool:
+    """Outside a training loop (no MessageHub ``iter``) every step publishes, unless told not to
+    (``publish_now=False``): a publication reads the device (Note [deferred outcomes])."""
+    return hub.get_info('iter') is None and publish_now is not False
 
 
 def publish_amp_scalars(hub: MessageHub, scalers: Sequence[LossScaler], skipped_published: int,
