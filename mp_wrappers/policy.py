@@ -112,25 +112,7 @@ def _parse_cast_type(option: str, value: Any) -> Union[torch.dtype, None, bool]:
     return parse_dtype(value, option, allowed=('float16', 'bfloat16', 'float32'))
 
 
-def resolve_properties(opt_level: str = 'O1', *, dtype: Union[str, torch.dtype] = 'float16',
-                       enabled: bool = True, loss_scale: Any = DEFAULT,
-                       cast_model_type: Any = None, patch_torch_functions: Any = None,
-                       keep_batchnorm_fp32: Any = None, master_weights: Any = None,
-                       cast_model_outputs: Any = None,
-                       device: Union[str, torch.device, None] = None) -> Properties:
-    """Apply user overrides to an opt level's defaults, with apex's rules and errors.
-
-    Any override that is not None replaces the level's default. ``loss_scale`` left at its default
-    means ``'dynamic'`` for fp16 (mmengine passes ``'dynamic'``, overriding O0/O3's 1.0) and no
-    scaling (1.0) for bf16 and fp32; an explicit value always wins. ``dtype='auto'`` is resolved
-    for ``device`` (default: CUDA when available, else the CPU) by
-    :func:`mp_wrappers.hardware.auto_dtype`; ``'float32'`` (explicit, or what ``'auto'`` chose)
-    makes O1-O3 compute in fp32.
-
-    Raises:
-        RuntimeError: unknown opt level, or an override the level forbids (apex's wording).
-        ValueError: a value of the wrong form (dtype, loss_scale, keep_batchnorm_fp32...).
-    """
+def _check_opt_level(opt_level: Any) -> None:
     if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:
         hint = ''
         if isinstance(opt_level, str) and opt_level[:1] == '0':
@@ -138,36 +120,38 @@ def resolve_properties(opt_level: str = 'O1', *, dtype: Union[str, torch.dtype] 
                     '), not the digit zero.')
         raise RuntimeError(f'Unexpected optimization level {opt_level!r}. Options are "O0", "O1", '
                            f'"O2", "O3".{hint}')
-    if not isinstance(enabled, bool):
-        raise ValueError(f'enabled={enabled!r} must be True or False')
+
+
+def _resolve_compute_dtype(dtype: Any, device: Union[str, torch.device, None]) -> torch.dtype:
+    """The "half" of the level table: ``dtype``, with ``'auto'`` resolved for ``device``."""
     if isinstance(dtype, str) and dtype == 'auto':
         from .hardware import auto_dtype
-        half = auto_dtype(device).dtype
-    else:
-        try:
-            half = parse_dtype(dtype, 'dtype', allowed=('float16', 'bfloat16', 'float32'))
-        except ValueError:
-            raise ValueError(f"dtype={dtype!r} is not supported; allowed: 'float16', 'bfloat16', "
-                             "'float32', 'auto'") from None
-    level_cast, level_patch, level_keep_bn, level_master, level_scale = OPT_LEVELS[opt_level]
-    level_cast = half if level_cast == 'half' else level_cast
+        return auto_dtype(device).dtype
+    try:
+        return parse_dtype(dtype, 'dtype', allowed=('float16', 'bfloat16', 'float32'))
+    except ValueError:
+        raise ValueError(f"dtype={dtype!r} is not supported; allowed: 'float16', 'bfloat16', "
+                         "'float32', 'auto'") from None
 
-    cast = _parse_cast_type('cast_model_type', cast_model_type)
-    keep_bn = _parse_bool_or_none('keep_batchnorm_fp32', keep_batchnorm_fp32)
+
+def _parse_master_weights(master_weights: Any) -> Optional[Union[bool, str]]:
+    """apex's True/False/None, or the name of a lean bf16 storage."""
     if isinstance(master_weights, str) and master_weights in LEAN_MODES:
         if master_weights == 'split':
             compat.require('uint16')  # its low halves are torch.uint16 (torch >= 2.3)
-        master: Optional[Union[bool, str]] = master_weights
-    else:
-        try:
-            master = _parse_bool_or_none('master_weights', master_weights)
-        except ValueError:
-            raise ValueError(f'master_weights={master_weights!r} is not allowed; expected True, '
-                             'False, None (apex), or for a bf16 model one of '
-                             f'{", ".join(repr(m) for m in LEAN_MODES)}') from None
-    patch = _parse_bool_or_none('patch_torch_functions', patch_torch_functions)
-    outputs = _parse_cast_type('cast_model_outputs', cast_model_outputs)
+        return master_weights
+    try:
+        return _parse_bool_or_none('master_weights', master_weights)
+    except ValueError:
+        raise ValueError(f'master_weights={master_weights!r} is not allowed; expected True, '
+                         'False, None (apex), or for a bf16 model one of '
+                         f'{", ".join(repr(m) for m in LEAN_MODES)}') from None
 
+
+def _check_level_overrides(opt_level: str, cast: Any, keep_bn: Optional[bool], master: Any,
+                           patch: Optional[bool], cast_model_type: Any,
+                           keep_batchnorm_fp32: Any, master_weights: Any) -> None:
+    """apex's refusals of overrides the opt level forbids (its wording)."""
     if opt_level == 'O1':
         if cast not in (None, False, torch.float32):
             raise RuntimeError(
@@ -192,6 +176,56 @@ def resolve_properties(opt_level: str = 'O1', *, dtype: Union[str, torch.dtype] 
         raise RuntimeError("patch_torch_functions=True should only be set by selecting "
                            f"opt_level='O1' (got opt_level={opt_level!r})")
 
+
+def _check_lean_storage(master: str, half: torch.dtype, final_cast: Any, dtype: Any,
+                        opt_level: str, cast_model_type: Any) -> None:
+    """A lean storage needs a bf16 model."""
+    if half != torch.bfloat16:
+        raise ValueError(
+            f"master_weights={master!r} needs dtype='bfloat16', got dtype={dtype!r}: the lean "
+            'storages rely on a bf16 being the top half of an fp32 (same exponent range); an '
+            "fp16 model has no such master. Use dtype='bfloat16', or master_weights=True")
+    if final_cast != torch.bfloat16:
+        raise ValueError(
+            f'master_weights={master!r} needs a bf16 model, but opt_level={opt_level!r} with '
+            f'cast_model_type={cast_model_type!r} keeps the model in {final_cast}. Use '
+            "opt_level='O2' or 'O3' with dtype='bfloat16'")
+
+
+def resolve_properties(opt_level: str = 'O1', *, dtype: Union[str, torch.dtype] = 'float16',
+                       enabled: bool = True, loss_scale: Any = DEFAULT,
+                       cast_model_type: Any = None, patch_torch_functions: Any = None,
+                       keep_batchnorm_fp32: Any = None, master_weights: Any = None,
+                       cast_model_outputs: Any = None,
+                       device: Union[str, torch.device, None] = None) -> Properties:
+    """Apply user overrides to an opt level's defaults, with apex's rules and errors.
+
+    Any override that is not None replaces the level's default. ``loss_scale`` left at its default
+    means ``'dynamic'`` for fp16 (mmengine passes ``'dynamic'``, overriding O0/O3's 1.0) and no
+    scaling (1.0) for bf16 and fp32; an explicit value always wins. ``dtype='auto'`` is resolved
+    for ``device`` (default: CUDA when available, else the CPU) by
+    :func:`mp_wrappers.hardware.auto_dtype`; ``'float32'`` (explicit, or what ``'auto'`` chose)
+    makes O1-O3 compute in fp32.
+
+    Raises:
+        RuntimeError: unknown opt level, or an override the level forbids (apex's wording).
+        ValueError: a value of the wrong form (dtype, loss_scale, keep_batchnorm_fp32...).
+    """
+    _check_opt_level(opt_level)
+    if not isinstance(enabled, bool):
+        raise ValueError(f'enabled={enabled!r} must be True or False')
+    half = _resolve_compute_dtype(dtype, device)
+    level_cast, level_patch, level_keep_bn, level_master, level_scale = OPT_LEVELS[opt_level]
+    level_cast = half if level_cast == 'half' else level_cast
+
+    cast = _parse_cast_type('cast_model_type', cast_model_type)
+    keep_bn = _parse_bool_or_none('keep_batchnorm_fp32', keep_batchnorm_fp32)
+    master = _parse_master_weights(master_weights)
+    patch = _parse_bool_or_none('patch_torch_functions', patch_torch_functions)
+    outputs = _parse_cast_type('cast_model_outputs', cast_model_outputs)
+    _check_level_overrides(opt_level, cast, keep_bn, master, patch, cast_model_type,
+                           keep_batchnorm_fp32, master_weights)
+
     if loss_scale is DEFAULT:
         scale: Union[float, str] = 'dynamic' if half == torch.float16 else 1.0
     else:
@@ -199,16 +233,7 @@ def resolve_properties(opt_level: str = 'O1', *, dtype: Union[str, torch.dtype] 
 
     final_cast = level_cast if cast is None else (None if cast is False else cast)
     if isinstance(master, str):
-        if half != torch.bfloat16:
-            raise ValueError(
-                f"master_weights={master!r} needs dtype='bfloat16', got dtype={dtype!r}: the lean "
-                'storages rely on a bf16 being the top half of an fp32 (same exponent range); an '
-                "fp16 model has no such master. Use dtype='bfloat16', or master_weights=True")
-        if final_cast != torch.bfloat16:
-            raise ValueError(
-                f'master_weights={master!r} needs a bf16 model, but opt_level={opt_level!r} with '
-                f'cast_model_type={cast_model_type!r} keeps the model in {final_cast}. Use '
-                "opt_level='O2' or 'O3' with dtype='bfloat16'")
+        _check_lean_storage(master, half, final_cast, dtype, opt_level, cast_model_type)
 
     return Properties(
         opt_level=opt_level,

@@ -1,4 +1,4 @@
-"""A non-finite total gradient norm is an overflow (Note [non-finite norm] in wrappers/base.py).
+"""A non-finite total gradient norm is an overflow (Note [non-finite norm] in wrappers/overflow.py).
 
 Finite gradients can have an infinite norm: the squares of fp32 elements above ~1.8e19 overflow an fp32
 sum (torch's fp32 norm does, on CPU; the CUDA kernels did until they accumulated in double), and a true

@@ -11,7 +11,7 @@ import pytest
 import torch
 from mmengine.hooks import Hook
 
-from mp_wrappers.wrappers.base import MasterMismatchWarning
+from mp_wrappers.master import MasterMismatchWarning
 from mp_wrappers.wrappers.fp16 import FP32ModelWarning
 
 from _workflow import (RecordHook, latest_checkpoint, load, make_runner, masters_by_name,

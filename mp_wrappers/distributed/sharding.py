@@ -208,7 +208,7 @@ def global_norm(norms: Dict[bool, List[Tensor]], norm_type: float = 2.0,
     device = next((t.device for ts in norms.values() for t in ts), torch.device('cpu'))
     parts = {}
     # Squares summed in float64: a finite norm above ~1.8e19 would square to inf in fp32
-    # (Note [non-finite norm] in wrappers/base.py).
+    # (Note [non-finite norm] in wrappers/overflow.py).
     for sharded in (True, False):
         ts = [t.reshape(1).double() for t in norms.get(sharded, [])]
         zero = torch.zeros(1, dtype=torch.float64, device=device)
