@@ -318,7 +318,7 @@ class OutcomeLedger:
             if owner.on_scale_collapse == 'raise':
                 raise FloatingPointError(msg)
             print_log(msg, logger='current', level=logging.WARNING)
-            warnings.warn(msg, RuntimeWarning, stacklevel=6)
+            warnings.warn(msg, RuntimeWarning, stacklevel=5)
 
 
 def where_direct(iteration: Optional[int], steps: int) -> str:

@@ -100,6 +100,10 @@ class WrapperCheckpoint:
         self._outcomes.seq = self.loss_scalers[0].steps  # numbering continues from the checkpoint
         self._binding.unbind()  # check the loaded masters against the model at the next bind
 
+    def _load_scalers(self, states: List[Dict[str, Any]], source: str) -> None:
+        """Load scaler states (also for mp_wrappers.distributed.checkpoint's sharded resume)."""
+        _load_scalers(self.loss_scalers, states, source)
+
     def _warn_if_foreign(self, ours: Dict[str, Any]) -> None:
         """Warn when the checkpoint came from another wrapper or policy (once per checkpoint)."""
         if getattr(self, '_foreign_checked', None) == id(ours):
@@ -180,7 +184,7 @@ def _load_scalers(scalers: Sequence[LossScaler], states: List[Dict[str, Any]],
         # apex warns and loads what matches; so do we.
         warnings.warn(f'the checkpoint ({source}) holds {len(states)} loss scaler states but '
                       f'this wrapper has num_losses={n}; loading the first {min(n, len(states))}',
-                      UserWarning, stacklevel=4)
+                      UserWarning, stacklevel=5)
     for scaler, st in zip(scalers, states):
         scaler.load_state_dict(st)
 
