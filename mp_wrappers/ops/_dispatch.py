@@ -1,14 +1,13 @@
 """The one place that chooses an op implementation: compiled kernel or pure-PyTorch reference."""
 import functools
-from typing import Any, Callable, List, Sequence
+from typing import Callable
 
 import torch
-from torch import Tensor
 
 from . import reference
 from ._extension import has_kernels
 
-__all__ = ['implementation', 'check_tensor_lists', 'as_tensor_list']
+__all__ = ['implementation', 'run']
 
 
 # Dispatch keys of the device types we may see; anything else has no kernels of ours.
@@ -43,50 +42,8 @@ def implementation(name: str, device: torch.device) -> Callable:
     return getattr(reference, name)
 
 
-def as_tensor_list(op: str, name: str, value: Any) -> List[Tensor]:
-    """``list(value)``, refusing a bare tensor: ``list(t)`` would silently split it into its rows."""
-    if isinstance(value, Tensor):
-        raise TypeError(f'{op}: {name} must be a list of tensors, got a Tensor of shape '
-                        f'{tuple(value.shape)}; wrap it in a list: [{name}]')
-    return list(value)
-
-
-def check_tensor_lists(op: str, names: Sequence[str], lists: Sequence[List[Tensor]],
-                       allow_empty: Sequence[str] = ()) -> torch.device:
-    """Validate parallel tensor lists the way every multi-tensor op needs them; return the device.
-
-    Lists must have the same length, every tensor must be a dense, contiguous floating-point tensor on
-    one device, and tensors at the same position must have the same number of elements. A list named
-    in ``allow_empty`` may also be empty (optional outputs such as ``model_params``).
-    """
-    ref_name, ref = names[0], lists[0]
-    for name, tensors in zip(names, lists):
-        if not isinstance(tensors, (list, tuple)):
-            raise TypeError(f'{op}: {name} must be a list of tensors, got {type(tensors).__name__}')
-        if name in allow_empty and len(tensors) == 0:
-            continue
-        if len(tensors) != len(ref):
-            raise ValueError(f'{op}: {name} has {len(tensors)} tensors but {ref_name} has '
-                             f'{len(ref)}; the lists must be parallel')
-    device = None
-    for name, tensors in zip(names, lists):
-        for i, t in enumerate(tensors):
-            if not isinstance(t, Tensor):
-                raise TypeError(f'{op}: {name}[{i}] is a {type(t).__name__}, not a tensor')
-            if t.is_sparse:
-                raise RuntimeError(f'{op}: {name}[{i}] is sparse; only dense tensors are supported')
-            if not t.is_floating_point():
-                raise TypeError(f'{op}: {name}[{i}] has dtype {t.dtype}; expected float32, '
-                                'float16 or bfloat16')
-            if not t.is_contiguous():
-                raise ValueError(f'{op}: {name}[{i}] (shape {tuple(t.shape)}) is not contiguous; '
-                                 'call .contiguous() first')
-            if device is None:
-                device = t.device
-            elif t.device != device:
-                raise ValueError(f'{op}: {name}[{i}] is on {t.device} but the other tensors are on '
-                                 f'{device}; all tensors of one call must share a device')
-            if t.numel() != ref[i].numel():
-                raise ValueError(f'{op}: {name}[{i}] has {t.numel()} elements but {ref_name}[{i}] '
-                                 f'has {ref[i].numel()}')
-    return device if device is not None else torch.device('cpu')
+def run(name: str, device: torch.device, *args) -> None:
+    """Call the implementation of the mutating op ``name`` for ``device`` on ``args``."""
+    # The ops write leaf tensors that require grad (parameters): that must not be recorded.
+    with torch.no_grad():
+        implementation(name, device)(*args)

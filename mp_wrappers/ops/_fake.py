@@ -14,7 +14,7 @@ from typing import List, Tuple
 import torch
 from torch import Tensor
 
-from ._dispatch import check_tensor_lists
+from ._checks import check_tensor_lists
 
 __all__: List[str] = []
 

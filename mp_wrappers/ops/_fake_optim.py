@@ -15,7 +15,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from ._dispatch import check_tensor_lists
+from ._checks import check_tensor_lists
 
 __all__: List[str] = []
 

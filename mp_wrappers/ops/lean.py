@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 
 from .. import compat
-from ._dispatch import check_tensor_lists
-from .optimizers import (_check_betas, _check_lr, _check_nonnegative, _check_scalar, _check_step,
-                         _run)
+from ._checks import (_check_betas, _check_lr, _check_nonnegative, _check_scalar, _check_step,
+                      check_tensor_lists)
+from ._dispatch import run
 from .reference_lean import LEAN_STORAGES
 
 __all__ = ['multi_tensor_adam_lean', 'multi_tensor_sgd_lean', 'LEAN_STORAGES']
@@ -114,7 +114,7 @@ def multi_tensor_adam_lean(params: Sequence[Tensor], aux: Sequence[Tensor],
     _check_scalar(op, 'grad_scale', grad_scale, device)
     _check_scalar(op, 'found_inf', found_inf, device)
     if params:
-        _run('multi_tensor_adam_lean_', device, params, aux, grads, exp_avgs, exp_avg_sqs, step,
+        run('multi_tensor_adam_lean_', device, params, aux, grads, exp_avgs, exp_avg_sqs, step,
              float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
              bool(adam_w_mode), bool(bias_correction), storage, int(seed), grad_scale, found_inf)
 
@@ -151,6 +151,6 @@ def multi_tensor_sgd_lean(params: Sequence[Tensor], aux: Sequence[Tensor], grads
     _check_scalar(op, 'grad_scale', grad_scale, device)
     _check_scalar(op, 'found_inf', found_inf, device)
     if params:
-        _run('multi_tensor_sgd_lean_', device, params, aux, grads, bufs, step, float(lr),
+        run('multi_tensor_sgd_lean_', device, params, aux, grads, bufs, step, float(lr),
              float(momentum), float(dampening), float(weight_decay), bool(nesterov),
              bool(wd_after_momentum), storage, int(seed), grad_scale, found_inf)

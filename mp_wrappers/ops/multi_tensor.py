@@ -3,12 +3,13 @@
 Each function validates its arguments, then calls the implementation chosen by
 :func:`~mp_wrappers.ops._dispatch.implementation` (kernel or reference, same semantics).
 """
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from ._dispatch import as_tensor_list, check_tensor_lists, implementation
+from ._checks import as_tensor_list, check_tensor_lists
+from ._dispatch import implementation
 
 __all__ = ['multi_tensor_scale', 'multi_tensor_l2norm', 'multi_tensor_unscale_l2norm',
            'multi_tensor_axpby', 'update_scale_hysteresis_', 'new_found_inf']

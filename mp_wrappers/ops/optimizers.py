@@ -20,89 +20,17 @@ Contract shared by all five ops (checked here, relied upon by the kernels):
 
 :class:`mp_wrappers.optim.FusedAdam` and friends build these lists for you.
 """
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from ._dispatch import check_tensor_lists, implementation
+from ._checks import (_check_betas, _check_lists, _check_lr, _check_nonnegative, _check_norm_type,
+                      _check_scalar, _check_step)
+from ._dispatch import run
 
 __all__ = ['multi_tensor_adam', 'multi_tensor_sgd', 'multi_tensor_lamb', 'multi_tensor_adagrad',
            'multi_tensor_novograd']
-
-
-# ---- hyperparameter checks, shared with mp_wrappers.optim (one wording for every entry point) ----
-
-def _check_lr(owner: str, lr: Union[float, Tensor]) -> None:
-    """A number >= 0, or (an optimizer group's, capturable) a 1-element float32 tensor holding one:
-    its value is read here, at construction or loading, never in a step."""
-    if isinstance(lr, Tensor):
-        if lr.numel() != 1 or lr.dtype != torch.float32:
-            raise ValueError(f'{owner}: Invalid learning rate: a tensor lr must be a 1-element '
-                             f'float32 tensor, got dtype {lr.dtype} and shape {tuple(lr.shape)}')
-        value = float(lr.detach().reshape(()))
-        if not value >= 0.0:
-            raise ValueError(f'{owner}: Invalid learning rate: the tensor lr holds {value!r}; '
-                             'expected lr >= 0')
-        return
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr >= 0.0:
-        raise ValueError(f'{owner}: Invalid learning rate: {lr!r}; expected a number lr >= 0')
-
-
-def _check_betas(owner: str, betas: Sequence[float]) -> None:
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f'{owner}: Invalid betas: {betas!r}; expected a pair (beta1, beta2)')
-    for i, beta in enumerate(betas):
-        if not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
-            raise ValueError(f'{owner}: Invalid beta parameter at index {i}: {beta!r}; '
-                             'expected 0 <= beta < 1')
-
-
-def _check_nonnegative(owner: str, option: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0.0:
-        raise ValueError(f'{owner}: Invalid {option} value: {value!r}; expected {option} >= 0')
-
-
-def _check_norm_type(owner: str, norm_type: int) -> None:
-    if norm_type not in (0, 2) or isinstance(norm_type, bool):
-        raise ValueError(f'{owner}: Invalid norm_type: {norm_type!r}; expected 2 (L2 norm) or '
-                         '0 (infinity norm)')
-
-
-# ---- tensor-argument checks ------------------------------------------------------------------------
-
-def _check_lists(op: str, names: Sequence[str], lists: Sequence[List[Tensor]],
-                 allow_empty: Sequence[str] = (), fp32: Sequence[str] = ()) -> torch.device:
-    device = check_tensor_lists(op, names, lists, allow_empty=allow_empty)
-    for name, tensors in zip(names, lists):
-        dtypes = {t.dtype for t in tensors}
-        if len(dtypes) > 1:
-            raise TypeError(f'{op}: {name} mixes dtypes {sorted(map(str, dtypes))}; each list must '
-                            'hold one dtype (call once per dtype)')
-        if name in fp32 and dtypes and dtypes != {torch.float32}:
-            raise TypeError(f'{op}: {name} has dtype {dtypes.pop()}; optimizer state must be '
-                            'float32')
-    return device
-
-
-def _check_scalar(op: str, name: str, t: Optional[Tensor], device: torch.device,
-                  optional: bool = True) -> Optional[Tensor]:
-    if t is None:
-        if optional:
-            return None
-        raise TypeError(f'{op}: {name} is required')
-    if (not isinstance(t, Tensor) or t.numel() != 1 or t.dtype != torch.float32
-            or t.device != device):
-        got = ((t.dtype, str(t.device), tuple(t.shape)) if isinstance(t, Tensor)
-               else type(t).__name__)
-        raise ValueError(f'{op}: {name} must be a 1-element float32 tensor on {device}, got {got}')
-    return t
-
-
-def _check_step(op: str, step: Tensor, device: torch.device) -> None:
-    _check_scalar(op, 'step', step, device, optional=False)
-    if not step.is_contiguous():
-        raise ValueError(f'{op}: step must be contiguous')
 
 
 def _split_lr(op: str, lr: Union[float, Tensor], device: torch.device
@@ -113,12 +41,6 @@ def _split_lr(op: str, lr: Union[float, Tensor], device: torch.device
         return 0.0, _check_scalar(op, 'lr', lr, device, optional=False)
     _check_lr(op, lr)
     return float(lr), None
-
-
-def _run(name: str, device: torch.device, *args) -> None:
-    # The ops write leaf tensors that require grad (parameters): that must not be recorded.
-    with torch.no_grad():
-        implementation(name, device)(*args)
 
 
 # ---- the ops ---------------------------------------------------------------------------------------
@@ -162,7 +84,7 @@ def multi_tensor_adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avg
     _check_scalar(op, 'found_inf', found_inf, device)
     lr, lr_tensor = _split_lr(op, lr, device)
     if lists[0]:
-        _run('multi_tensor_adam_', device, *lists, step, float(lr), float(beta1), float(beta2),
+        run('multi_tensor_adam_', device, *lists, step, float(lr), float(beta1), float(beta2),
              float(eps), float(weight_decay), bool(adam_w_mode), bool(bias_correction), grad_scale,
              found_inf, lr_tensor)
 
@@ -198,7 +120,7 @@ def multi_tensor_sgd(params: Sequence[Tensor], grads: Sequence[Tensor],
     _check_scalar(op, 'found_inf', found_inf, device)
     lr, lr_tensor = _split_lr(op, lr, device)
     if lists[0]:
-        _run('multi_tensor_sgd_', device, *lists, step, float(lr), float(momentum),
+        run('multi_tensor_sgd_', device, *lists, step, float(lr), float(momentum),
              float(dampening), float(weight_decay), bool(nesterov), bool(wd_after_momentum),
              grad_scale, found_inf, lr_tensor)
 
@@ -236,7 +158,7 @@ def multi_tensor_lamb(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avg
     _check_scalar(op, 'found_inf', found_inf, device)
     lr, lr_tensor = _split_lr(op, lr, device)
     if lists[0]:
-        _run('multi_tensor_lamb_', device, *lists, step, float(lr), float(beta1), float(beta2),
+        run('multi_tensor_lamb_', device, *lists, step, float(lr), float(beta1), float(beta2),
              float(eps), float(weight_decay), bool(adam_w_mode), bool(bias_correction),
              bool(grad_averaging), float(max_grad_norm), bool(use_nvlamb), global_grad_norm,
              grad_scale, found_inf, lr_tensor)
@@ -263,7 +185,7 @@ def multi_tensor_adagrad(params: Sequence[Tensor], grads: Sequence[Tensor],
     _check_scalar(op, 'found_inf', found_inf, device)
     lr, lr_tensor = _split_lr(op, lr, device)
     if lists[0]:
-        _run('multi_tensor_adagrad_', device, *lists, step, float(lr), float(eps),
+        run('multi_tensor_adagrad_', device, *lists, step, float(lr), float(eps),
              float(weight_decay), bool(adagrad_w_mode), grad_scale, found_inf, lr_tensor)
 
 
@@ -308,7 +230,7 @@ def multi_tensor_novograd(params: Sequence[Tensor], grads: Sequence[Tensor],
     _check_scalar(op, 'found_inf', found_inf, device)
     lr, lr_tensor = _split_lr(op, lr, device)
     if lists[0]:
-        _run('multi_tensor_novograd_', device, *lists, exp_avg_sq_norms, model_params, step,
+        run('multi_tensor_novograd_', device, *lists, exp_avg_sq_norms, model_params, step,
              float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
              bool(bias_correction), bool(grad_averaging), bool(reg_inside_moment), int(norm_type),
              bool(init_zero), grad_scale, found_inf, lr_tensor)

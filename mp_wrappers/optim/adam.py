@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from ..casting import HALF_DTYPES
-from ..ops.optimizers import _check_betas, _check_lr, _check_nonnegative
+from ..ops._checks import _check_betas, _check_lr, _check_nonnegative
 from ..registry import OPTIMIZERS
 from . import layout
 from .base import FusedOptimizer, ParamsT, _Bucket

@@ -4,7 +4,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..ops.optimizers import _check_betas, _check_lr, _check_nonnegative, _check_norm_type
+from ..ops._checks import _check_betas, _check_lr, _check_nonnegative, _check_norm_type
 from ..registry import OPTIMIZERS
 from .base import FusedOptimizer, ParamsT, _Bucket
 

@@ -3,7 +3,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from torch import Tensor
 
-from ..ops.optimizers import _check_lr, _check_nonnegative
+from ..ops._checks import _check_lr, _check_nonnegative
 from ..registry import OPTIMIZERS
 from .base import FusedOptimizer, ParamsT, _Bucket
 from .lean import LeanStorageMixin
