@@ -1,5 +1,5 @@
 """The storage modes of ``master_weights='split'|'kahan'|'stochastic'``: bf16 models without a
-separate fp32 master copy (Note [lean bf16 storage] in :mod:`mp_wrappers.ops.reference_lean`).
+separate fp32 master copy (Note [lean bf16 storage] in :mod:`mp_wrappers.ops.reference.lean`).
 
 :class:`~mp_wrappers.master.MasterParams` is ``master_weights=True`` (an fp32 master per bf16 param,
 swapped into the optimizer). :class:`LeanMasterParams` has the same interface for the three lean
@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from .master import MasterParams
-from .ops.reference_lean import LEAN_STORAGES, bf16_join, bf16_split
+from .ops.reference.lean import LEAN_STORAGES, bf16_join, bf16_split
 
 __all__ = ['LEAN_MODES', 'LeanMasterParams', 'lean_mode']
 

@@ -4,7 +4,7 @@ Same pattern as tests/test_cuda_host.py: the entry points of multi_tensor_adam_l
 multi_tensor_sgd_lean_ run through their real checks, launch planner and launches in both geometries,
 for the three storages (split, kahan, stochastic), fp32 and bf16 state, with lists that need several
 chunks and (tiny geometry) several launches. Compared bit for bit with the CPU kernels (the same IEEE
-fp32 operations in the same order, the same stochastic-rounding hash); with reference_lean.py bit for
+fp32 operations in the same order, the same stochastic-rounding hash); with ops/reference/lean.py bit for
 bit for SGD and to TOL for Adam (torch's CPU sqrt is not always correctly rounded, as in
 tests/test_lean_ops.py). A found_inf step must change no bit and write no byte.
 """
@@ -38,7 +38,7 @@ def _call(lean, ops, opt, grads, hp, scale, found_inf):
 @pytest.mark.parametrize('opt,name,hp', CASES, ids=[c[1] for c in CASES])
 def test_lean_matches_cpu_kernel(host, opt, name, hp, storage, state_dtype):
     """Three steps (a real divide by the grad scale, then powers of two) against the CPU kernel
-    (bitwise) and reference_lean.py, then a found_inf step that must change nothing."""
+    (bitwise) and ops/reference/lean.py, then a found_inf step that must change nothing."""
     # Real geometry (512 OS threads per block): two cases, the tiny geometry runs all.
     representative(host, state_dtype == torch.float32 and (name, storage) in (
         ('adamw', 'stochastic'), ('sgd', 'kahan')))

@@ -25,7 +25,7 @@ from _guards import checked, flat, guarded
 from _tolerances import KAHAN_TOL, TOL
 from mp_wrappers.ops import (backend, multi_tensor_adam, multi_tensor_adam_lean, multi_tensor_sgd,
                              multi_tensor_sgd_lean, reference)
-from mp_wrappers.ops.reference_lean import (bf16_join, bf16_split, round_stochastic,
+from mp_wrappers.ops.reference.lean import (bf16_join, bf16_split, round_stochastic,
                                             stochastic_bits)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ from mmengine.runner import Runner
 
 from mp_wrappers import ApexOptimWrapper
 from mp_wrappers.master_modes import LeanMasterParams
-from mp_wrappers.ops.reference_lean import bf16_join, bf16_split
+from mp_wrappers.ops.reference.lean import bf16_join, bf16_split
 from mp_wrappers.optim import FusedAdam, FusedSGD
 from mp_wrappers.policy import resolve_properties
 from mp_wrappers.workloads.models import DigitsCNN

@@ -1,5 +1,5 @@
 """The compiled fused-optimizer kernels (torch.ops.mp_wrappers.multi_tensor_*_) against their
-pure-PyTorch references in mp_wrappers/ops/reference.py.
+pure-PyTorch references in mp_wrappers/ops/reference/.
 
 Both are run side by side from the same state for several steps with scaled grads, over apex's fuzz
 sizes (chunk boundaries at 65536, odd tails), fp32/fp16/bf16 params, grads and model copies. fp32

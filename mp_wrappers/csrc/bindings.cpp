@@ -5,7 +5,7 @@
 // picks the device. Python calls the ops as torch.ops.mp_wrappers.<name>; mp_wrappers/ops holds the
 // pure-PyTorch reference of every op (same signature) and the single place that chooses between them.
 //
-// Conventions shared by all ops (see mp_wrappers/ops/reference.py for the executable definition):
+// Conventions shared by all ops (see mp_wrappers/ops/reference/ for the executable definition):
 //   * found_inf is a 1-element float32 tensor on the tensors' device. Kernels set it to 1 when they
 //     see a non-finite value and never clear it, so one flag can be accumulated across calls.
 //   * Update ops take optional grad_scale / found_inf tensors: grads are divided by grad_scale inside
@@ -44,7 +44,7 @@ TORCH_LIBRARY(mp_wrappers, m) {
         "float max_scale) -> ()");
 
   // ---- optimizer updates ------------------------------------------------------------------------
-  // Executable definitions: the "Fused optimizer updates" section of mp_wrappers/ops/reference.py.
+  // Executable definitions: mp_wrappers/ops/reference/optimizers.py (conventions: reference/_common.py).
   // Math is fp32 on fp32 state; grads are divided by grad_scale first; a nonzero found_inf leaves
   // every output bit-identical. Each list holds one dtype (the Python entry points check it, and the
   // optimizers bucket by dtype). multi_tensor_sgd_'s momentum_buffers is empty when momentum == 0;
@@ -76,7 +76,7 @@ TORCH_LIBRARY(mp_wrappers, m) {
         "Tensor? grad_scale, Tensor? found_inf, Tensor? lr_tensor=None) -> ()");
 
   // ---- lean bf16 storage: optimizer updates without a separate fp32 master -----------------------
-  // Executable definitions: mp_wrappers/ops/reference_lean.py (Note [lean bf16 storage]). params
+  // Executable definitions: mp_wrappers/ops/reference/lean.py (Note [lean bf16 storage]). params
   // are bfloat16; storage is 'split' (aux: uint16 low halves, params + aux ARE the fp32 master),
   // 'kahan' (aux: bfloat16 compensation) or 'stochastic' (aux empty; seed keys the rounding hash).
   // State lists are float32 or bfloat16. Otherwise the conventions of the updates above.

@@ -84,7 +84,7 @@ def _multi_tensor_novograd_fake(params: List[Tensor], grads: List[Tensor],
                        (params, grads, exp_avgs, model_params), allow_empty=('model_params',))
 
 
-# ---- lean bf16 storage (Note [lean bf16 storage] in reference_lean.py) ----------------------------
+# ---- lean bf16 storage (Note [lean bf16 storage] in reference/lean.py) ----------------------------
 # aux holds uint16 or bf16 tensors (or nothing), which check_tensor_lists would refuse as
 # non-float; it is validated by the public entry points in mp_wrappers/ops/lean.py.
 

@@ -1,6 +1,6 @@
 """Public lean bf16 optimizer ops: Adam/AdamW and SGD on bf16 params without a separate fp32 master.
 
-See Note [lean bf16 storage] in :mod:`mp_wrappers.ops.reference_lean` for what ``storage`` means
+See Note [lean bf16 storage] in :mod:`mp_wrappers.ops.reference.lean` for what ``storage`` means
 (``'split'``, ``'kahan'``, ``'stochastic'``) and what ``aux`` holds. Each function validates its
 arguments the way :mod:`mp_wrappers.ops.optimizers` does and calls the implementation chosen by
 :func:`~mp_wrappers.ops._dispatch.implementation` (kernel or reference). The argument order follows
@@ -18,7 +18,7 @@ from .. import compat
 from ._checks import (_check_betas, _check_lr, _check_nonnegative, _check_scalar, _check_step,
                       check_tensor_lists)
 from ._dispatch import run
-from .reference_lean import LEAN_STORAGES
+from .reference.lean import LEAN_STORAGES
 
 __all__ = ['multi_tensor_adam_lean', 'multi_tensor_sgd_lean', 'LEAN_STORAGES']
 

@@ -1,5 +1,5 @@
 """bf16 params without a separate fp32 master, for FusedAdam and FusedSGD (Note [lean bf16 storage]
-in :mod:`mp_wrappers.ops.reference_lean`).
+in :mod:`mp_wrappers.ops.reference.lean`).
 
 :class:`LeanStorageMixin` adds three optimizer options:
 
@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .. import compat
 from ..casting import parse_dtype
-from ..ops.reference_lean import LEAN_STORAGES
+from ..ops.reference.lean import LEAN_STORAGES
 
 __all__ = ['LeanStorageMixin', 'AUX_STATE_KEYS']
 

@@ -1,5 +1,5 @@
 // CPU kernel of multi_tensor_adagrad_ (apex FusedAdagrad math; semantics and op order:
-// mp_wrappers/ops/reference.py::multi_tensor_adagrad_).
+// mp_wrappers/ops/reference/optimizers.py::multi_tensor_adagrad_).
 //
 // One pass per chunk: load grad and param, unscale, decay, accumulate the squared grad into the
 // fp32 sum, store param, sum and the rounded model copy. step only counts applied updates.

@@ -1,5 +1,5 @@
 // CPU kernel of multi_tensor_adam_ (Adam / AdamW, apex FusedAdam math; semantics and op order:
-// mp_wrappers/ops/reference.py::multi_tensor_adam_).
+// mp_wrappers/ops/reference/optimizers.py::multi_tensor_adam_).
 //
 // One pass per 64K-element chunk: load grad (fp32/fp16/bf16) and param, unscale, update the fp32
 // moments in registers, store param, moments and, for the fused mixed-precision step, the rounded

@@ -1,6 +1,6 @@
 // CPU kernels of multi_tensor_l2norm and multi_tensor_unscale_l2norm: the global and per-tensor L2
 // norms in one read-only pass (the unscale variant multiplies by inv_scale in fp32 first, as the
-// reference does, and checks the raw values for inf/nan). Semantics: mp_wrappers/ops/reference.py.
+// reference does, and checks the raw values for inf/nan). Semantics: mp_wrappers/ops/reference/multi_tensor.py.
 //
 // Accuracy and determinism: squares are accumulated in double with SumSq32 (flavour-independent
 // lane layout), one partial per fixed 64K-element chunk, and partials are summed in chunk order, so

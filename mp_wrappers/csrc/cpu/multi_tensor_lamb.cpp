@@ -1,5 +1,5 @@
 // CPU kernel of multi_tensor_lamb_ (apex FusedLAMB math; semantics and op order:
-// mp_wrappers/ops/reference.py::multi_tensor_lamb_).
+// mp_wrappers/ops/reference/optimizers.py::multi_tensor_lamb_).
 //
 // The trust ratio lr * ||p|| / ||update|| needs two per-tensor norms before any param may move, so
 // when it is used (weight_decay != 0 or use_nvlamb) the update takes two passes:

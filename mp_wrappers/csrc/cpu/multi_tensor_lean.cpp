@@ -1,6 +1,6 @@
 // CPU kernels of multi_tensor_adam_lean_ and multi_tensor_sgd_lean_: Adam/AdamW and SGD on bf16
 // params that carry their own master ('split'), a Kahan compensation ('kahan') or nothing but
-// stochastic rounding ('stochastic'). Semantics and op order: mp_wrappers/ops/reference_lean.py
+// stochastic rounding ('stochastic'). Semantics and op order: mp_wrappers/ops/reference/lean.py
 // (Note [lean bf16 storage]); the fp32 arithmetic is that of cpu/multi_tensor_{adam,sgd}.cpp in the
 // same order, so 'split' masters are bit-identical to the fused O2 step's fp32 masters.
 //

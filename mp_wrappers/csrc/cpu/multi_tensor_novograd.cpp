@@ -1,5 +1,5 @@
 // CPU kernel of multi_tensor_novograd_ (apex FusedNovoGrad math; semantics and op order:
-// mp_wrappers/ops/reference.py::multi_tensor_novograd_).
+// mp_wrappers/ops/reference/optimizers.py::multi_tensor_novograd_).
 //
 // NovoGrad normalises each tensor's grad by a running per-tensor grad norm, so the update takes
 // two passes:

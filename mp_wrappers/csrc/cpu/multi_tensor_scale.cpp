@@ -1,5 +1,5 @@
 // CPU kernels of multi_tensor_scale_ (out = in * scale) and multi_tensor_axpby_ (out = a*x + b*y),
-// both with the non-finite check on their inputs. Semantics: mp_wrappers/ops/reference.py.
+// both with the non-finite check on their inputs. Semantics: mp_wrappers/ops/reference/multi_tensor.py.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 

@@ -1,5 +1,5 @@
 // CPU kernel of multi_tensor_sgd_ (torch.optim.SGD math plus apex's wd_after_momentum; semantics
-// and op order: mp_wrappers/ops/reference.py::multi_tensor_sgd_).
+// and op order: mp_wrappers/ops/reference/optimizers.py::multi_tensor_sgd_).
 //
 // One pass per chunk: load grad and param, unscale, decay, momentum in registers, store param,
 // buffer and the rounded model copy. The first applied update (step == 0, read on the host with

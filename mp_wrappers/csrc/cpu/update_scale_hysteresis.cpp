@@ -1,5 +1,5 @@
 // CPU kernel of update_scale_hysteresis_: one dynamic loss-scale update (DeepSpeed/Megatron-style
-// hysteresis, apex amp's scaler when hysteresis == 1). Semantics: mp_wrappers/ops/reference.py.
+// hysteresis, apex amp's scaler when hysteresis == 1). Semantics: mp_wrappers/ops/reference/multi_tensor.py.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 

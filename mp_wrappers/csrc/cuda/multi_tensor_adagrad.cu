@@ -1,5 +1,5 @@
 // CUDA kernel of multi_tensor_adagrad_ (apex FusedAdagrad math; semantics and op order:
-// mp_wrappers/ops/reference.py::multi_tensor_adagrad_). One element-wise pass; step only counts
+// mp_wrappers/ops/reference/optimizers.py::multi_tensor_adagrad_). One element-wise pass; step only counts
 // applied updates.
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>  // Note [optional arguments] in bindings.cpp

@@ -1,5 +1,5 @@
 // CUDA kernel of multi_tensor_adam_ (Adam / AdamW, apex FusedAdam math; semantics and op order:
-// mp_wrappers/ops/reference.py::multi_tensor_adam_). One element-wise pass over chunked tensor
+// mp_wrappers/ops/reference/optimizers.py::multi_tensor_adam_). One element-wise pass over chunked tensor
 // lists (see mp_wrappers/cuda/optim_apply.cuh); found_inf, grad_scale and step are read on the
 // device, and one thread increments step afterwards unless the update was skipped.
 #include <ATen/core/Tensor.h>

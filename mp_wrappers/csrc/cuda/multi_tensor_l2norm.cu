@@ -1,5 +1,5 @@
 // CUDA kernels of multi_tensor_l2norm and multi_tensor_unscale_l2norm. Semantics:
-// mp_wrappers/ops/reference.py.
+// mp_wrappers/ops/reference/multi_tensor.py.
 //
 // Two stages, no host synchronisation: every block writes the sum of squares of its chunk (double
 // per thread, then a block reduction in double: finite fp32 values never overflow it, as on the

@@ -1,5 +1,5 @@
 // CUDA kernel of multi_tensor_lamb_ (apex FusedLAMB math; semantics and op order:
-// mp_wrappers/ops/reference.py::multi_tensor_lamb_).
+// mp_wrappers/ops/reference/optimizers.py::multi_tensor_lamb_).
 //
 // With the trust ratio (weight_decay != 0 or use_nvlamb), three launches on the current stream and
 // no host synchronisation:

@@ -1,5 +1,5 @@
 // CUDA kernels of multi_tensor_adam_lean_ and multi_tensor_sgd_lean_ (Note [lean bf16 storage] in
-// mp_wrappers/ops/reference_lean.py; the CPU twins are cpu/multi_tensor_lean.cpp). Same structure as
+// mp_wrappers/ops/reference/lean.py; the CPU twins are cpu/multi_tensor_lean.cpp). Same structure as
 // the other fused optimizers (cuda/optim_apply.cuh): the one launch planner (for_each_launch), the
 // IEEE round-to-nearest arithmetic (immune to --use_fast_math), the device-side skip, unscale, bias
 // correction and step increment, per-block constants computed once by thread 0, every global access
@@ -25,7 +25,7 @@ namespace {
 
 enum Storage : int { kSplit = 0, kKahan = 1, kStochastic = 2 };
 
-// The hash of reference_lean.stochastic_bits (same constants as cpu_lean.h).
+// The hash of reference.lean.stochastic_bits (same constants as cpu_lean.h).
 __device__ __forceinline__ uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;
@@ -48,7 +48,7 @@ __device__ __forceinline__ uint16_t float_to_bf16_bits(float x) {
   return from_float<c10::BFloat16>(x).x;
 }
 
-// Per-tensor key of the stochastic rounding: reference_lean.stochastic_bits.
+// Per-tensor key of the stochastic rounding: reference.lean.stochastic_bits.
 __device__ __forceinline__ uint32_t lean_key(uint32_t seed, float count, int32_t index) {
   const uint32_t c = static_cast<uint32_t>(static_cast<int64_t>(count));
   return mix32(mix32(seed ^ mix32(c)) ^ (static_cast<uint32_t>(index) * 0x9E3779B1u));

@@ -1,5 +1,5 @@
 // CUDA kernel of multi_tensor_novograd_ (apex FusedNovoGrad math; semantics and op order:
-// mp_wrappers/ops/reference.py::multi_tensor_novograd_).
+// mp_wrappers/ops/reference/optimizers.py::multi_tensor_novograd_).
 //
 // Three launches on the current stream, no host synchronisation:
 //   1. read-only over the grads: per chunk, the block's sum of squares (norm_type 2, in double so

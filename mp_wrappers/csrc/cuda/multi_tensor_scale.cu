@@ -1,5 +1,5 @@
 // CUDA kernels of multi_tensor_scale_ (out = in * scale) and multi_tensor_axpby_ (out = a*x + b*y),
-// with the non-finite check on their inputs. Semantics: mp_wrappers/ops/reference.py.
+// with the non-finite check on their inputs. Semantics: mp_wrappers/ops/reference/multi_tensor.py.
 #include <ATen/core/Tensor.h>
 
 #include "mp_wrappers/checks.h"

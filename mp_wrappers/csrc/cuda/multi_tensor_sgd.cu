@@ -1,5 +1,5 @@
 // CUDA kernel of multi_tensor_sgd_ (torch.optim.SGD math plus apex's wd_after_momentum; semantics
-// and op order: mp_wrappers/ops/reference.py::multi_tensor_sgd_). One element-wise pass; whether
+// and op order: mp_wrappers/ops/reference/optimizers.py::multi_tensor_sgd_). One element-wise pass; whether
 // this is the first applied update (buffer := direction) is read from step on the device.
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>  // Note [optional arguments] in bindings.cpp

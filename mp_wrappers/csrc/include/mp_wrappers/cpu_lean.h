@@ -1,7 +1,7 @@
 // Bit-level bf16 helpers of the lean CPU optimizer kernels (cpu/multi_tensor_lean.cpp), one flavour
 // per instruction set, beside the fp32 arithmetic of cpu_vec.h (Vec* flavours, same lane counts).
 //
-// Semantics are those of mp_wrappers/ops/reference_lean.py (Note [lean bf16 storage] there):
+// Semantics are those of mp_wrappers/ops/reference/lean.py (Note [lean bf16 storage] there):
 //   * join / store_split: an fp32 is its top 16 bits (a bf16, the value rounded toward zero) and its
 //     low 16 bits (uint16), concatenated without arithmetic;
 //   * store_stochastic: add the low 16 bits of a random word to the fp32 pattern and keep the top
@@ -25,7 +25,7 @@ namespace mp_wrappers {
 namespace cpu {
 namespace lean {
 
-// Odd multipliers below 2**31 (reference_lean._MIX1/_MIX2) and the golden-ratio tensor stride.
+// Odd multipliers below 2**31 (reference.lean._MIX1/_MIX2) and the golden-ratio tensor stride.
 constexpr uint32_t kMix1 = 0x7FEB352Du;
 constexpr uint32_t kMix2 = 0x5BD1E995u;
 constexpr uint32_t kGolden = 0x9E3779B1u;

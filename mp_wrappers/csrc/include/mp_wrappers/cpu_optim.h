@@ -2,7 +2,7 @@
 // novograd}.cpp): argument checks of the scalar tensors, the host-side skip, the unscale, the bias
 // corrections and the dtype dispatch of one chunk.
 //
-// Semantics are those of mp_wrappers/ops/reference.py. The kernels repeat the reference's fp32
+// Semantics are those of mp_wrappers/ops/reference/. The kernels repeat the reference's fp32
 // operations in the same order (Python float hyperparameters rounded to fp32 once, as torch does
 // for `tensor * python_float`), with no FMA contraction (-ffp-contract=off) and correctly rounded
 // divide and sqrt. fp32 results therefore match the reference bit for bit except (a) where torch's

@@ -1,5 +1,5 @@
 // The dynamic loss-scale update with hysteresis, shared by the CPU kernel and the one-thread CUDA
-// kernel so both follow mp_wrappers/ops/reference.py::update_scale_hysteresis_ to the bit.
+// kernel so both follow mp_wrappers/ops/reference/multi_tensor.py::update_scale_hysteresis_ to the bit.
 #pragma once
 
 #include <ATen/core/Tensor.h>

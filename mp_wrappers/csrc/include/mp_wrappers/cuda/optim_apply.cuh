@@ -7,7 +7,7 @@
 // the host. Per-launch constants that depend on them (the bias corrections with their pow, the
 // unscale factor) are computed once per block by thread 0 and shared, not per thread.
 //
-// Arithmetic: the references in mp_wrappers/ops/reference.py round every fp32 operation
+// Arithmetic: the references in mp_wrappers/ops/reference/ round every fp32 operation
 // separately, so the optimizer math uses the IEEE round-to-nearest intrinsics (fadd, fmul, fdiv,
 // fsqrt of multi_tensor_apply.cuh), which the compiler neither approximates nor contracts into FMAs
 // whatever the flags.

@@ -29,15 +29,15 @@ Note [lean bf16 storage]
     Moments / momentum buffers may be float32 or bfloat16 (the optimizers' ``state_dtype``): they
     are read as fp32, updated in fp32 and rounded to nearest when stored. All other conventions
     (grad_scale, found_inf, step) are those of the fused optimizer updates in
-    :mod:`mp_wrappers.ops.reference`.
+    :mod:`mp_wrappers.ops.reference._common`.
 """
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .. import compat
-from .reference import _bias_correction, _commit_, _skip_mask, _unscaled
+from ... import compat
+from ._common import _bias_correction, _commit_, _skip_mask, _unscaled
 
 __all__ = ['LEAN_STORAGES', 'bf16_join', 'bf16_split', 'stochastic_bits', 'round_stochastic',
            'multi_tensor_adam_lean_', 'multi_tensor_sgd_lean_']

@@ -1,162 +1,17 @@
-"""Pure-PyTorch references of every ``torch.ops.mp_wrappers`` op.
+"""Pure-PyTorch references of the fused optimizer updates: Adam/AdamW, SGD, LAMB, Adagrad, NovoGrad.
 
-Each function has exactly the signature of the op schema in ``csrc/bindings.cpp`` and is the
-executable definition of its semantics: the fallback when the extension is unavailable and the oracle
-the tests compare kernels with. Clarity over speed, but no host synchronisation: flags and counters
-stay tensors so the references can be used in the same places as the kernels.
+Their shared conventions (unscale, skip on ``found_inf``, ``step``, ``model_params``) are in
+:mod:`._common`.
 """
-from typing import List, Optional, Tuple, Union
+from typing import List, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = [
-    'multi_tensor_scale_', 'multi_tensor_l2norm', 'multi_tensor_unscale_l2norm',
-    'multi_tensor_axpby_', 'update_scale_hysteresis_',
-    # fused optimizer updates (section at the end of the file)
-    'multi_tensor_adam_', 'multi_tensor_sgd_', 'multi_tensor_lamb_', 'multi_tensor_adagrad_',
-    'multi_tensor_novograd_',
-]
+from ._common import _bias_correction, _commit_, _lr, _skip_mask, _unscaled
 
-
-def _flag_nonfinite_(found_inf: Tensor, tensors: List[Tensor]) -> None:
-    """Set ``found_inf`` to 1 when any element of ``tensors`` is inf or nan; never clear it."""
-    if not tensors:
-        return
-    bad = torch.stack([~torch.isfinite(t).all() for t in tensors]).any()
-    torch.maximum(found_inf, bad.to(found_inf.dtype).reshape(found_inf.shape), out=found_inf)
-
-
-def multi_tensor_scale_(inputs: List[Tensor], outputs: List[Tensor], scale: Tensor,
-                        found_inf: Tensor) -> None:
-    """``outputs[i] = inputs[i] * scale`` computed in fp32, rounded to each output's dtype.
-
-    ``found_inf`` is set when any *input* element is non-finite (the output is still written).
-    """
-    _flag_nonfinite_(found_inf, inputs)
-    s = scale.to(torch.float32)
-    for src, dst in zip(inputs, outputs):
-        dst.copy_(src.to(torch.float32) * s)
-
-
-def multi_tensor_l2norm(tensors: List[Tensor], per_tensor: bool) -> Tuple[Tensor, Tensor]:
-    """Global L2 norm (a 0-dim fp32 tensor) and, if asked, the per-tensor norms (fp32 ``[n]``).
-
-    The per-tensor result is an empty tensor when ``per_tensor`` is False. Accumulated in float64,
-    as the kernels do: fp32 squares overflow for finite elements above ~1.8e19 (an inf norm that
-    clipping would turn into zeroed gradients) and underflow below ~1e-19 (a zero norm of unscaled
-    gradients when the inverse loss scale is tiny, such as 2**-127).
-    """
-    device = tensors[0].device if tensors else torch.device('cpu')
-    if not tensors:
-        return torch.zeros((), dtype=torch.float32, device=device), torch.empty(0, device=device)
-    norms = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors])
-    total = torch.linalg.vector_norm(norms).to(torch.float32)
-    norms = norms.to(torch.float32)
-    return total, (norms if per_tensor else torch.empty(0, device=device))
-
-
-def multi_tensor_unscale_l2norm(tensors: List[Tensor], inv_scale: Tensor, found_inf: Tensor,
-                                per_tensor: bool) -> Tuple[Tensor, Tensor]:
-    """Norms of ``tensors * inv_scale`` without writing them, and the non-finite check."""
-    _flag_nonfinite_(found_inf, tensors)
-    s = inv_scale.to(torch.float32)
-    return multi_tensor_l2norm([t.to(torch.float32) * s for t in tensors], per_tensor)
-
-
-def multi_tensor_axpby_(x: List[Tensor], y: List[Tensor], out: List[Tensor], a: float, b: float,
-                        arg_to_check: int, found_inf: Tensor) -> None:
-    """``out = a * x + b * y`` in fp32; ``arg_to_check`` -1 checks x and y, 0 only x, 1 only y."""
-    if arg_to_check in (-1, 0):
-        _flag_nonfinite_(found_inf, x)
-    if arg_to_check in (-1, 1):
-        _flag_nonfinite_(found_inf, y)
-    for xi, yi, oi in zip(x, y, out):
-        oi.copy_(a * xi.to(torch.float32) + b * yi.to(torch.float32))
-
-
-def update_scale_hysteresis_(scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tensor,
-                             found_inf: Tensor, growth_factor: float, backoff_factor: float,
-                             growth_interval: int, hysteresis: int, min_scale: float,
-                             max_scale: float) -> None:
-    """One dynamic loss-scale update, entirely on the device.
-
-    On an overflow the hysteresis budget is decremented and, once it is used up (``hysteresis``
-    consecutive overflows), the scale is multiplied by ``backoff_factor`` but never below
-    ``min_scale``; the growth tracker restarts. After ``growth_interval`` consecutive clean updates the
-    scale is multiplied by ``growth_factor``, never above ``max_scale`` nor to inf. A clean update
-    refills the hysteresis budget. With ``hysteresis=1`` this is exactly apex amp's scaler.
-    """
-    overflow = found_inf.reshape(()) > 0
-    hyst_left = torch.where(overflow, hysteresis_tracker - 1,
-                            torch.full_like(hysteresis_tracker, hysteresis))
-    backoff = overflow & (hyst_left.reshape(()) <= 0)
-    grown_count = growth_tracker + 1
-    grow = (~overflow) & (grown_count.reshape(()) >= growth_interval)
-    down = torch.clamp(scale * backoff_factor, min=min_scale)
-    up = torch.clamp(scale * growth_factor, max=max_scale)
-    up = torch.where(torch.isfinite(up), up, scale)
-    new_scale = torch.where(backoff, down, torch.where(grow, up, scale))
-    new_growth = torch.where(overflow | grow, torch.zeros_like(growth_tracker), grown_count)
-    scale.copy_(new_scale)
-    growth_tracker.copy_(new_growth)
-    hysteresis_tracker.copy_(hyst_left)
-
-
-# =====================================================================================================
-# Fused optimizer updates
-#
-# One function per optimizer op of bindings.cpp, same signature. Shared conventions (the kernels must
-# reproduce them; tests compare against these functions):
-#   * Math is float32 on float32 state (moments, sums, norms); params and grads may be float32,
-#     float16 or bfloat16. Params are read as float32 and the new value is rounded once to their dtype.
-#   * grads are divided by ``grad_scale`` (when given) before anything else, as torch's fused
-#     optimizers do, so a GradScaler's scale is passed as it is, not inverted.
-#   * ``found_inf`` nonzero skips the whole call: params, state, ``step`` and ``model_params`` keep
-#     their bits. The skip is a select on the device (compute, then keep the old value), never a
-#     host-side branch, so no synchronisation happens.
-#   * ``step`` (1-element float32) is the number of updates already applied; the update being applied
-#     is number ``step + 1``, which bias corrections use, and ``step`` is incremented when it applies.
-#     Bias corrections are computed in float64 from that count and rounded to float32 (as apex does
-#     with ``std::pow`` on the host).
-#   * ``model_params`` is empty or parallel to ``params``: each receives the new float32 param value
-#     rounded to its own dtype (the fp16/bf16 model copy of an fp32 master).
-# =====================================================================================================
-
-def _skip_mask(found_inf: Optional[Tensor]) -> Optional[Tensor]:
-    """A 0-dim bool tensor, True when the update must be skipped; None when there is no flag."""
-    if found_inf is None:
-        return None
-    return found_inf.reshape(()) != 0
-
-
-def _unscaled(grad: Tensor, grad_scale: Optional[Tensor]) -> Tensor:
-    """The gradient as float32, divided by ``grad_scale`` when given (a new tensor or ``grad``)."""
-    g = grad.to(torch.float32)
-    if grad_scale is not None:
-        g = g / grad_scale.reshape(()).to(torch.float32)
-    return g
-
-
-def _commit_(dst: Tensor, new: Tensor, skip: Optional[Tensor]) -> None:
-    """Write ``new`` (rounded to ``dst.dtype``) into ``dst``, or leave ``dst`` bit-identical on skip."""
-    new = new.to(dst.dtype)
-    if skip is not None:
-        new = torch.where(skip, dst, new)
-    dst.copy_(new.reshape(dst.shape))
-
-
-def _lr(lr: float, lr_tensor: Optional[Tensor]) -> Union[float, Tensor]:
-    """The learning rate: ``lr``, or the 0-dim float32 value of ``lr_tensor`` (capturable=True; read
-    where it lives, no host sync). float32 either way: a float lr multiplies fp32 tensors as fp32."""
-    return lr if lr_tensor is None else lr_tensor.reshape(()).to(torch.float32)
-
-
-def _bias_correction(beta: float, count: Tensor, enabled: bool) -> Tensor:
-    """``1 - beta ** count`` computed in float64, as a float32 tensor (ones when disabled)."""
-    if not enabled:
-        return torch.ones_like(count, dtype=torch.float32)
-    return (1.0 - torch.pow(beta, count.to(torch.float64))).to(torch.float32)
+__all__ = ['multi_tensor_adam_', 'multi_tensor_sgd_', 'multi_tensor_lamb_', 'multi_tensor_adagrad_',
+           'multi_tensor_novograd_']
 
 
 def multi_tensor_adam_(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
@@ -370,10 +225,3 @@ def multi_tensor_novograd_(params: List[Tensor], grads: List[Tensor], exp_avgs: 
             _commit_(model_params[i], p_new, skip)
     _commit_(exp_avg_sq_norms, new_norms, skip)
     _commit_(step, count, skip)
-
-
-# The lean bf16 storage updates (Note [lean bf16 storage]) live in their own module; exported here so
-# the one dispatch point (_dispatch.implementation) finds every reference in this namespace.
-from .reference_lean import multi_tensor_adam_lean_, multi_tensor_sgd_lean_  # noqa: E402
-
-__all__ += ['multi_tensor_adam_lean_', 'multi_tensor_sgd_lean_']
