@@ -44,7 +44,7 @@ def _model(width: int, layers: int) -> nn.Sequential:
 
 
 def _local(t):
-    from mp_wrappers.distributed.sharding import local_tensor
+    from mp_wrappers.sharding import local_tensor
     return local_tensor(t)
 
 

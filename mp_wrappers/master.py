@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from .casting import HALF_DTYPES, forget_loaded_full_precision, loaded_full_precision
-from .distributed.sharding import local_tensors
+from .sharding import local_tensors
 from .ops import multi_tensor_axpby, multi_tensor_scale
 
 __all__ = ['MasterParams', 'GradStash', 'grouped_scale', 'MastersInStateDict', 'bind_masters',
@@ -59,7 +59,7 @@ def grouped_scale(inputs: Sequence[Tensor], outputs: Sequence[Tensor], scale: Te
                   found_inf: Tensor) -> None:
     """``multi_tensor_scale`` over lists that may mix dtypes: one call per (device, dtypes) bucket."""
     for xs, ys in _buckets(list(zip(inputs, outputs))).values():
-        # FSDP2 DTensors: the op runs on the local shards (mp_wrappers.distributed.sharding).
+        # FSDP2 DTensors: the op runs on the local shards (mp_wrappers.sharding).
         multi_tensor_scale(local_tensors(xs), local_tensors(ys), scale, found_inf)
 
 

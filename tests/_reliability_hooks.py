@@ -106,7 +106,7 @@ class RelTestShardFaultHook(Hook):
                 wrapper.step = own
 
         def planted_step(*args, **kwargs):
-            from mp_wrappers.distributed.sharding import local_tensor
+            from mp_wrappers.sharding import local_tensor
             for p in _module(runner).parameters():
                 g = local_tensor(p.grad)
                 if g is not None and g.numel():

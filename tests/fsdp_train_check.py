@@ -38,7 +38,7 @@ def main() -> None:
     model = runner.model
     wrapper = runner.optim_wrapper
     opt = wrapper.optimizer
-    from mp_wrappers.distributed.sharding import local_tensor
+    from mp_wrappers.sharding import local_tensor
     opt_numel = sum(local_tensor(v).numel() for st in opt.state.values() for k, v in st.items()
                     if torch.is_tensor(v) and k != 'step')
     masters = sum(m.numel() for m, _ in wrapper._master_params().half_pairs())

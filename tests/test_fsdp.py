@@ -78,7 +78,7 @@ def _run(model, wrapper, batches, rank, world, accumulate=1, fault=None, dtype=N
         if (i + 1) % accumulate:
             continue
         if fault is not None and i == fault[0] and rank == fault[1]:
-            from mp_wrappers.distributed.sharding import local_tensor
+            from mp_wrappers.sharding import local_tensor
             for p in model.parameters():  # the first param with a local shard here
                 g = local_tensor(p.grad)
                 if g is not None and g.numel():
@@ -95,7 +95,7 @@ def _run(model, wrapper, batches, rank, world, accumulate=1, fault=None, dtype=N
 def _full(model):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from mp_wrappers.distributed.sharding import is_dtensor
+    from mp_wrappers.sharding import is_dtensor
     if isinstance(model, FSDP):
         with FSDP.summon_full_params(model):
             return [p.detach().float().clone() for p in model.parameters()]
@@ -104,7 +104,7 @@ def _full(model):
 
 
 def _local_numel(tensors):
-    from mp_wrappers.distributed.sharding import local_tensor
+    from mp_wrappers.sharding import local_tensor
     return sum(local_tensor(t).numel() for t in tensors)
 
 
@@ -444,7 +444,7 @@ def test_refusals_name_the_fix(ranks):
 def test_sharded_helpers_refuse_bad_options_without_processes():
     from mp_wrappers import FP16OptimWrapper, FusedSGD, cast_model
     from mp_wrappers.distributed.fsdp import _wrapper_extras
-    from mp_wrappers.distributed.sharding import Sharding, clip_grad_norm_sharded, global_norm
+    from mp_wrappers.sharding import Sharding, clip_grad_norm_sharded, global_norm
     with pytest.raises(ValueError, match='norm_type=1.0 is not supported'):
         global_norm({True: [torch.ones(1)]}, norm_type=1.0)
     model = _model()

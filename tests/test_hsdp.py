@@ -1,4 +1,4 @@
-"""HSDP on CPU with gloo: 4 processes as 2 replicas x 2 shards (Note [HSDP] in distributed/sharding.py).
+"""HSDP on CPU with gloo: 4 processes as 2 replicas x 2 shards (Note [HSDP] in mp_wrappers/sharding.py).
 
 One ``torch.multiprocessing.spawn`` of 4 ranks, every case inside it, each against one process over
 the same global batch (computed in each worker), as in tests/test_fsdp.py:
@@ -49,7 +49,7 @@ def _apex(model):
 
 def _fsdp2_cases(rank, mesh, tmp):
     from mp_wrappers.distributed.checkpoint import load_sharded, save_sharded
-    from mp_wrappers.distributed.sharding import sharding_of
+    from mp_wrappers.sharding import sharding_of
     out = {}
     batches = _batches(WORLD)
     model = _hsdp(_model(), mesh)
@@ -110,7 +110,7 @@ def _fsdp1_hybrid(rank, mesh):
 def _refused(mesh):
     from torch.distributed.tensor import DTensor, Shard
 
-    from mp_wrappers.distributed.sharding import local_tensor
+    from mp_wrappers.sharding import local_tensor
     t = DTensor.from_local(torch.zeros(2), mesh, [Shard(0), Shard(0)])  # not HSDP's layout
     try:
         local_tensor(t, 'a test tensor')

@@ -1,10 +1,11 @@
 """Scaling out on torch.distributed: DDP, FSDP1 (mmengine's FlexibleRunner) and FSDP2.
 
-Everything distributed lives here; the wrappers and fused optimizers call in through small hooks.
+The strategies, model wrappers and checkpoints that drive torch.distributed live here. What a
+sharded model means to our wrappers and fused optimizers (FSDP's fp32 shards are the masters, local
+shards of DTensors, global norms, ``no_sync`` while accumulating) sits below them, in
+:mod:`mp_wrappers.sharding`; ``Sharding`` and ``sharding_of`` are re-exported here.
 
 * :mod:`.ddp`: :class:`MixedPrecisionDistributedDataParallel`, DDP over a model cast first.
-* :mod:`.sharding`: what a sharded model means to our wrappers and fused optimizers (FSDP's fp32
-  shards are the masters, local shards of DTensors, global norms, ``no_sync`` while accumulating).
 * :mod:`.fsdp`: :class:`MixedPrecisionFSDPStrategy`, mmengine's ``FSDPStrategy`` that also runs on
   CPU with gloo and takes FSDP's mixed precision from our optimizer wrapper's config.
 * :mod:`.fully_shard`: :class:`FullyShardedModel`, an mmengine model wrapper applying FSDP2's
@@ -18,7 +19,7 @@ See docs/distributed.md.
 from .ddp import MixedPrecisionDistributedDataParallel
 from .fsdp import MixedPrecisionFSDPStrategy
 from .fully_shard import FullyShardedModel, FullyShardedRunner
-from .sharding import Sharding, sharding_of
+from ..sharding import Sharding, sharding_of
 
 __all__ = ['MixedPrecisionDistributedDataParallel', 'MixedPrecisionFSDPStrategy',
            'FullyShardedModel', 'FullyShardedRunner', 'Sharding', 'sharding_of']

@@ -30,7 +30,7 @@ from typing import Any, Dict, Tuple
 
 import torch
 
-from .sharding import is_dtensor
+from ..sharding import is_dtensor
 
 __all__ = ['TENSOR_MARKER', 'REST_KEY', 'INFO_KEY', 'VERSION', 'SafeFileSystemReader',
            'is_sharded_checkpoint', 'read_sharded_checkpoint', 'split_tensors', 'merge_tensors',

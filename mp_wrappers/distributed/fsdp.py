@@ -7,7 +7,7 @@ without CUDA it starts a gloo group and gives FSDP ``device_id=torch.device('cpu
 is mmengine's strategy unchanged. It also fills in FSDP's ``mixed_precision`` from an
 ``mp_wrappers.ApexOptimWrapper`` config whose level runs the model in half precision (O2), so
 FSDP makes the half copies from its fp32 shards and those shards are the masters (Note [sharded
-masters] in :mod:`mp_wrappers.distributed.sharding`).
+masters] in :mod:`mp_wrappers.sharding`).
 """
 from typing import Any, Optional
 

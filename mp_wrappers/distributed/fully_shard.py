@@ -111,7 +111,7 @@ class FullyShardedModel(nn.Module):
         return self.module(*args, **kwargs)
 
     # FSDP2 modules have no no_sync(): our wrappers skip the reduce-scatter while accumulating
-    # through set_requires_gradient_sync (mp_wrappers.distributed.sharding.no_sync_for_backward).
+    # through set_requires_gradient_sync (mp_wrappers.sharding.no_sync_for_backward).
     @property
     def sharded_root(self) -> Optional[nn.Module]:
         return self.module

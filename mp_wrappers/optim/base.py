@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..distributed.sharding import is_dtensor, local_slot
+from ..sharding import is_dtensor, local_slot
 from ..ops._dispatch import implementation
 from . import layout, saved_state
 

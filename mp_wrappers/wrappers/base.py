@@ -25,7 +25,7 @@ from mmengine.optim import OptimWrapper, OptimWrapperDict
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ..distributed import sharding as _sharding
+from .. import sharding as _sharding
 from ..half_errors import add_half_hint
 from ..master import MasterMismatchWarning, MasterParams, zero_grads
 from ..master_binding import MasterBinding, WrapperMasters

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from ..casting import (HALF_DTYPES, ForwardCaster, Fp32Modules, cast_model,
                        check_module_patterns, fp32_state_dict_hook, match_modules,
                        model_cast_dtype, owned_roots)
-from ..distributed.sharding import check_fsdp_precision, sharding_of
+from ..sharding import check_fsdp_precision, sharding_of
 from .base import MixedPrecisionOptimWrapper
 from .checkpoint_format import STATE_KEY, check_optimizer_state
 

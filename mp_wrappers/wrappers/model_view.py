@@ -13,7 +13,7 @@ from mmengine.model import is_model_wrapper
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ..distributed import sharding as _sharding
+from .. import sharding as _sharding
 
 __all__ = ['ModelView']
 

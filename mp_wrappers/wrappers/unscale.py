@@ -16,7 +16,7 @@ stash to fill: the gradients are checked and unscaled where they are, as torch's
 :mod:`mp_wrappers.wrappers.overflow`).
 
 Under FSDP the kernels run on local shards and norms are combined across ranks
-(:mod:`mp_wrappers.distributed.sharding`).
+(:mod:`mp_wrappers.sharding`).
 """
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..distributed import sharding as _sharding
+from .. import sharding as _sharding
 from ..master import GradStash, MasterParams
 from ..ops import multi_tensor_l2norm, multi_tensor_scale, multi_tensor_unscale_l2norm
 from ..scaler import LossScaler

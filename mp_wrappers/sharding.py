@@ -1,5 +1,9 @@
 """What our wrappers and fused optimizers need to know about sharded parameters (FSDP1, FSDP2).
 
+Below the fused optimizers, the masters and the wrappers, which all use it; it imports nothing of
+mp_wrappers. What drives torch.distributed (strategies, runners, checkpoints) is in
+:mod:`mp_wrappers.distributed`, above them.
+
 Note [sharded masters]
     Under FSDP every rank holds one shard of every parameter, and torch's engine does the rest
     (all-gather for the forward, reduce-scatter of the gradients). With FSDP's own mixed precision
