@@ -34,7 +34,7 @@ from mmengine.runner import Runner  # noqa: E402
 
 import mp_wrappers  # noqa: E402
 from mp_wrappers import hardware  # noqa: E402
-from mp_wrappers.runtime import add_mixed_precision_hook  # noqa: E402
+from mp_wrappers.train_config import add_mixed_precision_hook  # noqa: E402
 
 CONFIGS = {
     'fp32 twin (cnn_fp32.py)': ('configs/digits/cnn_fp32.py', {}),

@@ -21,7 +21,7 @@ correct depends on it: the wrappers attach what they need to any mmengine runner
   parameters with non-finite gradients and whether the loss itself was non-finite, on every skip).
 
 ``tools/train.py`` adds the hook automatically when the config's optimizer wrapper is one of ours
-(:func:`mp_wrappers.runtime.add_mixed_precision_hook`); with a toolbox's own train script, list it in
+(:func:`mp_wrappers.train_config.add_mixed_precision_hook`); with a toolbox's own train script, list it in
 ``custom_hooks`` to get these extras.
 """
 import logging

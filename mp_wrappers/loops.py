@@ -186,7 +186,7 @@ def use_mixed_precision_loops(cfg: Any) -> List[str]:
     Returns:
         The keys changed (``'val_cfg'``, ``'test_cfg'``).
     """
-    from .runtime import uses_our_optim_wrapper
+    from .optim_config import uses_our_optim_wrapper
     if not uses_our_optim_wrapper(cfg):
         return []
     changed = []

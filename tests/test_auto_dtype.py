@@ -274,7 +274,7 @@ def test_amp_flag_switches_a_plain_optim_wrapper(fake_cpu, run_train):
 
 
 def test_amp_flag_leaves_our_wrappers_and_refuses_others():
-    from mp_wrappers.runtime import enable_amp
+    from mp_wrappers.train_config import enable_amp
     cfg = Config.fromfile(os.path.join(REPO, 'configs', 'digits', 'cnn_bf16.py'))
     assert enable_amp(cfg) is False and cfg.optim_wrapper.type == 'mp_wrappers.FP16OptimWrapper'
     cfg = Config(dict(optim_wrapper=dict(type='AmpOptimWrapper', optimizer=dict(type='SGD', lr=0.1))))

@@ -162,7 +162,7 @@ def test_tools_train_casts_before_ddp_with_the_same_fp32_modules():
     fp32_modules travel with it, and the cast keeps them fp32."""
     from mmengine.config import Config
 
-    from mp_wrappers.runtime import _apex_model_wrapper_cfg
+    from mp_wrappers.launch import _apex_model_wrapper_cfg
     cfg = Config(dict(optim_wrapper=dict(type='mp_wrappers.ApexOptimWrapper', opt_level='O2',
                                          dtype='bfloat16', fp32_modules=['cls_head'])))
     _apex_model_wrapper_cfg(cfg)
@@ -180,7 +180,7 @@ def test_tools_train_casts_before_ddp_with_the_same_fp32_modules():
 def test_tools_train_casts_before_ddp_for_a_casting_fp16_wrapper(dtype, expected):
     from mmengine.config import Config
 
-    from mp_wrappers.runtime import _apex_model_wrapper_cfg
+    from mp_wrappers.launch import _apex_model_wrapper_cfg
     optim = dict(type='mp_wrappers.FP16OptimWrapper', fp32_modules=['cls_head'])
     if dtype is not None:
         optim['dtype'] = dtype

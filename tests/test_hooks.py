@@ -17,7 +17,8 @@ from mmengine.runner import Runner
 from mp_wrappers import MixedPrecisionHook
 from mp_wrappers.hooks import PRECISION_INFO_KEY, SKIPPED_INFO_KEY, SKIPPED_ITERS_KEY
 from mp_wrappers.registry import MODELS
-from mp_wrappers.runtime import add_mixed_precision_hook, uses_our_optim_wrapper
+from mp_wrappers.optim_config import uses_our_optim_wrapper
+from mp_wrappers.train_config import add_mixed_precision_hook
 from mp_wrappers.workloads import DigitsCNN
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from mmengine.config import Config
 from torch import nn
 
-from mp_wrappers.runtime import prepare_distributed
+from mp_wrappers.launch import prepare_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(REPO, 'tests')

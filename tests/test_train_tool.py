@@ -1,4 +1,4 @@
-"""tools/train.py end to end (train, then --resume) and mp_wrappers.runtime.prepare_distributed."""
+"""tools/train.py end to end (train, then --resume) and mp_wrappers.launch.prepare_distributed."""
 import importlib.util
 import json
 import os
@@ -12,7 +12,7 @@ import torch.distributed as dist
 from mmengine.config import Config
 
 from mp_wrappers import compat
-from mp_wrappers.runtime import prepare_distributed
+from mp_wrappers.launch import prepare_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join('configs', 'digits', 'cnn_fp32.py')
@@ -155,13 +155,13 @@ def test_two_process_cpu_training_keeps_ranks_equal(tmp_path):
 
 @pytest.mark.parametrize('value', [0, -2, 1.5, True, '2'])
 def test_configure_torch_threads_rejects_bad_values(value):
-    from mp_wrappers.runtime import configure_torch_threads
+    from mp_wrappers.launch import configure_torch_threads
     with pytest.raises(ValueError, match=f'torch_num_threads={value!r}'):
         configure_torch_threads(Config(dict(torch_num_threads=value)))
 
 
 def test_configure_torch_threads_none_leaves_torch_alone():
-    from mp_wrappers.runtime import configure_torch_threads
+    from mp_wrappers.launch import configure_torch_threads
     before = torch.get_num_threads()
     assert configure_torch_threads(Config(dict())) is None
     assert torch.get_num_threads() == before

@@ -237,7 +237,8 @@ def _run_one(config: str, level: str, dtype: str, iters: Optional[int], work_dir
     from mmengine.runner import Runner
 
     import mp_wrappers  # noqa: F401  (registries, secure checkpoint loader)
-    from mp_wrappers.runtime import add_mixed_precision_hook, configure_torch_threads
+    from mp_wrappers.launch import configure_torch_threads
+    from mp_wrappers.train_config import add_mixed_precision_hook
 
     probe_cls = _probe_hook_class()
     cfg = Config.fromfile(config)

@@ -10,8 +10,8 @@ Examples:
 
 The two mmengine 0.10.7 traps on torch 2.13 are handled by the package, not here: importing
 ``mp_wrappers`` installs the weights_only checkpoint loader (:mod:`mp_wrappers.checkpoint`), and
-:func:`mp_wrappers.runtime.prepare_distributed` starts a gloo group on machines without CUDA.
-:func:`mp_wrappers.runtime.add_mixed_precision_hook` adds ``mp_wrappers.MixedPrecisionHook`` when the
+:func:`mp_wrappers.launch.prepare_distributed` starts a gloo group on machines without CUDA.
+:func:`mp_wrappers.train_config.add_mixed_precision_hook` adds ``mp_wrappers.MixedPrecisionHook`` when the
 config trains with one of our optimizer wrappers (``mixed_precision_hook = False`` opts out).
 """
 import argparse
@@ -33,9 +33,9 @@ import mp_wrappers  # noqa: E402,F401  (installs the secure loader and atomic ch
 from mp_wrappers.atomic_io import resolve_resume_checkpoint  # noqa: E402
 from mp_wrappers.distributed.runner_checkpoint import attach as attach_sharded_checkpoints  # noqa: E402
 from mp_wrappers.loops import use_mixed_precision_loops  # noqa: E402
-from mp_wrappers.runtime import (LAUNCHERS, add_mixed_precision_hook,  # noqa: E402
-                                 backend_summary, configure_torch_threads, prepare_distributed)
-from mp_wrappers.runtime import enable_amp  # noqa: E402
+from mp_wrappers.launch import (LAUNCHERS, backend_summary,  # noqa: E402
+                                configure_torch_threads, prepare_distributed)
+from mp_wrappers.train_config import add_mixed_precision_hook, enable_amp  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -18,6 +18,8 @@ from mmengine.model import is_model_wrapper
 from torch import nn
 
 from .. import compat
+from ..launch import init_gloo
+from ..optim_config import optim_cfg_properties
 from ..registry import STRATEGIES
 
 __all__ = ['MixedPrecisionFSDPStrategy', 'fsdp_mixed_precision', 'check_local_checkpoint']
@@ -30,16 +32,9 @@ def fsdp_mixed_precision(optim_wrapper: Any) -> Optional[dict]:
     half ``cast_model_type`` override) gives ``dict(param_dtype=<its dtype>, reduce_dtype='float32')``:
     half forward and backward, gradients reduced and kept in fp32 on the fp32 shards.
     """
-    if not hasattr(optim_wrapper, 'get'):
+    props = optim_cfg_properties(optim_wrapper)
+    if props is None:
         return None
-    from ..runtime import _APEX_TYPES, _PROPERTY_KEYS
-    from ..wrappers import ApexOptimWrapper
-    type_ = optim_wrapper.get('type', None)
-    if not (type_ in _APEX_TYPES or type_ is ApexOptimWrapper):
-        return None
-    from ..policy import resolve_properties
-    kwargs = {k: optim_wrapper[k] for k in _PROPERTY_KEYS if optim_wrapper.get(k, None) is not None}
-    props = resolve_properties(optim_wrapper.get('opt_level', 'O1'), **kwargs)
     cast = props.cast_model_type
     if not props.enabled or cast is None or cast == torch.float32 or not props.master_weights:
         return None
@@ -93,7 +88,7 @@ class MixedPrecisionFSDPStrategy(FSDPStrategy):
     ``skip_init_weights``, ``activation_checkpointing``, ...). Differences:
 
     * without CUDA, ``_setup_distributed`` starts a gloo group from the launcher's environment
-      (as :func:`mp_wrappers.runtime.prepare_distributed` does for ``Runner``) and FSDP gets
+      (as :func:`mp_wrappers.launch.prepare_distributed` does for ``Runner``) and FSDP gets
       ``device_id=torch.device('cpu')``; with CUDA nothing changes;
     * when ``model_wrapper`` has no ``mixed_precision`` and the optim wrapper is
       ``mp_wrappers.ApexOptimWrapper`` at O2, ``mixed_precision=dict(param_dtype=<dtype>,
@@ -178,8 +173,7 @@ class MixedPrecisionFSDPStrategy(FSDPStrategy):
             super()._setup_distributed(launcher, backend, **kwargs)
             return
         if not is_distributed():
-            from ..runtime import _init_gloo
-            _init_gloo(launcher, dict(kwargs, backend=backend))
+            init_gloo(launcher, dict(kwargs, backend=backend))
 
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         if not is_model_wrapper(model):

@@ -22,10 +22,10 @@ custom_hooks = [dict(type='mp_wrappers.MixedPrecisionHook', skip_aware_schedules
 env_cfg = dict(
     cudnn_benchmark=False,
     mp_cfg=dict(mp_start_method='fork', opencv_num_threads=0),
-    # nccl on GPU; without CUDA, mp_wrappers.runtime.prepare_distributed starts a gloo group instead.
+    # nccl on GPU; without CUDA, mp_wrappers.launch.prepare_distributed starts a gloo group instead.
     dist_cfg=dict(backend='nccl'),
 )
-# Intra-op CPU threads (read by mp_wrappers.runtime.configure_torch_threads in tools/train.py; None
+# Intra-op CPU threads (read by mp_wrappers.launch.configure_torch_threads in tools/train.py; None
 # keeps torch's default). 8x8 convolutions gain little from a second thread, and OpenMP threads
 # slow down badly when the cores are shared: measured 0.019 s/iter with 1 thread vs 0.61 s/iter with
 # 2 on a busy 2-core machine. Irrelevant on GPU.

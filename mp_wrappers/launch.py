@@ -1,26 +1,25 @@
-"""Run-time setup around mmengine's Runner that mmengine 0.10.7 gets wrong on torch 2.13 without CUDA.
+"""Launch set-up around mmengine's Runner that mmengine 0.10.7 gets wrong on torch 2.13 without CUDA.
 
 ``launcher='pytorch'`` (and ``'slurm'``/``'mpi'``) makes mmengine's ``init_dist`` call
 ``torch.cuda.set_device`` and its ``wrap_model`` pass ``device_ids=[local_rank]`` to DDP, so a CPU-only
 multi-process run dies before training. :func:`prepare_distributed` starts the gloo process group
 itself when CUDA is unavailable (``Runner.setup_env`` then skips ``init_dist``, it only initialises an
 uninitialised group) and makes the DDP wrapper CPU-friendly. With CUDA, mmengine's own nccl path is
-left untouched.
-
-:func:`enable_amp` is ``tools/train.py --amp``. :func:`add_mixed_precision_hook` adds :class:`mp_wrappers.MixedPrecisionHook` to configs that train
-with one of our optimizer wrappers, so the ``amp_*`` log fields, the precision summary and
-skip-aware schedules come without configuration.
+left untouched. :func:`configure_torch_threads` and :func:`backend_summary` are the rest of what
+``tools/train.py`` sets up and reports before building the Runner.
 """
 import datetime
 import os
 import subprocess
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ['LAUNCHERS', 'prepare_distributed', 'configure_torch_threads', 'backend_summary',
-           'add_mixed_precision_hook', 'uses_our_optim_wrapper', 'enable_amp']
+from .optim_config import model_cast_of
+
+__all__ = ['LAUNCHERS', 'prepare_distributed', 'init_gloo', 'configure_torch_threads',
+           'backend_summary']
 
 LAUNCHERS = ('none', 'pytorch', 'slurm', 'mpi')
 _DEFAULT_PORT = '29500'  # torch.distributed's default, as in mmengine
@@ -66,15 +65,9 @@ def prepare_distributed(cfg: Any, launcher: str) -> Any:
     if launcher == 'none' or torch.cuda.is_available():
         return cfg  # mmengine's own path: init_dist with the configured backend (nccl) and device ids
     if not (dist.is_available() and dist.is_initialized()):
-        _init_gloo(launcher, cfg.get('env_cfg', {}).get('dist_cfg', {}) or {})
+        init_gloo(launcher, cfg.get('env_cfg', {}).get('dist_cfg', {}) or {})
     _cpu_model_wrapper_cfg(cfg)
     return cfg
-
-
-_APEX_TYPES = ('mp_wrappers.ApexOptimWrapper',)
-_FP16_TYPES = ('mp_wrappers.FP16OptimWrapper',)
-_PROPERTY_KEYS = ('enabled', 'loss_scale', 'cast_model_type', 'patch_torch_functions',
-                  'keep_batchnorm_fp32', 'master_weights', 'cast_model_outputs', 'dtype')
 
 
 def _apex_model_wrapper_cfg(cfg: Any) -> None:
@@ -83,7 +76,7 @@ def _apex_model_wrapper_cfg(cfg: Any) -> None:
     optim = cfg.get('optim_wrapper', None)
     if cfg.get('model_wrapper_cfg', None) is not None or not hasattr(optim, 'get'):
         return
-    cast, keep_bn = _model_cast_of(optim)
+    cast, keep_bn = model_cast_of(optim)
     if cast is None:
         return
     cfg.model_wrapper_cfg = dict(
@@ -92,26 +85,6 @@ def _apex_model_wrapper_cfg(cfg: Any) -> None:
         broadcast_buffers=False, find_unused_parameters=cfg.get('find_unused_parameters', False))
     if optim.get('fp32_modules', None):
         cfg.model_wrapper_cfg['fp32_modules'] = list(optim['fp32_modules'])
-
-
-def _model_cast_of(optim: Any) -> Tuple[Optional[torch.dtype], bool]:
-    """(the dtype the configured wrapper casts the model to, keep norm layers fp32), or (None, _)."""
-    from .wrappers import ApexOptimWrapper, FP16OptimWrapper
-    wrapper_type = optim.get('type', None)
-    if wrapper_type in _FP16_TYPES or wrapper_type is FP16OptimWrapper:
-        dtype = optim.get('dtype', None)
-        if isinstance(dtype, str) and dtype in ('float16', 'bfloat16'):
-            return getattr(torch, dtype), True
-        return None, True  # None, fp32 or 'auto' (resolved per device by the wrapper)
-    if not (wrapper_type in _APEX_TYPES or wrapper_type is ApexOptimWrapper):
-        return None, True
-    from .policy import resolve_properties
-    kwargs = {k: optim[k] for k in _PROPERTY_KEYS if optim.get(k, None) is not None}
-    props = resolve_properties(optim.get('opt_level', 'O1'), **kwargs)
-    cast = props.cast_model_type
-    if not props.enabled or cast is None or cast == torch.float32:
-        return None, True
-    return cast, bool(props.keep_batchnorm_fp32)
 
 
 def _cpu_model_wrapper_cfg(cfg: Any) -> None:
@@ -140,7 +113,12 @@ def _env(name: str, launcher: str) -> str:
     return value
 
 
-def _init_gloo(launcher: str, dist_cfg: Dict[str, Any]) -> None:
+def init_gloo(launcher: str, dist_cfg: Dict[str, Any]) -> None:
+    """Initialise ``torch.distributed`` from ``launcher``'s environment, gloo for a configured nccl.
+
+    Shared by :func:`prepare_distributed` (``Runner``) and the FSDP1 strategy (``FlexibleRunner``).
+    ``dist_cfg`` is the config's ``env_cfg.dist_cfg`` (``backend``, ``timeout``, ``port``).
+    """
     backend = dist_cfg.get('backend', 'gloo')
     # nccl is the usual config value and means "the GPU collective": without CUDA that is gloo. Any
     # other explicit choice (e.g. 'mpi') is honoured.
@@ -209,142 +187,3 @@ def backend_summary() -> str:
         return f'mp_wrappers ops backend: {backend_fn()}'
     except Exception as exc:  # reporting must never stop training; the ops report again at first use
         return f'mp_wrappers ops backend: unavailable ({type(exc).__name__}: {exc})'
-
-
-def _resolve_optim_wrapper_type(type_: Any, default_scope: Optional[str]) -> Any:
-    """The class a config's ``optim_wrapper.type`` names, resolved as the Runner would."""
-    if not isinstance(type_, str):
-        return type_
-    from mmengine.registry import OPTIM_WRAPPERS as ROOT
-    from .registry import OPTIM_WRAPPERS as OURS
-    if '.' in type_:
-        return ROOT.get(type_)  # 'mp_wrappers.X' finds our child registry from the root
-    # Unprefixed: the default scope decides (mmengine has an ApexOptimWrapper of its own).
-    return OURS.get(type_) if default_scope == OURS.scope else ROOT.get(type_)
-
-
-def uses_our_optim_wrapper(cfg: Any) -> bool:
-    """Whether ``cfg.optim_wrapper`` builds an mp_wrappers optimizer wrapper.
-
-    Looks at ``optim_wrapper.type`` and, for multi-optimizer configs (an ``OptimWrapperDict`` built
-    by a constructor), at the ``type`` of every sub-dict.
-
-    Args:
-        cfg: The mmengine ``Config``.
-
-    Returns:
-        True when at least one wrapper is a :class:`~mp_wrappers.MixedPrecisionOptimWrapper`.
-    """
-    from .wrappers.base import MixedPrecisionOptimWrapper
-    optim = cfg.get('optim_wrapper', None)
-    if not isinstance(optim, dict):
-        return False
-    scope = cfg.get('default_scope', None)
-    candidates = [optim] + [v for v in optim.values() if isinstance(v, dict) and 'type' in v]
-    for entry in candidates:
-        if 'type' not in entry:
-            continue
-        cls = _resolve_optim_wrapper_type(entry['type'], scope)
-        if isinstance(cls, type) and issubclass(cls, MixedPrecisionOptimWrapper):
-            return True
-    return False
-
-
-def _is_mixed_precision_hook(hook_cfg: Any) -> bool:
-    from .hooks import MixedPrecisionHook
-    if isinstance(hook_cfg, MixedPrecisionHook):
-        return True
-    type_ = hook_cfg.get('type') if isinstance(hook_cfg, dict) else None
-    if isinstance(type_, str):
-        return type_.split('.')[-1] == MixedPrecisionHook.__name__
-    return isinstance(type_, type) and issubclass(type_, MixedPrecisionHook)
-
-
-def add_mixed_precision_hook(cfg: Any) -> bool:
-    """Append ``dict(type='mp_wrappers.MixedPrecisionHook')`` to ``cfg.custom_hooks`` when useful.
-
-    The hook is added when the config trains with one of our optimizer wrappers, has no
-    ``MixedPrecisionHook`` in ``custom_hooks`` yet, and does not opt out with
-    ``mixed_precision_hook = False``. ``mixed_precision_hook`` may also be a dict of hook options,
-    e.g. ``mixed_precision_hook = dict(skip_aware_schedules=False)``.
-
-    Args:
-        cfg: The mmengine ``Config`` (modified in place).
-
-    Returns:
-        True when the hook was added.
-
-    Raises:
-        ValueError: ``mixed_precision_hook`` is neither True, False, None nor a dict.
-
-    Examples:
-        >>> # in a config: keep the hook out
-        >>> mixed_precision_hook = False
-        >>> # or configure the automatic one
-        >>> mixed_precision_hook = dict(overflow_report=True)
-    """
-    option = cfg.get('mixed_precision_hook', True)
-    if option is None:
-        option = True
-    if not (option is True or option is False or isinstance(option, dict)):
-        raise ValueError(f'mixed_precision_hook={option!r} is not allowed; expected True, False or '
-                         'a dict of MixedPrecisionHook options')
-    if option is False or not uses_our_optim_wrapper(cfg):
-        return False
-    hooks = list(cfg.get('custom_hooks', None) or [])
-    if any(_is_mixed_precision_hook(h) for h in hooks):
-        return False
-    options = dict(option) if isinstance(option, dict) else {}
-    options.pop('type', None)
-    hooks.append(dict(type='mp_wrappers.MixedPrecisionHook', **options))
-    cfg.custom_hooks = hooks
-    return True
-
-
-_PLAIN_OPTIM_WRAPPERS = ('OptimWrapper', 'mmengine.OptimWrapper')
-
-
-def enable_amp(cfg: Any) -> bool:
-    """``tools/train.py --amp``: train the config's plain ``OptimWrapper`` with mixed precision.
-
-    Like OpenMMLab's train scripts (which switch to ``AmpOptimWrapper``), the ``optim_wrapper`` type
-    becomes ``mp_wrappers.ApexOptimWrapper`` with ``opt_level='O1'`` (autocast) and ``dtype='auto'``
-    (bf16 where native, fp16 on CUDA before sm_80, fp32 on a CPU without native half formats); the
-    optimizer, ``accumulative_counts``, ``clip_grad`` and constructor options are kept.
-
-    Args:
-        cfg: The mmengine ``Config`` (modified in place).
-
-    Returns:
-        True when the wrapper was switched, False when the config already trains with one of our
-        wrappers (a warning says so).
-
-    Raises:
-        ValueError: the config has no ``optim_wrapper``, or one of another type (e.g. mmengine's
-            ``AmpOptimWrapper`` or an ``OptimWrapperDict`` constructor), which ``--amp`` cannot
-            convert without changing its meaning.
-    """
-    import logging
-
-    from mmengine.logging import print_log
-    from mmengine.optim import OptimWrapper
-    optim = cfg.get('optim_wrapper', None)
-    if not isinstance(optim, dict):
-        raise ValueError('--amp needs an optim_wrapper dict in the config, found '
-                         f'{type(optim).__name__}')
-    if uses_our_optim_wrapper(cfg):
-        print_log('--amp: the config already trains with an mp_wrappers optimizer wrapper '
-                  f'({optim.get("type")!r}); left unchanged', logger='current', level=logging.WARNING)
-        return False
-    wrapper_type = optim.get('type', 'OptimWrapper')
-    if not (wrapper_type in _PLAIN_OPTIM_WRAPPERS or wrapper_type is OptimWrapper):
-        raise ValueError(f'--amp switches a plain OptimWrapper to mixed precision, but '
-                         f'optim_wrapper.type is {wrapper_type!r}; allowed: '
-                         f'{", ".join(repr(t) for t in _PLAIN_OPTIM_WRAPPERS)} (or drop --amp and '
-                         "configure type='mp_wrappers.ApexOptimWrapper' yourself)")
-    optim['type'] = 'mp_wrappers.ApexOptimWrapper'
-    optim['opt_level'] = 'O1'
-    optim['dtype'] = 'auto'
-    print_log("--amp: optim_wrapper is now mp_wrappers.ApexOptimWrapper(opt_level='O1', "
-              "dtype='auto')", logger='current', level=logging.INFO)
-    return True
