@@ -89,6 +89,15 @@ TORCH_LIBRARY(mp_wrappers, m) {
         "Tensor(c!)[] momentum_buffers, Tensor(d!) step, float lr, float momentum, "
         "float dampening, float weight_decay, bool nesterov, bool wd_after_momentum, "
         "str storage, int seed, Tensor? grad_scale, Tensor? found_inf) -> ()");
+  // ---- block-wise 8-bit optimizer states ------------------------------------------------------------
+  // Executable definition: mp_wrappers/ops/reference_quant.py (Note [8-bit optimizer states]).
+  // exp_avgs / exp_avg_sqs are uint8 codes with the params' element counts, their absmax lists
+  // float32 with one element per block of 256. Otherwise the conventions of multi_tensor_adam_.
+  m.def("multi_tensor_adam8bit_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+        "Tensor(c!)[] exp_avg_absmaxes, Tensor(d!)[] exp_avg_sqs, "
+        "Tensor(e!)[] exp_avg_sq_absmaxes, Tensor(f!)[] model_params, Tensor(g!) step, "
+        "float lr, float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, "
+        "bool bias_correction, Tensor? grad_scale, Tensor? found_inf) -> ()");
 }
 
 // pybind11 only makes the module importable (importing it runs the registrations above) and carries

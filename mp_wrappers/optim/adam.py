@@ -10,12 +10,13 @@ from ..registry import OPTIMIZERS
 from . import layout
 from .base import FusedOptimizer, ParamsT, _Bucket
 from .lean import LeanStorageMixin
+from .quantized_state import DEFAULT_MIN_8BIT_SIZE, QuantizedStateMixin
 
 __all__ = ['FusedAdam']
 
 
 @OPTIMIZERS.register_module()
-class FusedAdam(LeanStorageMixin, FusedOptimizer):
+class FusedAdam(QuantizedStateMixin, LeanStorageMixin, FusedOptimizer):
     """Adam / AdamW with the update of each bucket of params in one fused op (apex FusedAdam).
 
     With ``adam_w_mode=True`` (the default, as in apex) weight decay is decoupled:
@@ -43,8 +44,11 @@ class FusedAdam(LeanStorageMixin, FusedOptimizer):
             wrapper already swaps fp32 masters into ``param_groups``.
         bf16_storage: How bfloat16 params are stored without an fp32 master: None (default),
             ``'split'``, ``'kahan'`` or ``'stochastic'`` (:mod:`mp_wrappers.optim.lean`).
-        state_dtype: ``'float32'`` (default) or ``'bfloat16'``: dtype of both moments of the
-            bf16 params stepped with ``bf16_storage`` (Adam at 8 B/param with 'kahan').
+        state_dtype: ``'float32'`` (default), ``'bfloat16'``: dtype of both moments of the
+            bf16 params stepped with ``bf16_storage`` (Adam at 8 B/param with 'kahan'), or
+            ``'int8'``: block-wise 8-bit moments (~2 B/param) for params of at least
+            ``min_8bit_size`` elements (:mod:`mp_wrappers.optim.quantized_state`; CPU only).
+        min_8bit_size: Params with fewer elements keep float32 moments under ``'int8'``.
         seed: Key of the stochastic-rounding hash (``bf16_storage='stochastic'``).
 
     Examples:
@@ -65,13 +69,15 @@ class FusedAdam(LeanStorageMixin, FusedOptimizer):
                  adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False,
                  set_grad_none: bool = True, capturable: bool = False,
                  master_weights: bool = False, bf16_storage: Optional[str] = None,
-                 state_dtype: str = 'float32', seed: int = 0) -> None:
+                 state_dtype: str = 'float32', seed: int = 0,
+                 min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE) -> None:
         if amsgrad:
             raise ValueError('FusedAdam: amsgrad=True is not supported (there is no fused AMSGrad '
                              'update); use amsgrad=False or torch.optim.Adam(amsgrad=True)')
         self.master_weights = bool(master_weights)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode)
+        state_dtype = self._init_quantized(state_dtype, min_8bit_size, capturable)
         self._init_lean(bf16_storage, state_dtype, seed)
         super().__init__(params, defaults, set_grad_none, capturable)
 
@@ -106,6 +112,9 @@ class FusedAdam(LeanStorageMixin, FusedOptimizer):
         g = bucket.group
         beta1, beta2 = g['betas']
         lr, lr_tensor = self._lr_args(g, bucket.device)
+        bucket = self._launch_quantized(bucket, grad_scale, found_inf)
+        if bucket is None:  # all of its slots had 8-bit moments
+            return
         if self._is_lean(bucket.params[0]):
             self._launch_lean(bucket, (bucket.states['exp_avg'], bucket.states['exp_avg_sq']),
                               self._lean_lr(lr, lr_tensor), float(beta1), float(beta2),

@@ -1,0 +1,208 @@
+"""Pure-PyTorch reference of block-wise 8-bit optimizer states and of the 8-bit Adam update.
+
+Note [8-bit optimizer states]
+    Adam's two fp32 moments cost 8 bytes per parameter. Here each moment is kept as one uint8 code
+    per element plus one float32 ``absmax`` per block of :data:`BLOCK_SIZE` consecutive elements (in
+    memory order), about 2.03 bytes per parameter for both (Dettmers et al., "8-bit Optimizers via
+    Block-wise Quantization", 2022). The measurements behind the choices below are in
+    docs/quantized_states.md.
+
+    The codes are small floating-point numbers relative to the block's absmax ("minifloats"), so
+    that quantizing and dequantizing are a few integer and float operations per element, the same
+    in every SIMD flavour and in this reference, instead of a search in a 256-entry table:
+
+    * ``exp_avg`` (signed): a sign bit and an E4M3 magnitude (4 exponent bits, 3 mantissa bits).
+    * ``exp_avg_sq`` (non-negative): an unsigned E5M3 code (5 exponent bits, 3 mantissa bits).
+
+    A magnitude code ``c`` with exponent field ``e = c >> M`` and mantissa ``f = c & (2**M - 1)``
+    means ``2**(e - B) * (1 + f / 2**M)`` for ``e >= 1`` and ``f * 2**(1 - B - M)`` for ``e == 0``
+    (IEEE-style subnormals, so 0 is code 0), with ``B = 2**E - 1``: the largest code is
+    ``MAX = 2 - 2**-M`` and there is no inf or NaN. A block is stored as ``x * (MAX / absmax)``
+    rounded to the nearest code (ties to the even mantissa, as IEEE rounding does) and read back as
+    ``code_value * (absmax / MAX)``. Both block factors are one float32 division each; a block of
+    zeros has absmax 0 and all codes 0. :func:`code_table` lists the 256 values of each code.
+
+    The 8-bit Adam update (:func:`multi_tensor_adam8bit_`) dequantizes both moments, applies the
+    float32 Adam update, writes the param and the optional half model copy, and requantizes the new
+    moments with the new absmax of every block: one pass, the block's absmax computed from the
+    updated moments before its codes. The update is ``multi_tensor_adam_``'s with the bias
+    corrections applied as precomputed reciprocals,
+    ``(m * (1 / bc1)) / (sqrt(v) * (1 / sqrt(bc2)) + eps)`` (both factors computed in float64 and
+    rounded once): one division and one square root per element instead of three divisions and one,
+    the difference from fp32 Adam's rounding far below the quantization's. Square roots are
+    correctly rounded here (computed in float64, then rounded to float32), as the C++ kernels' are,
+    so every output matches the kernels bit for bit.
+"""
+from typing import List, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from ._common import _commit_, _skip_mask, _unscaled
+
+__all__ = ['BLOCK_SIZE', 'Minifloat', 'EXP_AVG_CODE', 'EXP_AVG_SQ_CODE', 'num_blocks',
+           'quantize_blockwise', 'dequantize_blockwise', 'code_table', 'multi_tensor_adam8bit_']
+
+#: Elements per absmax block (the kernels' constant too; docs/quantized_states.md says why 256).
+BLOCK_SIZE = 256
+
+
+class Minifloat(NamedTuple):
+    """An 8-bit code: ``exp_bits`` + ``man_bits`` magnitude bits, plus a sign bit when ``signed``."""
+
+    exp_bits: int
+    man_bits: int
+    signed: bool
+
+    @property
+    def bias(self) -> int:
+        return 2 ** self.exp_bits - 1
+
+    @property
+    def max_value(self) -> float:
+        return 2.0 - 2.0 ** -self.man_bits
+
+    @property
+    def min_normal(self) -> float:
+        return 2.0 ** (1 - self.bias)
+
+
+#: The code of ``exp_avg`` (first moment, signed).
+EXP_AVG_CODE = Minifloat(4, 3, True)
+#: The code of ``exp_avg_sq`` (second moment, non-negative).
+EXP_AVG_SQ_CODE = Minifloat(5, 3, False)
+
+
+def num_blocks(numel: int) -> int:
+    """The number of absmax blocks of a tensor with ``numel`` elements."""
+    return (numel + BLOCK_SIZE - 1) // BLOCK_SIZE
+
+
+def _blocks(x: Tensor) -> Tensor:
+    """``x`` flat, zero-padded to whole blocks, as (blocks, BLOCK_SIZE)."""
+    flat = x.reshape(-1)
+    pad = num_blocks(flat.numel()) * BLOCK_SIZE - flat.numel()
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.view(-1, BLOCK_SIZE)
+
+
+def _encode_magnitude(a: Tensor, code: Minifloat) -> Tensor:
+    """Nearest magnitude codes (int32) of float32 ``a`` in [0, MAX] (ties to even)."""
+    m = code.man_bits
+    shift = 23 - m
+    bits = a.view(torch.int32)
+    # Round the float32 mantissa to m bits by integer addition (a carry moves into the exponent),
+    # then re-base the exponent so that min_normal has exponent field 1.
+    normal = (bits + ((1 << (shift - 1)) - 1) + ((bits >> shift) & 1)) >> shift
+    normal = normal - ((127 - code.bias) << m)
+    # Below min_normal the codes are evenly spaced: scale by an exact power of two and round.
+    sub = torch.round(a * 2.0 ** (code.bias - 1 + m)).to(torch.int32)
+    return torch.where(a < code.min_normal, sub, normal)
+
+
+def _decode_magnitude(c: Tensor, code: Minifloat) -> Tensor:
+    """Float32 values of int32 magnitude codes ``c``."""
+    m = code.man_bits
+    normal = ((c + ((127 - code.bias) << m)) << (23 - m)).view(torch.float32)
+    sub = (c & ((1 << m) - 1)).to(torch.float32) * 2.0 ** (1 - code.bias - m)
+    return torch.where(c < (1 << m), sub, normal)
+
+
+def _block_factors(absmax: Tensor, code: Minifloat):
+    """(encode factor MAX/absmax, 0 for an all-zero block; decode factor absmax/MAX), float32."""
+    maxv = torch.tensor(code.max_value, dtype=torch.float32)
+    enc = torch.where(absmax > 0, maxv / absmax, torch.zeros_like(absmax))
+    return enc, absmax / maxv
+
+
+def quantize_blockwise(x: Tensor, code: Minifloat) -> tuple:
+    """(uint8 codes shaped like ``x``, float32 absmax per block) of float32 ``x`` (memory order of
+    a contiguous ``x``)."""
+    blocks = _blocks(x.to(torch.float32))
+    absmax = blocks.abs().amax(dim=1)
+    enc, _ = _block_factors(absmax, code)
+    scaled = blocks * enc[:, None]
+    a = torch.clamp(scaled.abs(), max=code.max_value)
+    c = _encode_magnitude(a, code)
+    if code.signed:
+        c = c | torch.where(scaled < 0, 0x80, 0).to(torch.int32)
+    codes = c.reshape(-1)[:x.numel()].to(torch.uint8).view(x.shape)
+    return codes, absmax
+
+
+def dequantize_blockwise(codes: Tensor, absmax: Tensor, code: Minifloat) -> Tensor:
+    """Float32 values (shaped like ``codes``) of block-wise codes with their per-block absmax."""
+    c = _blocks(codes.to(torch.int32))
+    mag = c & 0x7F if code.signed else c
+    _, dec = _block_factors(absmax.to(torch.float32), code)
+    x = _decode_magnitude(mag, code) * dec[:, None]
+    if code.signed:
+        x = torch.where(c >= 0x80, -x, x)
+    return x.reshape(-1)[:codes.numel()].view(codes.shape)
+
+
+def code_table(code: Minifloat) -> Tensor:
+    """The 256 float32 values of ``code`` (absmax = MAX), indexed by the code byte."""
+    c = torch.arange(256, dtype=torch.int32)
+    mag = c & 0x7F if code.signed else c
+    v = _decode_magnitude(mag, code)
+    return torch.where(c >= 0x80, -v, v) if code.signed else v
+
+
+def _sqrt_rn(x: Tensor) -> Tensor:
+    """Correctly rounded float32 square root (torch's CPU float32 sqrt is not always)."""
+    return torch.sqrt(x.to(torch.float64)).to(torch.float32)
+
+
+def _reciprocal_bias_corrections(beta1: float, beta2: float, count: Tensor, enabled: bool):
+    """float32 ``1 / (1 - beta1**count)`` and ``1 / sqrt(1 - beta2**count)``, from float64 (ones
+    when disabled)."""
+    if not enabled:
+        one = torch.ones_like(count, dtype=torch.float32)
+        return one, one
+    c = count.to(torch.float64)
+    rbc1 = 1.0 / (1.0 - torch.pow(beta1, c))
+    rsbc2 = 1.0 / torch.sqrt(1.0 - torch.pow(beta2, c))
+    return rbc1.to(torch.float32), rsbc2.to(torch.float32)
+
+
+def multi_tensor_adam8bit_(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
+                           exp_avg_absmaxes: List[Tensor], exp_avg_sqs: List[Tensor],
+                           exp_avg_sq_absmaxes: List[Tensor], model_params: List[Tensor],
+                           step: Tensor, lr: float, beta1: float, beta2: float, eps: float,
+                           weight_decay: float, adam_w_mode: bool, bias_correction: bool,
+                           grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+    """Adam / AdamW with block-wise 8-bit moments (Note [8-bit optimizer states]).
+
+    ``exp_avgs`` / ``exp_avg_sqs`` are uint8 codes with ``params``' element counts, their absmax
+    lists float32 with :func:`num_blocks` elements. Otherwise ``multi_tensor_adam_``'s conventions:
+    a nonzero ``found_inf`` leaves every tensor, codes and absmax included, bit-identical.
+    """
+    skip = _skip_mask(found_inf)
+    count = step + 1
+    rbc1, rsbc2 = _reciprocal_bias_corrections(beta1, beta2, count, bias_correction)
+    for i, (p, g) in enumerate(zip(params, grads)):
+        p32 = p.to(torch.float32).reshape(-1)
+        g32 = _unscaled(g, grad_scale).reshape(-1)
+        if not adam_w_mode and weight_decay != 0.0:
+            g32 = g32 + weight_decay * p32
+        m = dequantize_blockwise(exp_avgs[i], exp_avg_absmaxes[i], EXP_AVG_CODE).reshape(-1)
+        v = dequantize_blockwise(exp_avg_sqs[i], exp_avg_sq_absmaxes[i],
+                                 EXP_AVG_SQ_CODE).reshape(-1)
+        m_new = beta1 * m + (1.0 - beta1) * g32
+        v_new = beta2 * v + (1.0 - beta2) * g32 * g32
+        update = (m_new * rbc1) / (_sqrt_rn(v_new) * rsbc2 + eps)
+        if adam_w_mode and weight_decay != 0.0:
+            update = update + weight_decay * p32
+        p_new = p32 - lr * update
+        for codes, absmax, value, code in ((exp_avgs[i], exp_avg_absmaxes[i], m_new, EXP_AVG_CODE),
+                                           (exp_avg_sqs[i], exp_avg_sq_absmaxes[i], v_new,
+                                            EXP_AVG_SQ_CODE)):
+            new_codes, new_absmax = quantize_blockwise(value, code)
+            _commit_(codes, new_codes.view(codes.shape), skip)
+            _commit_(absmax, new_absmax, skip)
+        _commit_(p, p_new.view(p.shape), skip)
+        if model_params:
+            _commit_(model_params[i], p_new.view(model_params[i].shape), skip)
+    _commit_(step, count, skip)
