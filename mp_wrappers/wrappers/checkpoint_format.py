@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..master import MasterParams
+from ..ops.quantized_states import num_blocks
 from ..scaler import LossScaler
 
 __all__ = ['WrapperCheckpoint', 'STATE_KEY', 'STATE_VERSION', 'APEX_KEY', 'FOREIGN_KEYS', 'CheckpointMismatchWarning',
@@ -233,8 +234,10 @@ def check_optimizer_state(optimizer: Optimizer, state: dict) -> None:
         for name, value in param_state.items():
             # 1-element tensors are counters and scalars, not per-element state: the fused
             # optimizers' `step` and NovoGrad's norm have shape (1,) whatever the param's.
+            # 8-bit moments carry one absmax per block (mp_wrappers.optim.quantized_state).
             if (isinstance(value, Tensor) and value.dim() > 0 and value.numel() != 1
-                    and value.shape != p.shape):
+                    and value.shape != p.shape
+                    and not (name.endswith('_absmax') and value.numel() == num_blocks(p.numel()))):
                 raise ValueError(f"optimizer state '{name}' of parameter {idx} has shape "
                                  f'{tuple(value.shape)} but the parameter has shape '
                                  f'{tuple(p.shape)}')

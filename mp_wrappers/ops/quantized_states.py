@@ -1,0 +1,101 @@
+"""Public op of block-wise 8-bit optimizer states: Adam/AdamW with uint8 moment codes.
+
+See Note [8-bit optimizer states] in :mod:`mp_wrappers.ops.reference.quant` for the codes and the
+per-block absmax. :func:`multi_tensor_adam8bit` validates its arguments the way
+:mod:`mp_wrappers.ops.optimizers` does and calls the implementation chosen by
+:func:`~mp_wrappers.ops._dispatch.implementation` (the CPU kernel or the reference); the argument
+order follows the op schema in ``csrc/bindings.cpp``. There is no CUDA kernel yet: CUDA tensors are
+refused. :class:`mp_wrappers.optim.FusedAdam` with ``state_dtype='int8'`` builds these lists for you.
+"""
+from typing import List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ._checks import (_check_betas, _check_lr, _check_nonnegative, _check_scalar, _check_step,
+                      check_tensor_lists)
+from ._dispatch import run
+from .reference.quant import BLOCK_SIZE, num_blocks
+
+__all__ = ['multi_tensor_adam8bit', 'BLOCK_SIZE', 'num_blocks', 'check_quantized_device']
+
+
+def check_quantized_device(owner: str, device: torch.device) -> None:
+    """Refuse a device without 8-bit state kernels (everything but the CPU, for now)."""
+    if device.type != 'cpu':
+        raise NotImplementedError(
+            f"{owner}: 8-bit optimizer states (state_dtype='int8') are implemented for CPU tensors "
+            f"only; got tensors on {device}. Use state_dtype='float32' on {device.type}")
+
+
+def _check_state(op: str, name: str, tensors: List[Tensor], params: List[Tensor],
+                 dtype: torch.dtype, numel, device: torch.device) -> None:
+    if len(tensors) != len(params):
+        raise ValueError(f'{op}: {name} has {len(tensors)} tensors but params has {len(params)}; '
+                         'the lists must be parallel')
+    for i, (t, p) in enumerate(zip(tensors, params)):
+        want = numel(p.numel())
+        if (not isinstance(t, Tensor) or t.dtype != dtype or t.device != device
+                or not t.is_contiguous() or t.numel() != want):
+            got = ((t.dtype, str(t.device), tuple(t.shape)) if isinstance(t, Tensor)
+                   else type(t).__name__)
+            raise ValueError(f'{op}: {name}[{i}] must be a contiguous {dtype} tensor on {device} '
+                             f'with {want} elements, got {got}')
+
+
+def multi_tensor_adam8bit(params: Sequence[Tensor], grads: Sequence[Tensor],
+                          exp_avgs: Sequence[Tensor], exp_avg_absmaxes: Sequence[Tensor],
+                          exp_avg_sqs: Sequence[Tensor], exp_avg_sq_absmaxes: Sequence[Tensor],
+                          model_params: Sequence[Tensor], step: Tensor, lr: float, beta1: float,
+                          beta2: float, eps: float, weight_decay: float, adam_w_mode: bool,
+                          bias_correction: bool, grad_scale: Optional[Tensor] = None,
+                          found_inf: Optional[Tensor] = None) -> None:
+    """One Adam/AdamW update of ``params`` with block-wise 8-bit moments.
+
+    Args:
+        params: Parameters to update in place (float32 masters, or half).
+        grads: Their gradients, scaled by ``grad_scale`` when it is given.
+        exp_avgs, exp_avg_sqs: uint8 moment codes, one per element, updated in place.
+        exp_avg_absmaxes, exp_avg_sq_absmaxes: float32, one absmax per block of
+            :data:`BLOCK_SIZE` elements, updated in place.
+        model_params: Empty, or half copies that receive the new values rounded to their dtype.
+        step, lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_scale,
+            found_inf: As in :func:`~mp_wrappers.ops.multi_tensor_adam` (lr a number).
+
+    Examples:
+        >>> codes = [torch.zeros(p.numel(), dtype=torch.uint8) for p in params]
+        >>> absmax = [torch.zeros(num_blocks(p.numel())) for p in params]
+        >>> multi_tensor_adam8bit(params, grads, codes, absmax, list(c.clone() for c in codes),
+        ...                       [a.clone() for a in absmax], [], torch.zeros(1), 1e-3, 0.9,
+        ...                       0.999, 1e-8, 0.0, True, True)
+    """
+    op = 'multi_tensor_adam8bit'
+    params, grads, model_params = list(params), list(grads), list(model_params)
+    device = check_tensor_lists(op, ('params', 'grads', 'model_params'),
+                                [params, grads, model_params], allow_empty=('model_params',))
+    for name, tensors in (('params', params), ('grads', grads), ('model_params', model_params)):
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) > 1:
+            raise TypeError(f'{op}: {name} mixes dtypes {sorted(map(str, dtypes))}; each list must '
+                            'hold one dtype (call once per dtype)')
+    check_quantized_device(op, device)
+    states = ((exp_avgs, 'exp_avgs', torch.uint8, int),
+              (exp_avg_absmaxes, 'exp_avg_absmaxes', torch.float32, num_blocks),
+              (exp_avg_sqs, 'exp_avg_sqs', torch.uint8, int),
+              (exp_avg_sq_absmaxes, 'exp_avg_sq_absmaxes', torch.float32, num_blocks))
+    lists = []
+    for tensors, name, dtype, numel in states:
+        tensors = list(tensors)
+        _check_state(op, name, tensors, params, dtype, numel, device)
+        lists.append(tensors)
+    _check_lr(op, lr)
+    _check_betas(op, (beta1, beta2))
+    _check_nonnegative(op, 'eps', eps)
+    _check_nonnegative(op, 'weight_decay', weight_decay)
+    _check_step(op, step, device)
+    _check_scalar(op, 'grad_scale', grad_scale, device)
+    _check_scalar(op, 'found_inf', found_inf, device)
+    if params:
+        run('multi_tensor_adam8bit_', device, params, grads, *lists, model_params, step,
+             float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+             bool(adam_w_mode), bool(bias_correction), grad_scale, found_inf)

@@ -1,0 +1,213 @@
+"""Block-wise 8-bit Adam moments for FusedAdam: ``state_dtype='int8'`` (Note [8-bit optimizer states]
+in :mod:`mp_wrappers.ops.reference.quant`).
+
+:class:`QuantizedStateMixin` keeps ``exp_avg`` / ``exp_avg_sq`` of every param with at least
+``min_8bit_size`` elements (default 4096) as uint8 codes laid out like the param, plus
+``exp_avg_absmax`` / ``exp_avg_sq_absmax``: float32, one per block of 256 elements in memory order
+(about 2 bytes per parameter instead of 8). Smaller params (biases, norms) keep float32 moments:
+their bytes do not matter and they are often the most sensitive. A param group may override the
+optimizer's choice with ``state_dtype='float32'`` or ``'int8'`` (e.g. embeddings in 32-bit; mmengine's
+``paramwise_cfg=dict(custom_keys={'embed': dict(state_dtype='float32')})`` sets it).
+
+The codes and absmax are what ``state_dict()`` saves. ``load_state_dict`` converts: a float32-state
+checkpoint loaded into an int8-state optimizer is quantized, an int8 one loaded into a float32-state
+optimizer (or a param that now wants float32 moments) is dequantized.
+
+Refused with ``state_dtype='int8'``: ``bf16_storage`` (the lean storages), ``master_weights=True``,
+``capturable=True`` (a tensor lr), params that are not on the CPU (no CUDA kernel yet) and params
+that are neither dense nor plain tensors (e.g. FSDP2 DTensors).
+"""
+from typing import Any, Dict, Optional
+
+import torch
+from torch import Tensor
+
+from ..sharding import is_dtensor
+from ..ops.quantized_states import check_quantized_device
+from ..ops.reference.quant import (EXP_AVG_CODE, EXP_AVG_SQ_CODE, dequantize_blockwise,
+                                   quantize_blockwise)
+from . import layout
+from .base import _Bucket
+
+__all__ = ['QuantizedStateMixin', 'STATE_DTYPES', 'DEFAULT_MIN_8BIT_SIZE', 'ABSMAX_KEYS']
+
+#: The values of ``state_dtype`` (FusedAdam's argument and a param group's override).
+STATE_DTYPES = ('float32', 'bfloat16', 'int8')
+#: Params with fewer elements keep float32 moments.
+DEFAULT_MIN_8BIT_SIZE = 4096
+#: Optimizer-state key of each moment's per-block absmax.
+ABSMAX_KEYS = {'exp_avg': 'exp_avg_absmax', 'exp_avg_sq': 'exp_avg_sq_absmax'}
+_CODES = {'exp_avg': EXP_AVG_CODE, 'exp_avg_sq': EXP_AVG_SQ_CODE}
+_GROUP_STATE_DTYPES = ('float32', 'int8')
+
+
+class QuantizedStateMixin:
+    """``state_dtype='int8'`` for :class:`~mp_wrappers.optim.FusedAdam` (see the module docstring).
+
+    The subclass calls :meth:`_init_quantized` before ``FusedOptimizer.__init__`` and
+    :meth:`_launch_quantized` at the start of ``_launch``.
+    """
+
+    int8_states: bool = False
+    min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE
+
+    def _init_quantized(self, state_dtype: Any, min_8bit_size: int, capturable: bool) -> Any:
+        """Record the int8 choice; return the ``state_dtype`` for the lean storages."""
+        name = type(self).__name__
+        if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) \
+                or min_8bit_size < 0:
+            raise ValueError(f'{name}: min_8bit_size={min_8bit_size!r} is not allowed; expected '
+                             'an int >= 0')
+        self.min_8bit_size = min_8bit_size
+        self.int8_states = isinstance(state_dtype, str) and state_dtype == 'int8'
+        if not self.int8_states:
+            return state_dtype
+        if capturable:
+            raise ValueError(f"{name}: capturable=True is not supported with state_dtype='int8' "
+                             "(the 8-bit kernel takes lr as a number); use capturable=False, or "
+                             "state_dtype='float32'")
+        if getattr(self, 'master_weights', False):
+            raise ValueError(f"{name}: master_weights=True is not supported with "
+                             "state_dtype='int8'; use a wrapper's fp32 masters (e.g. "
+                             "ApexOptimWrapper opt_level='O2') or state_dtype='float32'")
+        return 'float32'
+
+    def set_bf16_storage(self, bf16_storage: Optional[str]) -> None:
+        if bf16_storage is not None and self.int8_states:
+            raise ValueError(f'{type(self).__name__}: bf16_storage={bf16_storage!r} is not '
+                             "supported with state_dtype='int8'; allowed with it: "
+                             "bf16_storage=None (fp32 masters, e.g. opt_level='O2')")
+        super().set_bf16_storage(bf16_storage)  # type: ignore[misc]
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        value = param_group.get('state_dtype')
+        if value is not None and value not in _GROUP_STATE_DTYPES:
+            raise ValueError(f'{type(self).__name__}: param group state_dtype={value!r} is not '
+                             f'allowed; expected one of {list(_GROUP_STATE_DTYPES)}')
+        super().add_param_group(param_group)  # type: ignore[misc]
+
+    # ---- which params, and their state -----------------------------------------------------------
+    def _wants_8bit(self, param: Tensor, group: Dict[str, Any]) -> bool:
+        default = 'int8' if self.int8_states else 'float32'
+        return (group.get('state_dtype', default) == 'int8'
+                and param.numel() >= self.min_8bit_size)
+
+    def _check_8bit_param(self, param: Tensor) -> None:
+        name = type(self).__name__
+        check_quantized_device(name, param.device)
+        if is_dtensor(param) or not layout.is_dense(param):
+            raise ValueError(f"{name}: state_dtype='int8' needs plain dense params (got a "
+                             f'{type(param).__name__} of shape {tuple(param.shape)}); keep its '
+                             "group at state_dtype='float32'")
+        if getattr(self, 'bf16_storage', None) is not None:
+            raise ValueError(f"{name}: a param group with state_dtype='int8' cannot be used with "
+                             f'bf16_storage={self.bf16_storage!r}')
+
+    def _init_state(self, param: Tensor, group: Dict[str, Any], step: Tensor) -> Dict[str, Any]:
+        state = super()._init_state(param, group, step)  # type: ignore[misc]
+        if self._wants_8bit(param, group):
+            self._check_8bit_param(param)
+            self._quantize_moments(param, state)
+        return state
+
+    def _state_dtype(self, key: str, param: Tensor) -> torch.dtype:
+        if key in ABSMAX_KEYS:
+            state = self.state.get(param)  # type: ignore[attr-defined]
+            codes = state.get(key) if state else None
+            if codes is not None and codes.dtype == torch.uint8:
+                return torch.uint8
+        return super()._state_dtype(key, param)  # type: ignore[misc]
+
+    def _quantize_moments(self, param: Tensor, state: Dict[str, Any]) -> None:
+        for key, absmax_key in ABSMAX_KEYS.items():
+            value = state[key]
+            flat = layout.flat(value) if layout.is_dense(value) else value.reshape(-1)
+            codes, absmax = quantize_blockwise(flat.to(torch.float32), _CODES[key])
+            state[key] = layout.like(param, torch.uint8)
+            layout.flat(state[key]).copy_(codes)
+            state[absmax_key] = absmax.to(param.device)
+
+    def _dequantize_moments(self, param: Tensor, state: Dict[str, Any]) -> None:
+        for key, absmax_key in ABSMAX_KEYS.items():
+            codes = state[key]
+            values = dequantize_blockwise(layout.flat(codes), state.pop(absmax_key), _CODES[key])
+            state[key] = layout.like(param, torch.float32)
+            layout.flat(state[key]).copy_(values)
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load, then quantize or dequantize each param's moments to what it wants now."""
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        name = type(self).__name__
+        for group in self.param_groups:  # type: ignore[attr-defined]
+            for i, param in enumerate(group['params']):
+                state = self.state.get(param)  # type: ignore[attr-defined]
+                if not state or not isinstance(state.get('exp_avg'), Tensor):
+                    continue
+                has = state['exp_avg'].dtype == torch.uint8
+                if has:
+                    for key, absmax_key in ABSMAX_KEYS.items():
+                        absmax = state.get(absmax_key)
+                        if not isinstance(absmax, Tensor) or state[key].dtype != torch.uint8:
+                            raise ValueError(f'{name}.load_state_dict: the 8-bit state of param '
+                                             f'{i} of its group lacks {absmax_key!r} or has '
+                                             f'{key!r} of another dtype')
+                        state[absmax_key] = absmax.to(device=param.device, dtype=torch.float32)
+                want = self._wants_8bit(param, group)
+                if want and not has:
+                    self._check_8bit_param(param)
+                    self._quantize_moments(param, state)
+                elif has and not want:
+                    self._dequantize_moments(param, state)
+
+    # ---- the update ----------------------------------------------------------------------------------
+    def _launch_quantized(self, bucket: _Bucket, grad_scale: Optional[Tensor],
+                          found_inf: Optional[Tensor]) -> Optional[_Bucket]:
+        """Step the bucket's 8-bit slots; return the bucket of the others (None when none)."""
+        codes = bucket.states.get('exp_avg')
+        if not codes or all(t.dtype != torch.uint8 for t in codes):
+            return bucket
+        eight = [i for i, t in enumerate(codes) if t.dtype == torch.uint8]
+        rest = [i for i, t in enumerate(codes) if t.dtype != torch.uint8]
+        g = bucket.group
+        if isinstance(g['lr'], Tensor):
+            raise ValueError(f"{type(self).__name__}: a tensor lr is not supported with "
+                             "state_dtype='int8'; use a float lr")
+        states = [self._state_of(bucket, i) for i in eight]
+        beta1, beta2 = g['betas']
+        # One step counter serves both calls: the 8-bit one advances a copy when another follows.
+        step = bucket.step.clone() if rest else bucket.step
+        # The kernel checks its lists again; the optimizer built them (as _call_op's other ops).
+        self._call_op(  # type: ignore[attr-defined]
+            bucket, [bucket.params[i] for i in eight], [bucket.grads[i] for i in eight],
+            [codes[i] for i in eight], [s['exp_avg_absmax'] for s in states],
+            [bucket.states['exp_avg_sq'][i] for i in eight],
+            [s['exp_avg_sq_absmax'] for s in states],
+            [bucket.model_params[i] for i in eight] if bucket.model_params else [], step,
+            float(g['lr']), float(beta1), float(beta2), float(g['eps']),
+            float(g['weight_decay']), bool(g['adam_w_mode']), bool(g['bias_correction']),
+            grad_scale, found_inf, op='multi_tensor_adam8bit_')
+        if not rest:
+            return None
+        others = _Bucket(g, bucket.device, bucket.step, tuple(bucket.states))
+        for i in rest:
+            others.params.append(bucket.params[i])
+            others.grads.append(bucket.grads[i])
+            if bucket.model_params:
+                others.model_params.append(bucket.model_params[i])
+            for key, values in bucket.states.items():
+                others.states[key].append(values[i])
+        return others
+
+    def _state_of(self, bucket: _Bucket, i: int) -> Dict[str, Any]:
+        """The state of slot ``i``: its param is the state's key, or a flat view of it (a
+        channels_last param), found by its storage address."""
+        param = bucket.params[i]
+        state = self.state.get(param)  # type: ignore[attr-defined]
+        if state:
+            return state
+        ptr = param.data_ptr()
+        for p in bucket.group['params']:
+            if p.data_ptr() == ptr and p in self.state:  # type: ignore[attr-defined]
+                return self.state[p]  # type: ignore[attr-defined]
+        raise RuntimeError(f'{type(self).__name__}: no 8-bit state found for a param of '
+                           f'{param.numel()} elements')

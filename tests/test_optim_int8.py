@@ -1,0 +1,325 @@
+"""FusedAdam(state_dtype='int8'): which params get 8-bit moments, their state and checkpoints, the
+refused combinations, and the wrappers (ApexOptimWrapper O2, FP16OptimWrapper, mmengine's Runner)
+training with it (Note [8-bit optimizer states])."""
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mp_wrappers import ApexOptimWrapper, FP16OptimWrapper, FusedAdam, FusedSGD, cast_model
+
+ADAMW = dict(lr=1e-2, weight_decay=0.01)
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    # 8192- and 8320-element weights (8-bit moments), 128- and 64-element biases (float32)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+
+
+def _batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(64, 64, generator=g) / 8
+    out = []
+    for _ in range(n):
+        x = torch.randn(32, 64, generator=g)
+        out.append((x, torch.tanh(x @ teacher)))
+    return out
+
+
+def _train(model, opt, batches):
+    losses = []
+    for x, y in batches:
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _states(opt):
+    return [(k, v.clone()) for st in opt.state.values() for k, v in sorted(st.items())
+            if isinstance(v, torch.Tensor)]
+
+
+def _assert_states_equal(a, b):
+    assert [k for k, _ in a] == [k for k, _ in b]
+    for (k, x), (_, y) in zip(a, b):
+        assert x.dtype == y.dtype and torch.equal(x, y), k
+
+
+# ---- state layout ----------------------------------------------------------------------------------
+
+def test_large_params_get_8bit_moments_small_ones_float32():
+    model = _mlp()
+    opt = FusedAdam(model.parameters(), state_dtype='int8', **ADAMW)
+    _train(model, opt, _batches(1))
+    w, b = opt.state[model[0].weight], opt.state[model[0].bias]
+    assert w['exp_avg'].dtype == w['exp_avg_sq'].dtype == torch.uint8
+    assert w['exp_avg'].shape == model[0].weight.shape
+    assert w['exp_avg_absmax'].shape == w['exp_avg_sq_absmax'].shape == (32,)
+    assert b['exp_avg'].dtype == torch.float32 and 'exp_avg_absmax' not in b
+    assert opt.int8_states and opt.min_8bit_size == 4096
+
+
+def test_min_8bit_size_and_group_override():
+    model = _mlp()
+    groups = [dict(params=[model[0].weight, model[0].bias]),
+              dict(params=[model[2].weight, model[2].bias], state_dtype='float32')]
+    opt = FusedAdam(groups, state_dtype='int8', min_8bit_size=100, **ADAMW)
+    _train(model, opt, _batches(2))
+    dtypes = [opt.state[p]['exp_avg'].dtype for p in model.parameters()]
+    assert dtypes == [torch.uint8, torch.uint8, torch.float32, torch.float32]
+    # ... and the other way round: one group in 8-bit in a float32-state optimizer.
+    model = _mlp()
+    opt = FusedAdam([dict(params=[model[0].weight], state_dtype='int8'),
+                     dict(params=[model[2].weight])], **ADAMW)
+    _train(model, opt, _batches(1))
+    assert [opt.state[p]['exp_avg'].dtype for p in (model[0].weight, model[2].weight)] == \
+        [torch.uint8, torch.float32]
+
+
+def test_trains_close_to_float32_states():
+    batches = _batches(40)
+    ref = _mlp()
+    ref_losses = _train(ref, FusedAdam(ref.parameters(), **ADAMW), batches)
+    model = _mlp()
+    losses = _train(model, FusedAdam(model.parameters(), state_dtype='int8', **ADAMW), batches)
+    assert losses[-1] < 0.5 * losses[0]
+    assert abs(losses[-1] - ref_losses[-1]) < 0.1 * ref_losses[-1]
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert (p - q).norm() < 0.1 * q.norm()
+
+
+def test_mixed_bucket_advances_its_step_counter_once():
+    model = _mlp()
+    opt = FusedAdam(model.parameters(), state_dtype='int8', **ADAMW)
+    _train(model, opt, _batches(3))
+    assert {opt.state[p]['step'].item() for p in model.parameters()} == {3.0}
+
+
+def test_channels_last_param_matches_its_memory_order():
+    """Blocks follow memory order: a channels_last param steps as the contiguous tensor of its
+    memory order (NHWC) does."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 16, 8, 8)
+    a = nn.Parameter(w.permute(0, 2, 3, 1).contiguous())
+    b = nn.Parameter(w.clone().to(memory_format=torch.channels_last))
+    oa = FusedAdam([a], state_dtype='int8', **ADAMW)
+    ob = FusedAdam([b], state_dtype='int8', **ADAMW)
+    for _ in range(3):
+        g = torch.randn_like(w)
+        a.grad = g.permute(0, 2, 3, 1).contiguous()
+        b.grad = g.clone().to(memory_format=torch.channels_last)
+        oa.step()
+        ob.step()
+    assert torch.equal(a, b.permute(0, 2, 3, 1))
+    assert ob.state[b]['exp_avg'].is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(oa.state[a]['exp_avg'], ob.state[b]['exp_avg'].permute(0, 2, 3, 1))
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------
+
+def _roundtrip(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True), buf.getbuffer().nbytes
+
+
+def test_state_dict_is_small_and_resume_is_bitwise():
+    batches = _batches(6)
+    model = _mlp()
+    opt = FusedAdam(model.parameters(), state_dtype='int8', **ADAMW)
+    _train(model, opt, batches[:3])
+    saved, nbytes = _roundtrip(opt.state_dict())
+    _, fp32_bytes = _roundtrip(_fp32_state_dict())
+    assert nbytes < 0.4 * fp32_bytes
+    model_sd = copy.deepcopy(model.state_dict())
+    _train(model, opt, batches[3:])
+    resumed = _mlp(seed=5)
+    resumed.load_state_dict(model_sd)
+    opt2 = FusedAdam(resumed.parameters(), state_dtype='int8', **ADAMW)
+    opt2.load_state_dict(saved)
+    _train(resumed, opt2, batches[3:])
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+    _assert_states_equal(_states(opt), _states(opt2))
+
+
+def _fp32_state_dict():
+    model = _mlp()
+    opt = FusedAdam(model.parameters(), **ADAMW)
+    _train(model, opt, _batches(3))
+    return opt.state_dict()
+
+
+def test_checkpoints_convert_between_int8_and_float32_states():
+    model = _mlp()
+    opt8 = FusedAdam(model.parameters(), state_dtype='int8', **ADAMW)
+    _train(model, opt8, _batches(3))
+    # int8 -> float32: dequantized.
+    opt32 = FusedAdam(_mlp().parameters(), **ADAMW)
+    opt32.load_state_dict(_roundtrip(opt8.state_dict())[0])
+    w8 = opt8.state[model[0].weight]
+    w32 = opt32.state[opt32.param_groups[0]['params'][0]]
+    assert w32['exp_avg'].dtype == torch.float32 and 'exp_avg_absmax' not in w32
+    from mp_wrappers.ops.reference.quant import EXP_AVG_CODE, dequantize_blockwise
+    assert torch.equal(w32['exp_avg'],
+                       dequantize_blockwise(w8['exp_avg'], w8['exp_avg_absmax'], EXP_AVG_CODE))
+    # ... and back: the same codes and absmax, bit for bit.
+    back = FusedAdam(_mlp().parameters(), state_dtype='int8', **ADAMW)
+    back.load_state_dict(_roundtrip(opt32.state_dict())[0])
+    # The same codes; an absmax may move by an ulp (the top code's value times absmax / MAX).
+    for (k, x), (k2, y) in zip(_states(opt8), _states(back)):
+        assert k == k2 and x.dtype == y.dtype
+        if k.endswith('_absmax'):
+            torch.testing.assert_close(x, y, rtol=2 ** -23, atol=0)
+        else:
+            assert torch.equal(x, y), k
+    # float32 -> int8 from a float32-state run: quantized, and training continues.
+    model = _mlp()
+    fp32 = FusedAdam(model.parameters(), **ADAMW)
+    _train(model, fp32, _batches(3))
+    opt = FusedAdam(model.parameters(), state_dtype='int8', **ADAMW)
+    opt.load_state_dict(_roundtrip(fp32.state_dict())[0])
+    st = opt.state[model[0].weight]
+    assert st['exp_avg'].dtype == torch.uint8
+    m = fp32.state[model[0].weight]['exp_avg']
+    got = dequantize_blockwise(st['exp_avg'], st['exp_avg_absmax'], EXP_AVG_CODE)
+    assert (got - m).norm() < 0.05 * m.norm()
+    _train(model, opt, _batches(2))
+
+
+# ---- refused combinations --------------------------------------------------------------------------
+
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(capturable=True), "capturable=True is not supported with state_dtype='int8'"),
+    (dict(master_weights=True), "master_weights=True is not supported with state_dtype='int8'"),
+    (dict(bf16_storage='kahan'), "bf16_storage='kahan' is not supported with state_dtype='int8'"),
+    (dict(min_8bit_size=-1), 'min_8bit_size=-1 is not allowed'),
+])
+def test_refused_options_name_option_value_and_alternatives(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FusedAdam(_mlp().parameters(), state_dtype='int8', **kwargs)
+
+
+def test_refused_later_storage_and_group_values():
+    opt = FusedAdam(_mlp().parameters(), state_dtype='int8')
+    with pytest.raises(ValueError, match="bf16_storage='split' is not supported"):
+        opt.set_bf16_storage('split')
+    with pytest.raises(ValueError, match=r"state_dtype='int4' is not allowed; expected one of "
+                                         r"\['float32', 'int8'\]"):
+        FusedAdam([dict(params=_mlp().parameters(), state_dtype='int4')])
+
+
+def test_other_optimizers_refuse_int8_naming_allowed_values():
+    with pytest.raises((ValueError, TypeError), match=r"state_dtype.*int8.*float32.*bfloat16|"
+                                                       r"state_dtype.*float32.*bfloat16.*int8"):
+        FusedSGD(_mlp().parameters(), lr=0.1, state_dtype='int8')
+
+
+def test_non_cpu_params_are_refused():
+    p = nn.Parameter(torch.zeros(64, 128, device='meta'))
+    p.grad = torch.zeros_like(p)
+    opt = FusedAdam([p], state_dtype='int8')
+    with pytest.raises(NotImplementedError, match="CPU tensors only; got tensors on meta"):
+        opt.step()
+
+
+# ---- the wrappers ----------------------------------------------------------------------------------
+
+def _classifier():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def _cls_batches(n):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g))
+            for _ in range(n)]
+
+
+def _apex(state_dtype, steps=12, clip=None, accum=1):
+    model = _classifier()
+    w = ApexOptimWrapper(FusedAdam(model.parameters(), state_dtype=state_dtype, **ADAMW),
+                         opt_level='O2', dtype='bfloat16', verbosity=0, clip_grad=clip,
+                         accumulative_counts=accum)
+    for x, y in _cls_batches(steps):
+        with w.optim_context(model):
+            loss = F.cross_entropy(model(x), y)
+        w.update_params(loss)
+    return model, w
+
+
+def _fp16(state_dtype, steps=12, clip=None, accum=1):
+    model = cast_model(_classifier(), torch.float16)
+    w = FP16OptimWrapper(FusedAdam(model.parameters(), state_dtype=state_dtype, **ADAMW),
+                         dynamic_loss_scale=True, clip_grad=clip, accumulative_counts=accum)
+    for x, y in _cls_batches(steps):
+        w.update_params(F.cross_entropy(model(x.half()).float(), y))
+    return model, w
+
+
+@pytest.mark.parametrize('run', [_apex, _fp16], ids=['apex-o2-bf16', 'fp16'])
+@pytest.mark.parametrize('clip,accum', [(None, 1), (dict(max_norm=1.0), 2)],
+                         ids=['plain', 'clip-accum'])
+def test_wrappers_train_close_to_float32_states(run, clip, accum):
+    m8, w8 = run('int8', clip=clip, accum=accum)
+    m32, _ = run('float32', clip=clip, accum=accum)
+    assert w8.optimizer.state[w8.optimizer.param_groups[0]['params'][0]]['exp_avg'].dtype \
+        == torch.uint8
+    for p, q in zip(m8.parameters(), m32.parameters()):
+        assert (p.float() - q.float()).norm() < 0.1 * q.float().norm() + 1e-3
+
+
+def test_fp16_overflow_skip_leaves_8bit_state_bitwise():
+    model, w = _fp16('int8', steps=2)
+    snap = [t.detach().clone() for t in list(model.parameters()) + w.master_params()]
+    states = _states(w.optimizer)
+    (x, y), = _cls_batches(1)
+    w.backward(F.cross_entropy(model(x.half()).float(), y), update_master_grads=False)
+    model[2].weight.grad[0, 0] = float('inf')
+    w.step()
+    w.zero_grad()
+    assert w.last_step_skipped
+    assert all(torch.equal(a, b.detach()) for a, b in
+               zip(snap, list(model.parameters()) + w.master_params()))
+    _assert_states_equal(states, _states(w.optimizer))
+
+
+def test_apex_o2_resume_is_bitwise():
+    model, w = _apex('int8', steps=4)
+    saved = _roundtrip(w.state_dict())[0]
+    model_sd = copy.deepcopy(model.state_dict())
+    batches = _cls_batches(7)[4:]
+
+    def _more(model, w):
+        for x, y in batches:
+            with w.optim_context(model):
+                loss = F.cross_entropy(model(x), y)
+            w.update_params(loss)
+
+    _more(model, w)
+    model2, w2 = _apex('int8', steps=0)
+    model2.load_state_dict(model_sd)
+    w2.load_state_dict(saved)
+    _more(model2, w2)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+    _assert_states_equal(_states(w.optimizer), _states(w2.optimizer))
+
+
+def test_runner_config_selects_int8_states(tmp_path):
+    from _workflow import make_runner
+    runner = make_runner(str(tmp_path), wrapper='O2', dtype='bfloat16', iters=3,
+                         optimizer=dict(type='mp_wrappers.FusedAdam', lr=1e-3,
+                                        state_dtype='int8', min_8bit_size=0))
+    runner.train()
+    opt = runner.optim_wrapper.optimizer
+    assert isinstance(opt, FusedAdam) and opt.int8_states
+    assert all(st['exp_avg'].dtype == torch.uint8 for st in opt.state.values())

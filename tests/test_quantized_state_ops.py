@@ -1,0 +1,239 @@
+"""Block-wise 8-bit optimizer states (Note [8-bit optimizer states]): the codes, and the CPU kernel
+of ``multi_tensor_adam8bit_`` against its reference.
+
+* The codes: 256 sorted values, quantization picks the nearest (ties to the even mantissa), code
+  values round-trip exactly, all-zero blocks stay zero.
+* Kernel vs reference bit for bit (the reference computes square roots correctly rounded, as the
+  kernels do), for fp32 params, the O2 step (bf16/fp16 grads and model copy), power-of-two and
+  other loss scales, AdamW and L2; every written tensor between guard canaries; adjacent views of one
+  flat buffer like separate tensors.
+* A found_inf step leaves codes, absmax, params, model copies and step bit-identical.
+* AVX-512, AVX2 and baseline, one thread and two, give the same bits.
+"""
+import pytest
+import torch
+
+from _guards import checked, flat, guarded
+from mp_wrappers.ops import backend, multi_tensor_adam8bit, reference
+from mp_wrappers.ops._dispatch import _op_has_kernel
+from mp_wrappers.ops.reference.quant import (BLOCK_SIZE, EXP_AVG_CODE, EXP_AVG_SQ_CODE,
+                                             code_table, dequantize_blockwise, num_blocks,
+                                             quantize_blockwise)
+
+HAS_KERNEL = backend()['extension'] and _op_has_kernel('multi_tensor_adam8bit_', 'cpu')
+needs_kernel = pytest.mark.skipif(not HAS_KERNEL, reason='8-bit kernel not built')
+
+SIZES = [777, 65537 + 33, 4096]
+ADAM = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, adam_w_mode=True,
+            bias_correction=True)
+ADAM_L2 = dict(lr=3e-3, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1, adam_w_mode=False,
+               bias_correction=False)
+# (param dtype, grad dtype, model dtype or None, grad_scale)
+SETUPS = {
+    'fp32': (torch.float32, torch.float32, None, None),
+    'o2-bf16': (torch.float32, torch.bfloat16, torch.bfloat16, 1.0),
+    'o2-fp16-scaled': (torch.float32, torch.float16, torch.float16, 1024.0),
+    'fp32-odd-scale': (torch.float32, torch.float32, None, 3.0),
+    'bf16-params': (torch.bfloat16, torch.bfloat16, None, None),
+}
+
+
+# ---- the codes -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('code', [EXP_AVG_CODE, EXP_AVG_SQ_CODE], ids=['exp_avg', 'exp_avg_sq'])
+def test_code_table_is_sorted_and_roundtrips(code):
+    table = code_table(code)
+    assert table.abs().max().item() == code.max_value
+    mags = table[:128] if code.signed else table
+    assert torch.all(mags[1:] > mags[:-1]) and mags[0].item() == 0.0
+    if code.signed:
+        assert torch.equal(table[128:], -table[:128])
+    x = table[torch.randperm(256)].repeat(3)  # every block holds the max code: absmax = MAX
+    codes, absmax = quantize_blockwise(x, code)
+    assert torch.equal(dequantize_blockwise(codes, absmax, code), x)
+
+
+@pytest.mark.parametrize('code', [EXP_AVG_CODE, EXP_AVG_SQ_CODE], ids=['exp_avg', 'exp_avg_sq'])
+def test_quantization_picks_the_nearest_code(code):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10 * BLOCK_SIZE, generator=g) * torch.exp(3 * torch.randn(10 * BLOCK_SIZE,
+                                                                              generator=g))
+    x = x if code.signed else x.abs()
+    codes, absmax = quantize_blockwise(x, code)
+    assert codes.dtype == torch.uint8 and absmax.shape == (10,)
+    got = dequantize_blockwise(codes, absmax, code)
+    # Against an exhaustive search over the block's 256 candidate values.
+    scale = (absmax / code.max_value).repeat_interleave(BLOCK_SIZE)
+    cands = code_table(code)[None, :] * scale[:, None]
+    best = (cands - x[:, None]).abs().min(dim=1).values
+    assert torch.all((got - x).abs() <= best * (1 + 1e-6) + 1e-30)
+
+
+def test_zero_blocks_and_partial_blocks():
+    x = torch.zeros(BLOCK_SIZE * 2 + 5)
+    x[-3:] = torch.tensor([1.0, -2.0, 0.5])
+    codes, absmax = quantize_blockwise(x, EXP_AVG_CODE)
+    assert absmax.tolist() == [0.0, 0.0, 2.0] and absmax.numel() == num_blocks(x.numel())
+    assert torch.equal(dequantize_blockwise(codes, absmax, EXP_AVG_CODE), x)
+
+
+# ---- the update ------------------------------------------------------------------------------------
+
+class Case:
+    """One call's tensors: params, grads, codes/absmax of moments from a few fp32 Adam steps."""
+
+    def __init__(self, setup, sizes=SIZES, seed=0):
+        pdt, self.gdt, mdt, scale = SETUPS[setup]
+        g = torch.Generator().manual_seed(seed)
+        self.gen, self.sizes = g, sizes
+        self.scale = None if scale is None else torch.full((1,), scale)
+        self.params = [guarded(torch.randn(n, generator=g).to(pdt)) for n in sizes]
+        self.model = [guarded(p.to(mdt)) for p in self.params] if mdt else []
+        self.mc, self.ma, self.vc, self.va = [], [], [], []
+        for n in sizes:
+            m = torch.randn(n, generator=g) * 0.1 * torch.exp(torch.randn(n, generator=g))
+            v = torch.rand(n, generator=g) * 0.01 * torch.exp(2 * torch.randn(n, generator=g))
+            for codes, absmax, x, code in ((self.mc, self.ma, m, EXP_AVG_CODE),
+                                           (self.vc, self.va, v, EXP_AVG_SQ_CODE)):
+                c, a = quantize_blockwise(x, code)
+                codes.append(guarded(c))
+                absmax.append(guarded(a))
+        self.step = guarded(torch.full((1,), 2.0))
+
+    def grads(self):
+        s = 1.0 if self.scale is None else float(self.scale)
+        return [(torch.randn(n, generator=self.gen) * s).to(self.gdt) for n in self.sizes]
+
+    def tensors(self):
+        return self.params + self.model + self.mc + self.ma + self.vc + self.va + [self.step]
+
+    def clone(self, as_flat=False, shift=0):
+        c = Case.__new__(Case)
+        c.__dict__.update(self.__dict__)
+        for k in ('params', 'model', 'mc', 'ma', 'vc', 'va'):
+            lst = getattr(self, k)
+            setattr(c, k, (flat(lst, shift) if as_flat else [guarded(t) for t in lst])
+                    if lst else [])
+        c.step = guarded(self.step)
+        return c
+
+    def run(self, fn, grads, hp, found_inf=None):
+        fn(self.params, grads, self.mc, self.ma, self.vc, self.va, self.model, self.step,
+           **hp, grad_scale=self.scale, found_inf=found_inf)
+
+
+def _kernel():
+    return checked(torch.ops.mp_wrappers).multi_tensor_adam8bit_
+
+
+def _assert_equal(got, want, what=''):
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), \
+            f'{what} tensor {i}'
+
+
+@needs_kernel
+@pytest.mark.parametrize('hp', [ADAM, ADAM_L2], ids=['adamw', 'l2'])
+@pytest.mark.parametrize('setup', list(SETUPS))
+def test_kernel_matches_reference_bitwise(setup, hp):
+    k = Case(setup)
+    r = k.clone()
+    for _ in range(3):
+        grads = k.grads()
+        k.run(_kernel(), grads, hp)
+        r.run(reference.multi_tensor_adam8bit_, grads, hp)
+    _assert_equal(k.tensors(), r.tensors(), setup)
+    assert k.step.item() == 5.0
+
+
+@pytest.mark.parametrize('use_kernel', [pytest.param(True, marks=needs_kernel), False],
+                         ids=['kernel', 'reference'])
+def test_found_inf_leaves_everything_bit_identical(use_kernel):
+    c = Case('o2-fp16-scaled')
+    before = [t.clone() for t in c.tensors()]
+    fn = _kernel() if use_kernel else reference.multi_tensor_adam8bit_
+    c.run(fn, c.grads(), ADAM, found_inf=torch.ones(1))
+    _assert_equal(c.tensors(), before)
+
+
+@needs_kernel
+@pytest.mark.parametrize('shift', [0, 1])
+def test_flat_buffers_match_separate_tensors(shift):
+    a = Case('o2-bf16')
+    b = a.clone(as_flat=True, shift=shift)
+    grads = a.grads()
+    a.run(_kernel(), grads, ADAM)
+    b.run(_kernel(), grads, ADAM)
+    _assert_equal(a.tensors(), b.tensors())
+
+
+def _isa_run(isa, threads):
+    from mp_wrappers.ops._extension import extension
+    ext = extension()
+    previous, before = ext._set_cpu_isa(isa), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = {}
+        for setup in ('o2-bf16', 'fp32-odd-scale', 'bf16-params'):
+            c = Case(setup, sizes=[65537 * 2 + 33, 4096 + 7], seed=5)
+            for _ in range(2):
+                c.run(torch.ops.mp_wrappers.multi_tensor_adam8bit_, c.grads(), ADAM_L2)
+            out[setup] = [t.clone() for t in c.tensors()]
+        return out
+    finally:
+        ext._set_cpu_isa(previous)
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+@pytest.mark.skipif(backend()['cpu'] not in ('cpp-avx512', 'cpp-avx2'),
+                    reason='needs a CPU with at least AVX2 (two flavours to compare)')
+def test_isa_flavours_and_thread_counts_agree():
+    from mp_wrappers.ops._extension import extension
+    isas = ('avx512', 'avx2', 'baseline')
+    isas = isas[isas.index(extension().cpu_isa_hardware()):]
+    want = _isa_run(isas[0], 2)
+    for isa in isas:
+        got = _isa_run(isa, 1)
+        for setup in want:
+            _assert_equal(got[setup], want[setup], f'{isa} {setup}')
+
+
+# ---- argument checks -------------------------------------------------------------------------------
+
+def _args(**change):
+    c = Case('fp32', sizes=[300])
+    kw = dict(params=c.params, grads=c.grads(), exp_avgs=c.mc, exp_avg_absmaxes=c.ma,
+              exp_avg_sqs=c.vc, exp_avg_sq_absmaxes=c.va, model_params=[], step=c.step, **ADAM)
+    kw.update(change)
+    return kw
+
+
+@pytest.mark.parametrize('change,err,match', [
+    (dict(exp_avgs=[torch.zeros(300)]), ValueError, r'exp_avgs\[0\] must be a contiguous '
+                                                    r'torch.uint8 tensor'),
+    (dict(exp_avg_sq_absmaxes=[torch.zeros(1)]), ValueError, r'exp_avg_sq_absmaxes\[0\].*2 '
+                                                             'elements'),
+    (dict(exp_avg_absmaxes=[]), ValueError, 'exp_avg_absmaxes has 0 tensors'),
+    (dict(lr=-1.0), ValueError, 'Invalid learning rate'),
+])
+def test_errors_name_the_argument(change, err, match):
+    with pytest.raises(err, match=match):
+        multi_tensor_adam8bit(**_args(**change))
+
+
+def test_non_cpu_tensors_are_refused():
+    p = torch.zeros(300, device='meta')
+    with pytest.raises(NotImplementedError, match="state_dtype='int8'.*CPU tensors only.*meta"):
+        multi_tensor_adam8bit([p], [p], [torch.zeros(300, dtype=torch.uint8, device='meta')],
+                              [torch.zeros(2, device='meta')],
+                              [torch.zeros(300, dtype=torch.uint8, device='meta')],
+                              [torch.zeros(2, device='meta')], [],
+                              torch.zeros(1, device='meta'), **ADAM)
+
+
+@needs_kernel
+def test_kernel_checks_direct_calls():
+    kw = _args(exp_avg_absmaxes=[torch.zeros(5)])
+    with pytest.raises(RuntimeError, match=r'exp_avg_absmaxes\[0\] must be a contiguous float32'):
+        torch.ops.mp_wrappers.multi_tensor_adam8bit_(*kw.values(), None, None)
