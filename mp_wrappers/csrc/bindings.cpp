@@ -90,7 +90,7 @@ TORCH_LIBRARY(mp_wrappers, m) {
         "float dampening, float weight_decay, bool nesterov, bool wd_after_momentum, "
         "str storage, int seed, Tensor? grad_scale, Tensor? found_inf) -> ()");
   // ---- block-wise 8-bit optimizer states ------------------------------------------------------------
-  // Executable definition: mp_wrappers/ops/reference_quant.py (Note [8-bit optimizer states]).
+  // Executable definition: mp_wrappers/ops/reference/quant.py (Note [8-bit optimizer states]).
   // exp_avgs / exp_avg_sqs are uint8 codes with the params' element counts, their absmax lists
   // float32 with one element per block of 256. Otherwise the conventions of multi_tensor_adam_.
   m.def("multi_tensor_adam8bit_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
