@@ -5,7 +5,7 @@ exactly the same flags and defines (``python build_config.py nvcc-args --arch sm
 a compile check can never pass with flags the real build does not use. See docs/cuda.md.
 
 The decision logic is written as pure functions of their inputs (environment, torch's CUDA version,
-what the toolkit looks like on disk, nvcc's output) so tests/test_build_config.py checks every row of
+what the toolkit looks like on disk, nvcc's output) so tests/kernels/test_build_config.py checks every row of
 the decision table on a machine without a GPU or a toolkit. Only :func:`probe` and the command-line
 entry point look at the real machine.
 

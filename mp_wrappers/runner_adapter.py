@@ -22,7 +22,7 @@ Note [runner adapter]
     What this module touches that is not public mmengine API: the frames of the call stack (the
     runner is the ``self`` of one of them) and ``runner._hooks`` (to put one hook in place of
     another: mmengine has ``register_hook`` but no way to replace one). Both are checked against the
-    mmengine versions in :data:`CHECKED_MMENGINE_VERSIONS` by ``tests/test_runner_adapter.py``,
+    mmengine versions in :data:`CHECKED_MMENGINE_VERSIONS` by ``tests/base/test_runner_adapter.py``,
     which fails on any other version until it has been checked.
 """
 import sys

@@ -8,7 +8,7 @@ It sees reads made from Python only, which is where ours are: the kernels take t
 device pointers. It cannot see syncs inside C++ ops (``.cpu()``, ``torch.equal``, ``nonzero``,
 boolean-mask indexing), and under ``simulate_accelerator`` the code's other ``device.type == 'cpu'``
 branches still take their CPU side (the static scaler's host update, the unit-scale loss check),
-which a CUDA step never runs. A GPU run checks the real thing: tests/test_cuda_paths.py, under
+which a CUDA step never runs. A GPU run checks the real thing: tests/kernels/test_cuda_paths.py, under
 ``torch.cuda.set_sync_debug_mode('error')``.
 """
 import contextlib

@@ -1,8 +1,21 @@
 import os
+import sys
 import warnings
 
 import pytest
 import torch
+
+# Note [test layout]: tests live in tests/<layer>/test_<module>.py, one folder per layer of
+# docs/architecture.md (plus workflows/, toolboxes/, tools/ and repo/ for what spans layers), with
+# file names unique across folders. Their shared helpers (_workflow.py, _guards.py, ...) sit here,
+# and some tests reuse another layer's cases (the CUDA host tests run the CPU kernel tests' cases),
+# so every test folder is importable by module name whichever file pytest was given.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+for _folder in sorted(os.listdir(_TESTS)):
+    _path = os.path.join(_TESTS, _folder)
+    if os.path.isdir(_path) and not _folder.startswith(('_', '.')) and _folder != 'configs':
+        if _path not in sys.path:
+            sys.path.append(_path)
 
 # Set by tools/gpu_check.sh: on a GPU machine a CUDA case that would skip (no CUDA kernels built)
 # fails instead, so a GPU session cannot pass by skipping everything it was started for.

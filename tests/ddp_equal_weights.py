@@ -1,4 +1,4 @@
-"""Run by tests/test_train_tool.py under torchrun: train with tools/train.py's setup, then compare ranks.
+"""Run by tests/entry/test_train_tool.py under torchrun: train with tools/train.py's setup, then compare ranks.
 
 Usage: torchrun --nproc_per_node=2 tests/ddp_equal_weights.py CONFIG RESULT_JSON [train.py args...]
 Rank 0 writes ``{"world_size": N, "max_abs_diff": d, "iters": i}`` to RESULT_JSON, where ``d`` is

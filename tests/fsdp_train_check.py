@@ -1,4 +1,4 @@
-"""Run by tests/test_fsdp_runner.py under torchrun: train with tools/train.py's setup, save full weights.
+"""Run by tests/runner/test_fsdp_runner.py under torchrun: train with tools/train.py's setup, save full weights.
 
 Usage: torchrun --nproc_per_node=N tests/fsdp_train_check.py CONFIG RESULT_PT [train.py args...]
 Builds the runner as tools/train.py does (FlexibleRunner for ``runner_type``), trains, then gathers
@@ -60,7 +60,7 @@ def main() -> None:
     dist.barrier()
     rank = dist.get_rank()
     dist.destroy_process_group()
-    # Read by tests/test_fsdp_runner.py: everything this script checks is done on this rank.
+    # Read by tests/runner/test_fsdp_runner.py: everything this script checks is done on this rank.
     print(f'fsdp_train_check: rank {rank} done', flush=True)
 
 

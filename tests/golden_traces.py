@@ -2,7 +2,7 @@
 combination computes, step by step, to the bit.
 
 Recorded once before a refactoring (``python tests/golden_traces.py --record``) and replayed by
-``tests/test_golden_traces.py``: a commit that moves code must keep every digest; a commit that changes
+``tests/wrappers/test_golden_traces.py``: a commit that moves code must keep every digest; a commit that changes
 numerics on purpose says so and re-records the file alone.
 
 Why the traces are the same on every CPU: the loss is built from element-wise operations only,

@@ -113,7 +113,7 @@ run_stack() {  # name: installs, builds, tests; appends one row to ROWS
     gated=$(cd "$src" && "$py" -c 'from mp_wrappers import compat
 print(", ".join(f"{k} (torch>={f.min_torch})" for k, f in compat.FEATURES.items() if not compat.has(k)) or "none")')
     local extra_tests=()
-    [[ "$extra" == *mmpretrain* ]] && extra_tests=(tests/test_toolbox_mmpretrain.py)
+    [[ "$extra" == *mmpretrain* ]] && extra_tests=(tests/toolboxes/test_mmpretrain_stack.py)
     (cd "$src" && timeout "${TEST_TIMEOUT:-1800}" "$py" -m pytest -q -x -p no:cacheprovider -rs \
         --junitxml="$MATRIX_DIR/$name/junit.xml" "${TESTS[@]}" "${extra_tests[@]}") >>"$log" 2>&1
     read -r passed failed skipped errors < <("$py" - "$MATRIX_DIR/$name/junit.xml" <<'PYEOF'

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Host execution of the CUDA kernels (docs/cuda.md "Host execution"): builds the host-execution
 # modules of the same .cu sources (real and tiny launch geometry, with gcov; and the tiny geometry
-# with AddressSanitizer + UndefinedBehaviorSanitizer), runs tests/test_cuda_host*.py on each, and
+# with AddressSanitizer + UndefinedBehaviorSanitizer), runs tests/kernels/test_cuda_host*.py on each, and
 # prints `cuda host coverage: NN.N%` for the kernel sources. Exits non-zero on any failure or when
 # coverage is below CUDA_HOST_MIN_COVERAGE (default 95). Needs no GPU and no nvcc.
 #
@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MAX_JOBS=${MAX_JOBS:-2}
 MIN=${CUDA_HOST_MIN_COVERAGE:-95}
-TESTS=(tests/test_cuda_host.py tests/test_cuda_host_planner.py tests/test_cuda_host_lean.py)
+TESTS=(tests/kernels/test_cuda_host.py tests/kernels/test_cuda_host_planner.py tests/kernels/test_cuda_host_lean.py)
 
 echo "== cuda host: building real, tiny (gcov)"
 python - <<'PY'

@@ -2,7 +2,7 @@
 
 Each mutant changes one operator in one line of ``mp_wrappers/csrc/cuda/*.cu`` or
 ``mp_wrappers/csrc/include/mp_wrappers/cuda/*.cuh``; it is compiled with the ``tiny`` host-execution
-geometry and the host tests (tests/test_cuda_host*.py) run against it. A mutant the tests fail on
+geometry and the host tests (tests/kernels/test_cuda_host*.py) run against it. A mutant the tests fail on
 (or that times out) is *killed*; one they pass is a *survivor*, i.e. a missing test, unless it is
 listed in ``EQUIVALENT`` with the reason it cannot change behaviour.
 
@@ -53,8 +53,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, 'mp_wrappers', 'csrc')
 KERNEL_DIR = os.path.join(CSRC, 'cuda')
 HEADER_DIR = os.path.join(CSRC, 'include', 'mp_wrappers', 'cuda')
-TESTS = ['tests/test_cuda_host.py', 'tests/test_cuda_host_lean.py',
-         'tests/test_cuda_host_planner.py']
+TESTS = ['tests/kernels/test_cuda_host.py', 'tests/kernels/test_cuda_host_lean.py',
+         'tests/kernels/test_cuda_host_planner.py']
 
 # Mutants that cannot change what the kernels compute, by id, with the reason.
 _TAIL = ('the tail loop runs once more, with i == n: load_one returns 0 for i >= n and store_one '

@@ -8,10 +8,10 @@
 #                      not to is an error; TORCH_CUDA_ARCH_LIST defaults to the visible GPU's arch)
 #   backend            assert mp_wrappers.ops.backend()['cuda'] == 'cuda'
 #   cuda-cases         the CUDA test cases, MP_WRAPPERS_TEST_REQUIRE_CUDA=1 (a CUDA case that would
-#                      skip fails), tests/test_cuda_paths.py included (split launches, 2^31
+#                      skip fails), tests/kernels/test_cuda_paths.py included (split launches, 2^31
 #                      elements, offsets, side stream, graph capture, the fused O2 step under
 #                      torch.cuda.set_sync_debug_mode('error'))
-#   subnormal-and-norms  tests/test_subnormal.py and tests/test_nonfinite_norm.py
+#   subnormal-and-norms  tests/kernels/test_subnormal.py and tests/wrappers/test_overflow_nonfinite_norm.py
 #   full-suite         the whole test suite (--maxfail=25: one GPU run sees as many failures as it can)
 #   sanitizer-memcheck, sanitizer-racecheck, sanitizer-initcheck
 #                      compute-sanitizer over the op tests' small CUDA cases (it refuses the GPU
@@ -142,9 +142,9 @@ step build env MP_WRAPPERS_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}" "$PY" setup.py buil
 step backend "$PY" -c 'import mp_wrappers; b = mp_wrappers.ops.backend(); print(b); assert b["cuda"] == "cuda", b'
 
 export MP_WRAPPERS_TEST_REQUIRE_CUDA=1
-OP_TESTS=(tests/test_ops_multi_tensor.py tests/test_optim_kernels.py tests/test_cuda_paths.py)
+OP_TESTS=(tests/ops/test_multi_tensor.py tests/kernels/test_cpu_kernels.py tests/kernels/test_cuda_paths.py)
 step cuda-cases "$PY" -m pytest -q -rs -k cuda "${OP_TESTS[@]}"
-step subnormal-and-norms "$PY" -m pytest -q -rs tests/test_subnormal.py tests/test_nonfinite_norm.py
+step subnormal-and-norms "$PY" -m pytest -q -rs tests/kernels/test_subnormal.py tests/wrappers/test_overflow_nonfinite_norm.py
 step full-suite "$PY" -m pytest -q -rs --maxfail=25
 
 for tool in memcheck racecheck initcheck; do
@@ -157,7 +157,7 @@ for tool in memcheck racecheck initcheck; do
   # Small cases only: the sanitizer slows kernels down 10-100x.
   step "sanitizer-$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 \
     "$PY" -m pytest -q -x -p no:cacheprovider -k 'cuda and not 2_pow_31 and not split_across' \
-    tests/test_ops_multi_tensor.py tests/test_optim_kernels.py tests/test_cuda_paths.py
+    tests/ops/test_multi_tensor.py tests/kernels/test_cpu_kernels.py tests/kernels/test_cuda_paths.py
 done
 
 step bench-optimizers "$PY" benchmarks/bench_optimizers.py --device cuda --threads 1 \

@@ -8,7 +8,7 @@ namespace, ``torch.ops.mp_wrappers_cuda_host_<variant>``, with exactly the schem
 ``torch.ops.mp_wrappers``. Calling one runs the real entry-point logic (checks, launch planning, dtype
 dispatch, launches) on CPU tensors, so tests can compare it with the references.
 
-Never loaded in normal use: only ``tools/cuda_host_check.sh``, the ``tests/test_cuda_host*.py``
+Never loaded in normal use: only ``tools/cuda_host_check.sh``, the ``tests/kernels/test_cuda_host*.py``
 tests (which skip unless a variant is built, or ``MP_WRAPPERS_CUDA_ON_HOST=1`` lets them build it)
 and ``benchmarks/bench_cuda_traffic.py`` import it. Variants:
 

@@ -1,5 +1,5 @@
-# A tiny, fast, deterministic iteration-based run for the reliability tests (tests/test_crash_resume.py,
-# tests/test_multiprocess.py, tests/test_scale_collapse_e2e.py). Nothing here is tuned for accuracy:
+# A tiny, fast, deterministic iteration-based run for the reliability tests (tests/base/test_atomic_io.py,
+# tests/runner/test_multiprocess.py, tests/workflows/test_scale_collapse.py). Nothing here is tuned for accuracy:
 # the model is 4 channels wide and each run is a few seconds, most of it interpreter start-up.
 model = dict(type='mp_wrappers.DigitsCNN', num_classes=10, width=4, dtype=None)
 default_scope = 'mmengine'

@@ -9,7 +9,7 @@
 // CPU sqrt is not correctly rounded (measured on torch 2.13 / AVX-512: ~16% of results 1 ulp off),
 // so Adam-family params can differ by an ulp, and (b) where the reference reduces in another order
 // (LAMB's and NovoGrad's norms: fp32 vector_norm there, double here). All three ISA flavours give
-// the same bits (tests/test_optim_kernels.py::test_isa_flavours_agree).
+// the same bits (tests/kernels/test_cpu_kernels.py::test_isa_flavours_agree).
 #pragma once
 
 #include <ATen/core/Tensor.h>
