@@ -10,19 +10,18 @@
 #include <optional>
 #include <vector>
 
-#include "mp_wrappers/checks.h"
 #include "mp_wrappers/cpu_features.h"
 #include "mp_wrappers/cpu_multi_tensor.h"
 #include "mp_wrappers/cpu_optim.h"
 #include "mp_wrappers/cpu_vec.h"
+#include "mp_wrappers/op_args.h"
 
 namespace mp_wrappers {
 namespace cpu {
 namespace {
 
-struct AdagradConsts {
-  float lr, eps, weight_decay;
-  bool adagrad_w_mode, has_weight_decay;
+struct AdagradConsts : AdagradHyper {
+  float lr;
   optim::Unscale unscale;
 };
 
@@ -31,8 +30,7 @@ inline void adagrad_span(P* p, const G* g, float* h, M* out, int64_t n, const Ad
   using F = typename V::F;
   const F lr = V::set1(c.lr), eps = V::set1(c.eps), wd = V::set1(c.weight_decay);
   const F us = V::set1(c.unscale.factor);
-  const bool l2 = !c.adagrad_w_mode && c.has_weight_decay;
-  const bool decoupled = c.adagrad_w_mode && c.has_weight_decay;
+  const bool l2 = c.l2, decoupled = c.decoupled;
   for (int64_t i = 0; i < n; i += V::kWidth) {
     const int64_t k = n - i;
     optim::prefetch_write_line<V>(p, i);
@@ -74,25 +72,13 @@ void multi_tensor_adagrad_cpu(at::TensorList params, at::TensorList grads,
                               bool adagrad_w_mode, const c10::optional<at::Tensor>& grad_scale,
                               const c10::optional<at::Tensor>& found_inf,
                               const c10::optional<at::Tensor>& lr_tensor) {
-  constexpr const char* op = "multi_tensor_adagrad_";
-  const at::Device device = check_tensor_lists(
-      op, {{"params", params}, {"grads", grads}, {"state_sums", state_sums},
-           {"model_params", model_params}},
-      {"model_params"});
-  optim::check_fp32_list(op, "state_sums", state_sums);
-  optim::check_step(op, step, device);
-  optim::check_optional_scalar(op, "grad_scale", grad_scale, device);
-  optim::check_optional_scalar(op, "found_inf", found_inf, device);
-  optim::check_optional_scalar(op, "lr_tensor", lr_tensor, device);
-  if (optim::should_skip(found_inf)) return;
+  const UpdateArgs<AdagradHyper> args = multi_tensor_adagrad_args(
+      Backend::kCpu, params, grads, state_sums, model_params, step, lr, eps, weight_decay,
+      adagrad_w_mode, grad_scale, found_inf, lr_tensor);
+  if (optim::should_skip(args.scalars.found_inf)) return;
 
-  AdagradConsts c;
-  c.lr = optim::resolve_lr(lr, lr_tensor);
-  c.eps = static_cast<float>(eps);
-  c.weight_decay = static_cast<float>(weight_decay);
-  c.has_weight_decay = weight_decay != 0.0;
-  c.adagrad_w_mode = adagrad_w_mode;
-  c.unscale = optim::Unscale::from(grad_scale);
+  const AdagradConsts c{args.hyper, optim::resolve_lr(args.scalars),
+                        optim::Unscale::from(args.scalars.grad_scale)};
 
   const std::vector<RawTensor> ps = raw_tensors(params), gs = raw_tensors(grads),
                                hs = raw_tensors(state_sums), os = raw_tensors(model_params);

@@ -11,11 +11,11 @@
 #include <optional>
 #include <vector>
 
-#include "mp_wrappers/checks.h"
 #include "mp_wrappers/cpu_features.h"
 #include "mp_wrappers/cpu_multi_tensor.h"
 #include "mp_wrappers/cpu_optim.h"
 #include "mp_wrappers/cpu_vec.h"
+#include "mp_wrappers/op_args.h"
 
 namespace mp_wrappers {
 namespace cpu {
@@ -23,9 +23,8 @@ namespace {
 
 using optim::NoOut;
 
-struct AdamConsts {
-  float lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, bc1, bc2;
-  bool adam_w_mode, has_weight_decay;
+struct AdamConsts : AdamHyper {
+  float lr, bc1, bc2;
   optim::Unscale unscale;
 };
 
@@ -37,8 +36,7 @@ inline void adam_span(P* p, const G* g, float* m, float* v, M* out, int64_t n,
   const F omb1 = V::set1(c.one_minus_beta1), omb2 = V::set1(c.one_minus_beta2);
   const F eps = V::set1(c.eps), wd = V::set1(c.weight_decay);
   const F bc1 = V::set1(c.bc1), bc2 = V::set1(c.bc2), us = V::set1(c.unscale.factor);
-  const bool l2 = !c.adam_w_mode && c.has_weight_decay;
-  const bool decoupled = c.adam_w_mode && c.has_weight_decay;
+  const bool l2 = c.l2, decoupled = c.decoupled;
   for (int64_t i = 0; i < n; i += V::kWidth) {
     const int64_t k = n - i;  // >= kWidth except in the tail, where load_n/store_n pad
     optim::prefetch_write_line<V>(p, i);
@@ -84,34 +82,17 @@ void multi_tensor_adam_cpu(at::TensorList params, at::TensorList grads, at::Tens
                            bool bias_correction, const c10::optional<at::Tensor>& grad_scale,
                            const c10::optional<at::Tensor>& found_inf,
                            const c10::optional<at::Tensor>& lr_tensor) {
-  constexpr const char* op = "multi_tensor_adam_";
-  const at::Device device = check_tensor_lists(
-      op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},
-           {"exp_avg_sqs", exp_avg_sqs}, {"model_params", model_params}},
-      {"model_params"});
-  optim::check_fp32_list(op, "exp_avgs", exp_avgs);
-  optim::check_fp32_list(op, "exp_avg_sqs", exp_avg_sqs);
-  optim::check_step(op, step, device);
-  optim::check_optional_scalar(op, "grad_scale", grad_scale, device);
-  optim::check_optional_scalar(op, "found_inf", found_inf, device);
-  optim::check_optional_scalar(op, "lr_tensor", lr_tensor, device);
-  if (optim::should_skip(found_inf)) return;
+  const UpdateArgs<AdamHyper> args = multi_tensor_adam_args(
+      Backend::kCpu, params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2,
+      eps, weight_decay, adam_w_mode, bias_correction, grad_scale, found_inf, lr_tensor);
+  if (optim::should_skip(args.scalars.found_inf)) return;
 
   const float count = optim::read_count(step);
-  AdamConsts c;
-  c.lr = optim::resolve_lr(lr, lr_tensor);
-  c.beta1 = static_cast<float>(beta1);
-  c.beta2 = static_cast<float>(beta2);
-  // (1 - beta) is formed in double and rounded once, as Python does before torch sees it.
-  c.one_minus_beta1 = static_cast<float>(1.0 - beta1);
-  c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  c.eps = static_cast<float>(eps);
-  c.weight_decay = static_cast<float>(weight_decay);
-  c.has_weight_decay = weight_decay != 0.0;
-  c.adam_w_mode = adam_w_mode;
-  c.bc1 = optim::bias_correction(beta1, count, bias_correction);
-  c.bc2 = optim::bias_correction(beta2, count, bias_correction);
-  c.unscale = optim::Unscale::from(grad_scale);
+  const AdamHyper& h = args.hyper;
+  const AdamConsts c{h, optim::resolve_lr(args.scalars),
+                     optim::bias_correction(h.beta1_d, count, h.use_bias_correction),
+                     optim::bias_correction(h.beta2_d, count, h.use_bias_correction),
+                     optim::Unscale::from(args.scalars.grad_scale)};
 
   const std::vector<RawTensor> ps = raw_tensors(params), gs = raw_tensors(grads),
                                ms = raw_tensors(exp_avgs), vs = raw_tensors(exp_avg_sqs),

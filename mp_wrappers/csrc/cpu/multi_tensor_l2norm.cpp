@@ -14,10 +14,10 @@
 #include <tuple>
 #include <vector>
 
-#include "mp_wrappers/checks.h"
 #include "mp_wrappers/cpu_features.h"
 #include "mp_wrappers/cpu_multi_tensor.h"
 #include "mp_wrappers/cpu_vec.h"
+#include "mp_wrappers/op_args.h"
 
 namespace mp_wrappers {
 namespace cpu {
@@ -147,7 +147,7 @@ std::tuple<at::Tensor, at::Tensor> l2norm_impl(at::TensorList tensors, float inv
 
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cpu(at::TensorList tensors,
                                                            bool per_tensor) {
-  check_tensor_lists("multi_tensor_l2norm", {{"tensors", tensors}});
+  multi_tensor_l2norm_args(tensors);
   bool unused = false;
   return l2norm_impl<Check::kNone>(tensors, 1.f, per_tensor, &unused);
 }
@@ -156,10 +156,7 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_unscale_l2norm_cpu(at::TensorLis
                                                                    const at::Tensor& inv_scale,
                                                                    const at::Tensor& found_inf,
                                                                    bool per_tensor) {
-  constexpr const char* op = "multi_tensor_unscale_l2norm";
-  const at::Device device = check_tensor_lists(op, {{"tensors", tensors}});
-  check_scalar_tensor(op, "inv_scale", inv_scale, device);
-  check_found_inf(op, found_inf, device);
+  multi_tensor_unscale_l2norm_args(tensors, inv_scale, found_inf);
   bool bad = false;
   const float s = *inv_scale.data_ptr<float>();
   auto result = (std::isfinite(s) && std::fabs(s) <= 1.f)

@@ -24,19 +24,18 @@
 #include <optional>
 #include <vector>
 
-#include "mp_wrappers/checks.h"
 #include "mp_wrappers/cpu_features.h"
 #include "mp_wrappers/cpu_multi_tensor.h"
 #include "mp_wrappers/cpu_optim.h"
 #include "mp_wrappers/cpu_vec.h"
+#include "mp_wrappers/op_args.h"
 
 namespace mp_wrappers {
 namespace cpu {
 namespace {
 
-struct LambConsts {
-  float beta1, beta2, beta3, one_minus_beta2, eps, weight_decay, bc1, bc2, clip;
-  bool adam_w_mode, has_weight_decay;
+struct LambConsts : LambHyper {
+  float bc1, bc2, clip;
   optim::Unscale unscale;
 };
 
@@ -47,7 +46,7 @@ inline typename V::F lamb_update(typename V::F p32, typename V::F m_new, typenam
   using F = typename V::F;
   F update = V::div(V::div(m_new, V::set1(c.bc1)),
                     V::add(V::sqrt(V::div(v_new, V::set1(c.bc2))), V::set1(c.eps)));
-  if (c.adam_w_mode && c.has_weight_decay)
+  if (c.decoupled)
     update = V::add(update, V::mul(V::set1(c.weight_decay), p32));
   return update;
 }
@@ -60,7 +59,7 @@ inline void lamb_moments(typename V::F p32, const G* g, const float* m, const fl
   using F = typename V::F;
   F g32 = c.unscale.template apply<V>(load_n<V>(g, k), V::set1(c.unscale.factor));
   if (c.clip != 1.f) g32 = V::div(g32, V::set1(c.clip));  // x / 1 is x: skip the divide
-  if (!c.adam_w_mode && c.has_weight_decay)
+  if (c.l2)
     g32 = V::add(g32, V::mul(V::set1(c.weight_decay), p32));
   *m_new = V::add(V::mul(V::set1(c.beta1), load_n<V>(m, k)), V::mul(V::set1(c.beta3), g32));
   *v_new = V::add(V::mul(V::set1(c.beta2), load_n<V>(v, k)),
@@ -202,40 +201,22 @@ void multi_tensor_lamb_cpu(at::TensorList params, at::TensorList grads, at::Tens
                            const c10::optional<at::Tensor>& grad_scale,
                            const c10::optional<at::Tensor>& found_inf,
                            const c10::optional<at::Tensor>& lr_tensor) {
-  constexpr const char* op = "multi_tensor_lamb_";
-  const at::Device device = check_tensor_lists(
-      op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},
-           {"exp_avg_sqs", exp_avg_sqs}, {"model_params", model_params}},
-      {"model_params"});
-  optim::check_fp32_list(op, "exp_avgs", exp_avgs);
-  optim::check_fp32_list(op, "exp_avg_sqs", exp_avg_sqs);
-  optim::check_step(op, step, device);
-  check_scalar_tensor(op, "global_grad_norm", global_grad_norm, device);
-  optim::check_optional_scalar(op, "grad_scale", grad_scale, device);
-  optim::check_optional_scalar(op, "found_inf", found_inf, device);
-  optim::check_optional_scalar(op, "lr_tensor", lr_tensor, device);
-  TORCH_CHECK(max_grad_norm >= 0.0, op, ": max_grad_norm=", max_grad_norm,
-              "; expected >= 0 (0 disables clipping)");
-  if (optim::should_skip(found_inf)) return;
+  const UpdateArgs<LambHyper> args = multi_tensor_lamb_args(
+      Backend::kCpu, params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2,
+      eps, weight_decay, adam_w_mode, bias_correction, grad_averaging, max_grad_norm, use_nvlamb,
+      global_grad_norm, grad_scale, found_inf, lr_tensor);
+  if (optim::should_skip(args.scalars.found_inf)) return;
 
   const float count = optim::read_count(step);
-  LambConsts c;
-  c.beta1 = static_cast<float>(beta1);
-  c.beta2 = static_cast<float>(beta2);
-  c.beta3 = grad_averaging ? static_cast<float>(1.0 - beta1) : 1.f;
-  c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  c.eps = static_cast<float>(eps);
-  c.weight_decay = static_cast<float>(weight_decay);
-  c.has_weight_decay = weight_decay != 0.0;
-  c.adam_w_mode = adam_w_mode;
-  c.bc1 = optim::bias_correction(beta1, count, bias_correction);
-  c.bc2 = optim::bias_correction(beta2, count, bias_correction);
-  c.unscale = optim::Unscale::from(grad_scale);
+  const LambHyper& h = args.hyper;
   // Global clipping factor, in fp32 as the reference computes it (a NaN norm compares false).
   const float gnorm = *global_grad_norm.data_ptr<float>();
-  const float max_norm = static_cast<float>(max_grad_norm);
-  c.clip = (max_grad_norm > 0.0 && gnorm > max_norm) ? gnorm / max_norm : 1.f;
-  const float lr_f = optim::resolve_lr(lr, lr_tensor);
+  const float max_norm = h.max_grad_norm;
+  const LambConsts c{h, optim::bias_correction(h.beta1_d, count, h.use_bias_correction),
+                     optim::bias_correction(h.beta2_d, count, h.use_bias_correction),
+                     (max_grad_norm > 0.0 && gnorm > max_norm) ? gnorm / max_norm : 1.f,
+                     optim::Unscale::from(args.scalars.grad_scale)};
+  const float lr_f = optim::resolve_lr(args.scalars);
 
   const std::vector<RawTensor> ps = raw_tensors(params), gs = raw_tensors(grads),
                                ms = raw_tensors(exp_avgs), vs = raw_tensors(exp_avg_sqs),
@@ -243,7 +224,7 @@ void multi_tensor_lamb_cpu(at::TensorList params, at::TensorList grads, at::Tens
   const ChunkPlan plan(params);
   const CpuIsa isa = cpu_isa();
 
-  if (!(use_nvlamb || c.has_weight_decay)) {
+  if (!c.trust_ratio) {
     plan.parallel_for_each([&](int64_t, const TensorChunk& ch) {
       const int64_t t = ch.tensor;
       run_cpu_kernel<LambFusedChunk>(isa, ps[t], gs[t], ms[t], vs[t], optim::raw_at(os, t), ch,

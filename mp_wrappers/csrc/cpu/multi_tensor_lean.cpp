@@ -17,27 +17,18 @@
 #include <type_traits>
 #include <vector>
 
-#include "mp_wrappers/checks.h"
-#include "mp_wrappers/torch_compat.h"
 #include "mp_wrappers/cpu_features.h"
 #include "mp_wrappers/cpu_lean.h"
 #include "mp_wrappers/cpu_multi_tensor.h"
 #include "mp_wrappers/cpu_optim.h"
 #include "mp_wrappers/cpu_vec.h"
+#include "mp_wrappers/op_args.h"
 
 namespace mp_wrappers {
 namespace cpu {
 namespace {
 
-enum class Storage : int { kSplit = 0, kKahan = 1, kStochastic = 2 };
-
-Storage parse_storage(const char* op, const std::string& s) {
-  if (s == "split") return Storage::kSplit;
-  if (s == "kahan") return Storage::kKahan;
-  TORCH_CHECK(s == "stochastic", op, ": storage='", s,
-              "' is not allowed; expected 'split', 'kahan' or 'stochastic'");
-  return Storage::kStochastic;
-}
+using Storage = LeanStorage;
 
 // The bf16 params, their aux state and the element offset of a span, with the two storage steps
 // every update shares: read the fp32 value, and write `p32 - step` back.
@@ -82,9 +73,8 @@ struct LeanParam {
 
 // ---- Adam ---------------------------------------------------------------------------------------
 
-struct AdamConsts {
-  float lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, bc1, bc2;
-  bool adam_w_mode, has_weight_decay;
+struct AdamConsts : AdamHyper {
+  float lr, bc1, bc2;
   optim::Unscale unscale;
 };
 
@@ -96,8 +86,7 @@ inline void adam_lean_span(const LeanParam<V, S>& lp, const G* g, M* m, M* v, in
   const F omb1 = V::set1(c.one_minus_beta1), omb2 = V::set1(c.one_minus_beta2);
   const F eps = V::set1(c.eps), wd = V::set1(c.weight_decay);
   const F bc1 = V::set1(c.bc1), bc2 = V::set1(c.bc2), us = V::set1(c.unscale.factor);
-  const bool l2 = !c.adam_w_mode && c.has_weight_decay;
-  const bool decoupled = c.adam_w_mode && c.has_weight_decay;
+  const bool l2 = c.l2, decoupled = c.decoupled;
   for (int64_t i = 0; i < n; i += V::kWidth) {
     const int64_t k = n - i;
     lp.prefetch(i);
@@ -169,9 +158,9 @@ struct AdamLeanChunk {
 
 // ---- SGD ----------------------------------------------------------------------------------------
 
-struct SgdConsts {
-  float lr, momentum, one_minus_dampening, weight_decay;
-  bool nesterov, wd_after_momentum, has_weight_decay, has_momentum, first;
+struct SgdConsts : SgdHyper {
+  float lr;
+  bool first;  // the first applied update (step == 0): buf := direction
   optim::Unscale unscale;
 };
 
@@ -181,8 +170,7 @@ inline void sgd_lean_span(const LeanParam<V, S>& lp, const G* g, B* buf, int64_t
   using F = typename V::F;
   const F lr = V::set1(c.lr), mom = V::set1(c.momentum), omd = V::set1(c.one_minus_dampening);
   const F wd = V::set1(c.weight_decay), us = V::set1(c.unscale.factor);
-  const bool wd_before = c.has_weight_decay && !c.wd_after_momentum;
-  const bool wd_after = c.has_weight_decay && c.wd_after_momentum;
+  const bool wd_before = c.wd_before, wd_after = c.wd_after;
   for (int64_t i = 0; i < n; i += V::kWidth) {
     const int64_t k = n - i;
     lp.prefetch(i);
@@ -224,49 +212,6 @@ struct SgdLeanChunk {
 
 // params are bf16; aux is uint16 ('split'), bf16 ('kahan') or empty ('stochastic'), parallel to
 // params, contiguous and on their device; state lists hold float32 or bfloat16, one dtype for all.
-void check_lean_lists(const char* op, Storage storage, at::TensorList params, at::TensorList aux,
-                      const at::Device& device, std::initializer_list<NamedTensorList> state) {
-  for (size_t i = 0; i < params.size(); ++i)
-    TORCH_CHECK(params[i].scalar_type() == at::kBFloat16, op, ": params[", i, "] has dtype ",
-                params[i].scalar_type(), "; the lean storages hold bfloat16 params");
-  if (storage == Storage::kStochastic) {
-    TORCH_CHECK(aux.empty(), op, ": storage='stochastic' keeps no aux state, got ", aux.size(),
-                " aux tensors");
-  } else {
-#if MP_WRAPPERS_HAS_UINT16
-    const at::ScalarType want = storage == Storage::kSplit ? at::kUInt16 : at::kBFloat16;
-#else
-    TORCH_CHECK(storage != Storage::kSplit, op, ": storage='split' needs torch >= 2.3 (torch.uint16; "
-                "this build is against torch " MP_WRAPPERS_TORCH_VERSION_STR ")");
-    const at::ScalarType want = at::kBFloat16;
-#endif
-    TORCH_CHECK(aux.size() == params.size(), op, ": aux has ", aux.size(),
-                " tensors but params has ", params.size(), "; the lists must be parallel");
-    for (size_t i = 0; i < aux.size(); ++i) {
-      TORCH_CHECK(aux[i].scalar_type() == want, op, ": aux[", i, "] has dtype ",
-                  aux[i].scalar_type(), "; storage='",
-                  storage == Storage::kSplit ? "split" : "kahan", "' needs ", want);
-      TORCH_CHECK(aux[i].is_contiguous() && aux[i].layout() == at::kStrided, op, ": aux[", i,
-                  "] must be a dense contiguous tensor");
-      TORCH_CHECK(aux[i].device() == device, op, ": aux[", i, "] is on ", aux[i].device(),
-                  " but the params are on ", device);
-      TORCH_CHECK(aux[i].numel() == params[i].numel(), op, ": aux[", i, "] has ",
-                  aux[i].numel(), " elements but params[", i, "] has ", params[i].numel());
-    }
-  }
-  std::optional<at::ScalarType> state_dtype;
-  for (const NamedTensorList& l : state) {
-    for (size_t i = 0; i < l.second.size(); ++i) {
-      const at::ScalarType t = l.second[i].scalar_type();
-      TORCH_CHECK(t == at::kFloat || t == at::kBFloat16, op, ": ", l.first, "[", i,
-                  "] has dtype ", t, "; optimizer state must be float32 or bfloat16");
-      if (!state_dtype.has_value()) state_dtype = t;
-      TORCH_CHECK(t == *state_dtype, op, ": ", l.first, "[", i, "] has dtype ", t,
-                  " but other state tensors are ", *state_dtype, "; use one state dtype");
-    }
-  }
-}
-
 std::vector<uint32_t> tensor_keys(Storage storage, int64_t seed, float count, size_t n) {
   std::vector<uint32_t> keys(n, 0u);
   if (storage == Storage::kStochastic)
@@ -281,32 +226,18 @@ void multi_tensor_adam_lean_cpu(at::TensorList params, at::TensorList aux, at::T
                                 bool bias_correction, c10::string_view storage_name, int64_t seed,
                                 const c10::optional<at::Tensor>& grad_scale,
                                 const c10::optional<at::Tensor>& found_inf) {
-  constexpr const char* op = "multi_tensor_adam_lean_";
-  const Storage storage = parse_storage(op, std::string(storage_name));
-  const at::Device device = check_tensor_lists(
-      op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},
-           {"exp_avg_sqs", exp_avg_sqs}});
-  check_lean_lists(op, storage, params, aux, device,
-                   {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}});
-  optim::check_step(op, step, device);
-  optim::check_optional_scalar(op, "grad_scale", grad_scale, device);
-  optim::check_optional_scalar(op, "found_inf", found_inf, device);
-  if (optim::should_skip(found_inf)) return;
+  const LeanArgs<AdamHyper> args = multi_tensor_adam_lean_args(
+      Backend::kCpu, params, aux, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps,
+      weight_decay, adam_w_mode, bias_correction, storage_name, grad_scale, found_inf);
+  if (optim::should_skip(args.scalars.found_inf)) return;
 
+  const Storage storage = args.storage;
   const float count = optim::read_count(step);
-  AdamConsts c;
-  c.lr = static_cast<float>(lr);
-  c.beta1 = static_cast<float>(beta1);
-  c.beta2 = static_cast<float>(beta2);
-  c.one_minus_beta1 = static_cast<float>(1.0 - beta1);
-  c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  c.eps = static_cast<float>(eps);
-  c.weight_decay = static_cast<float>(weight_decay);
-  c.has_weight_decay = weight_decay != 0.0;
-  c.adam_w_mode = adam_w_mode;
-  c.bc1 = optim::bias_correction(beta1, count, bias_correction);
-  c.bc2 = optim::bias_correction(beta2, count, bias_correction);
-  c.unscale = optim::Unscale::from(grad_scale);
+  const AdamHyper& h = args.hyper;
+  const AdamConsts c{h, args.scalars.lr,
+                     optim::bias_correction(h.beta1_d, count, h.use_bias_correction),
+                     optim::bias_correction(h.beta2_d, count, h.use_bias_correction),
+                     optim::Unscale::from(args.scalars.grad_scale)};
 
   const std::vector<RawTensor> ps = raw_tensors(params), as = raw_tensors(aux),
                                gs = raw_tensors(grads), ms = raw_tensors(exp_avgs),
@@ -329,32 +260,16 @@ void multi_tensor_sgd_lean_cpu(at::TensorList params, at::TensorList aux, at::Te
                                c10::string_view storage_name, int64_t seed,
                                const c10::optional<at::Tensor>& grad_scale,
                                const c10::optional<at::Tensor>& found_inf) {
-  constexpr const char* op = "multi_tensor_sgd_lean_";
-  const Storage storage = parse_storage(op, std::string(storage_name));
-  const bool has_momentum = momentum != 0.0;
-  const at::Device device = check_tensor_lists(
-      op, {{"params", params}, {"grads", grads}, {"momentum_buffers", momentum_buffers}},
-      {"momentum_buffers"});
-  TORCH_CHECK(!has_momentum || momentum_buffers.size() == params.size(), op,
-              ": momentum_buffers is empty but momentum=", momentum, " needs one per param");
-  check_lean_lists(op, storage, params, aux, device, {{"momentum_buffers", momentum_buffers}});
-  optim::check_step(op, step, device);
-  optim::check_optional_scalar(op, "grad_scale", grad_scale, device);
-  optim::check_optional_scalar(op, "found_inf", found_inf, device);
-  if (optim::should_skip(found_inf)) return;
+  const LeanArgs<SgdHyper> args = multi_tensor_sgd_lean_args(
+      Backend::kCpu, params, aux, grads, momentum_buffers, step, lr, momentum, dampening,
+      weight_decay, nesterov, wd_after_momentum, storage_name, grad_scale, found_inf);
+  if (optim::should_skip(args.scalars.found_inf)) return;
 
+  const Storage storage = args.storage;
   const float count = optim::read_count(step);
-  SgdConsts c;
-  c.lr = static_cast<float>(lr);
-  c.momentum = static_cast<float>(momentum);
-  c.one_minus_dampening = static_cast<float>(1.0 - dampening);
-  c.weight_decay = static_cast<float>(weight_decay);
-  c.nesterov = nesterov;
-  c.wd_after_momentum = wd_after_momentum;
-  c.has_weight_decay = weight_decay != 0.0;
-  c.has_momentum = has_momentum;
-  c.first = *step.data_ptr<float>() == 0.f;
-  c.unscale = optim::Unscale::from(grad_scale);
+  const SgdConsts c{args.hyper, args.scalars.lr, *step.data_ptr<float>() == 0.f,
+                    optim::Unscale::from(args.scalars.grad_scale)};
+  const bool has_momentum = c.has_momentum;
 
   const std::vector<RawTensor> ps = raw_tensors(params), as = raw_tensors(aux),
                                gs = raw_tensors(grads), bs = raw_tensors(momentum_buffers);

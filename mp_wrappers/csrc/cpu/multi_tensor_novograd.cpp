@@ -19,19 +19,18 @@
 #include <optional>
 #include <vector>
 
-#include "mp_wrappers/checks.h"
 #include "mp_wrappers/cpu_features.h"
 #include "mp_wrappers/cpu_multi_tensor.h"
 #include "mp_wrappers/cpu_optim.h"
 #include "mp_wrappers/cpu_vec.h"
+#include "mp_wrappers/op_args.h"
 
 namespace mp_wrappers {
 namespace cpu {
 namespace {
 
-struct NovoConsts {
-  float lr, beta1, beta3, weight_decay, bc1;
-  bool reg_inside_moment;
+struct NovoConsts : NovoHyper {
+  float lr, bc1;
   optim::Unscale unscale;
 };
 
@@ -151,27 +150,11 @@ void multi_tensor_novograd_cpu(at::TensorList params, at::TensorList grads,
                                const c10::optional<at::Tensor>& grad_scale,
                                const c10::optional<at::Tensor>& found_inf,
                                const c10::optional<at::Tensor>& lr_tensor) {
-  constexpr const char* op = "multi_tensor_novograd_";
-  const at::Device device = check_tensor_lists(
-      op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},
-           {"model_params", model_params}},
-      {"model_params"});
-  optim::check_fp32_list(op, "exp_avgs", exp_avgs);
-  TORCH_CHECK(norm_type == 2 || norm_type == 0, op, ": norm_type=", norm_type,
-              "; expected 2 (L2 norm) or 0 (infinity norm)");
-  TORCH_CHECK(exp_avg_sq_norms.scalar_type() == at::kFloat && exp_avg_sq_norms.is_contiguous() &&
-                  exp_avg_sq_norms.numel() == static_cast<int64_t>(params.size()),
-              op, ": exp_avg_sq_norms must be a contiguous float32 tensor with one element per "
-              "param (", params.size(), "), got dtype ", exp_avg_sq_norms.scalar_type(), " with ",
-              exp_avg_sq_norms.numel(), " elements");
-  TORCH_CHECK(exp_avg_sq_norms.device() == device || params.empty(), op,
-              ": exp_avg_sq_norms is on ", exp_avg_sq_norms.device(), " but the tensors are on ",
-              device);
-  optim::check_step(op, step, device);
-  optim::check_optional_scalar(op, "grad_scale", grad_scale, device);
-  optim::check_optional_scalar(op, "found_inf", found_inf, device);
-  optim::check_optional_scalar(op, "lr_tensor", lr_tensor, device);
-  if (optim::should_skip(found_inf)) return;
+  const UpdateArgs<NovoHyper> args = multi_tensor_novograd_args(
+      Backend::kCpu, params, grads, exp_avgs, exp_avg_sq_norms, model_params, step, lr, beta1,
+      beta2, eps, weight_decay, bias_correction, grad_averaging, reg_inside_moment, norm_type,
+      init_zero, grad_scale, found_inf, lr_tensor);
+  if (optim::should_skip(args.scalars.found_inf)) return;
 
   const float step_value = *step.data_ptr<float>();
   const float count = step_value + 1.f;
@@ -180,16 +163,12 @@ void multi_tensor_novograd_cpu(at::TensorList params, at::TensorList grads,
     optim::commit_count(step, count);
     return;
   }
-  NovoConsts c;
-  c.lr = optim::resolve_lr(lr, lr_tensor);
-  c.beta1 = static_cast<float>(beta1);
-  c.beta3 = grad_averaging ? static_cast<float>(1.0 - beta1) : 1.f;
-  c.weight_decay = static_cast<float>(weight_decay);
-  c.bc1 = optim::bias_correction(beta1, count, bias_correction);
-  c.reg_inside_moment = reg_inside_moment;
-  c.unscale = optim::Unscale::from(grad_scale);
-  const float bc2 = std::sqrt(optim::bias_correction(beta2, count, bias_correction));
-  const bool l2 = norm_type == 2;
+  const NovoHyper& h = args.hyper;
+  const NovoConsts c{h, optim::resolve_lr(args.scalars),
+                     optim::bias_correction(h.beta1_d, count, h.use_bias_correction),
+                     optim::Unscale::from(args.scalars.grad_scale)};
+  const float bc2 = std::sqrt(optim::bias_correction(h.beta2_d, count, h.use_bias_correction));
+  const bool l2 = h.l2_norm;
 
   const std::vector<RawTensor> ps = raw_tensors(params), gs = raw_tensors(grads),
                                ms = raw_tensors(exp_avgs), os = raw_tensors(model_params);
@@ -210,9 +189,8 @@ void multi_tensor_novograd_cpu(at::TensorList params, at::TensorList grads,
   }
   // The running norms, in the reference's fp32 operations.
   float* norms = exp_avg_sq_norms.data_ptr<float>();
-  const float b2 = static_cast<float>(beta2), omb2 = static_cast<float>(1.0 - beta2);
-  const float eps_f = static_cast<float>(eps);
-  const bool first = step_value == 0.f && !init_zero;
+  const float b2 = c.beta2, omb2 = c.one_minus_beta2, eps_f = c.eps;
+  const bool first = step_value == 0.f && !c.init_zero;
   std::vector<float> denom(n_tensors);
   for (size_t t = 0; t < n_tensors; ++t) {
     const float norm = static_cast<float>(l2 ? std::sqrt(acc[t]) : acc[t]);

@@ -6,10 +6,10 @@
 #include <algorithm>
 #include <vector>
 
-#include "mp_wrappers/checks.h"
 #include "mp_wrappers/cpu_features.h"
 #include "mp_wrappers/cpu_multi_tensor.h"
 #include "mp_wrappers/cpu_vec.h"
+#include "mp_wrappers/op_args.h"
 
 namespace mp_wrappers {
 namespace cpu {
@@ -109,12 +109,7 @@ struct AxpbyChunk {
 
 void multi_tensor_scale_cpu(at::TensorList inputs, at::TensorList outputs, const at::Tensor& scale,
                             const at::Tensor& found_inf) {
-  constexpr const char* op = "multi_tensor_scale_";
-  const at::Device device =
-      check_tensor_lists(op, {{"inputs", inputs}, {"outputs", outputs}});
-  check_scalar_tensor(op, "scale", scale, device);
-  check_found_inf(op, found_inf, device);
-
+  multi_tensor_scale_args(inputs, outputs, scale, found_inf);
   const float s = *scale.data_ptr<float>();
   const std::vector<RawTensor> in = raw_tensors(inputs), out = raw_tensors(outputs);
   const ChunkPlan plan(inputs);
@@ -130,23 +125,15 @@ void multi_tensor_scale_cpu(at::TensorList inputs, at::TensorList outputs, const
 
 void multi_tensor_axpby_cpu(at::TensorList x, at::TensorList y, at::TensorList out, double a,
                             double b, int64_t arg_to_check, const at::Tensor& found_inf) {
-  constexpr const char* op = "multi_tensor_axpby_";
-  TORCH_CHECK(arg_to_check >= -1 && arg_to_check <= 1, op, ": arg_to_check=", arg_to_check,
-              "; allowed: -1 (x and y), 0 (x), 1 (y)");
-  const at::Device device = check_tensor_lists(op, {{"x", x}, {"y", y}, {"out", out}});
-  check_found_inf(op, found_inf, device);
-
+  const AxpbyArgs args = multi_tensor_axpby_args(x, y, out, a, b, arg_to_check, found_inf);
   const std::vector<RawTensor> xs = raw_tensors(x), ys = raw_tensors(y), os = raw_tensors(out);
   const ChunkPlan plan(x);
   std::vector<uint8_t> bad(plan.size(), 0);
-  const bool check_x = arg_to_check != 1, check_y = arg_to_check != 0;
-  // torch rounds a Python float multiplier to the tensor's fp32 opmath type; do the same.
-  const float fa = static_cast<float>(a), fb = static_cast<float>(b);
   const CpuIsa isa = cpu_isa();
   plan.parallel_for_each([&](int64_t i, const TensorChunk& c) {
     bool bd = false;
-    run_cpu_kernel<AxpbyChunk>(isa, xs[c.tensor], ys[c.tensor], os[c.tensor], c, fa, fb, check_x,
-                               check_y, &bd);
+    run_cpu_kernel<AxpbyChunk>(isa, xs[c.tensor], ys[c.tensor], os[c.tensor], c, args.a, args.b,
+                               args.check_x, args.check_y, &bd);
     bad[i] = bd;
   });
   set_found_inf_cpu(found_inf, std::any_of(bad.begin(), bad.end(), [](uint8_t v) { return v; }));

@@ -11,19 +11,19 @@
 #include <optional>
 #include <vector>
 
-#include "mp_wrappers/checks.h"
 #include "mp_wrappers/cpu_features.h"
 #include "mp_wrappers/cpu_multi_tensor.h"
 #include "mp_wrappers/cpu_optim.h"
 #include "mp_wrappers/cpu_vec.h"
+#include "mp_wrappers/op_args.h"
 
 namespace mp_wrappers {
 namespace cpu {
 namespace {
 
-struct SgdConsts {
-  float lr, momentum, one_minus_dampening, weight_decay;
-  bool has_momentum, has_weight_decay, wd_after_momentum, nesterov, first;
+struct SgdConsts : SgdHyper {
+  float lr;
+  bool first;  // the first applied update (step == 0): buf := direction
   optim::Unscale unscale;
 };
 
@@ -32,8 +32,7 @@ inline void sgd_span(P* p, const G* g, float* buf, M* out, int64_t n, const SgdC
   using F = typename V::F;
   const F lr = V::set1(c.lr), mom = V::set1(c.momentum), omd = V::set1(c.one_minus_dampening);
   const F wd = V::set1(c.weight_decay), us = V::set1(c.unscale.factor);
-  const bool wd_before = c.has_weight_decay && !c.wd_after_momentum;
-  const bool wd_after = c.has_weight_decay && c.wd_after_momentum;
+  const bool wd_before = c.wd_before, wd_after = c.wd_after;
   for (int64_t i = 0; i < n; i += V::kWidth) {
     const int64_t k = n - i;
     optim::prefetch_write_line<V>(p, i);
@@ -80,32 +79,15 @@ void multi_tensor_sgd_cpu(at::TensorList params, at::TensorList grads,
                           const c10::optional<at::Tensor>& grad_scale,
                           const c10::optional<at::Tensor>& found_inf,
                           const c10::optional<at::Tensor>& lr_tensor) {
-  constexpr const char* op = "multi_tensor_sgd_";
-  const bool has_momentum = momentum != 0.0;
-  const at::Device device = check_tensor_lists(
-      op, {{"params", params}, {"grads", grads}, {"momentum_buffers", momentum_buffers},
-           {"model_params", model_params}},
-      has_momentum ? std::initializer_list<const char*>{"model_params"}
-                   : std::initializer_list<const char*>{"model_params", "momentum_buffers"});
-  optim::check_fp32_list(op, "momentum_buffers", momentum_buffers);
-  optim::check_step(op, step, device);
-  optim::check_optional_scalar(op, "grad_scale", grad_scale, device);
-  optim::check_optional_scalar(op, "found_inf", found_inf, device);
-  optim::check_optional_scalar(op, "lr_tensor", lr_tensor, device);
-  if (optim::should_skip(found_inf)) return;
+  const UpdateArgs<SgdHyper> args = multi_tensor_sgd_args(
+      Backend::kCpu, params, grads, momentum_buffers, model_params, step, lr, momentum, dampening,
+      weight_decay, nesterov, wd_after_momentum, grad_scale, found_inf, lr_tensor);
+  if (optim::should_skip(args.scalars.found_inf)) return;
 
   const float step_value = *step.data_ptr<float>();
-  SgdConsts c;
-  c.lr = optim::resolve_lr(lr, lr_tensor);
-  c.momentum = static_cast<float>(momentum);
-  c.one_minus_dampening = static_cast<float>(1.0 - dampening);
-  c.weight_decay = static_cast<float>(weight_decay);
-  c.has_momentum = has_momentum;
-  c.has_weight_decay = weight_decay != 0.0;
-  c.wd_after_momentum = wd_after_momentum;
-  c.nesterov = nesterov;
-  c.first = step_value == 0.f;
-  c.unscale = optim::Unscale::from(grad_scale);
+  const SgdConsts c{args.hyper, optim::resolve_lr(args.scalars), step_value == 0.f,
+                    optim::Unscale::from(args.scalars.grad_scale)};
+  const bool has_momentum = c.has_momentum;
 
   const std::vector<RawTensor> ps = raw_tensors(params), gs = raw_tensors(grads),
                                bs = raw_tensors(has_momentum ? momentum_buffers : at::TensorList()),

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "mp_wrappers/checks.h"
+#include "mp_wrappers/op_args.h"
 #include "mp_wrappers/scale_update.h"
 
 namespace mp_wrappers {
@@ -18,10 +18,9 @@ void update_scale_hysteresis_cpu(const at::Tensor& scale, const at::Tensor& grow
                                  double growth_factor, double backoff_factor,
                                  int64_t growth_interval, int64_t hysteresis, double min_scale,
                                  double max_scale) {
-  check_scale_update_args("update_scale_hysteresis_", scale, growth_tracker, hysteresis_tracker,
-                          found_inf, growth_interval, hysteresis);
-  const ScaleUpdateParams params = make_scale_update_params(
-      growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
+  const ScaleUpdateParams params = update_scale_hysteresis_args(
+      scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
+      growth_interval, hysteresis, min_scale, max_scale);
   float* s = scale.data_ptr<float>();
   const float flag = *found_inf.data_ptr<float>();
   if (growth_tracker.scalar_type() == at::kInt) {

@@ -6,20 +6,18 @@
 
 #include <optional>
 
-#include "mp_wrappers/checks.h"
 #include "mp_wrappers/cuda/optim_apply.cuh"
+#include "mp_wrappers/op_args.h"
 
 namespace mp_wrappers {
 namespace cuda {
 namespace {
 
-struct AdagradOp {
+struct AdagradOp : AdagradHyper {
   static constexpr bool kWritesState = true;
   const float* found_inf;
   const float* grad_scale;
   DeviceLr lr;
-  float eps, weight_decay;
-  bool l2, decoupled;
 
   struct Ctx {
     float lr;
@@ -46,26 +44,12 @@ void multi_tensor_adagrad_cuda(at::TensorList params, at::TensorList grads,
                                const c10::optional<at::Tensor>& grad_scale,
                                const c10::optional<at::Tensor>& found_inf,
                                const c10::optional<at::Tensor>& lr_tensor) {
-  constexpr const char* op = "multi_tensor_adagrad_";
-  const at::Device device = check_tensor_lists(
-      op, {{"params", params}, {"grads", grads}, {"state_sums", state_sums},
-           {"model_params", model_params}},
-      {"model_params"});
-  check_fp32_list(op, "state_sums", state_sums);
-  check_one_dtype(op, "params", params);
-  check_one_dtype(op, "grads", grads);
-  check_one_dtype(op, "model_params", model_params);
-  check_step(op, step, device, !params.empty());
+  const UpdateArgs<AdagradHyper> args = multi_tensor_adagrad_args(
+      Backend::kCuda, params, grads, state_sums, model_params, step, lr, eps, weight_decay,
+      adagrad_w_mode, grad_scale, found_inf, lr_tensor);
   const DeviceGuard guard(step.device());
-
-  AdagradOp a;
-  a.found_inf = optional_ptr(op, "found_inf", found_inf, step.device());
-  a.grad_scale = optional_ptr(op, "grad_scale", grad_scale, step.device());
-  a.lr = make_lr(op, lr, lr_tensor, step.device());
-  a.eps = static_cast<float>(eps);
-  a.weight_decay = static_cast<float>(weight_decay);
-  a.l2 = !adagrad_w_mode && weight_decay != 0.0;
-  a.decoupled = adagrad_w_mode && weight_decay != 0.0;
+  const AdagradOp a{{args.hyper}, args.scalars.found_inf, args.scalars.grad_scale,
+                    device_lr(args.scalars)};
   if (!params.empty()) {
     dispatch_dtype(params, [&](auto* p_tag) {
       dispatch_dtype(grads, [&](auto* g_tag) {

@@ -7,22 +7,19 @@
 
 #include <optional>
 
-#include "mp_wrappers/checks.h"
 #include "mp_wrappers/cuda/optim_apply.cuh"
+#include "mp_wrappers/op_args.h"
 
 namespace mp_wrappers {
 namespace cuda {
 namespace {
 
-struct AdamOp {
+struct AdamOp : AdamHyper {
   static constexpr bool kWritesState = true;
   const float* found_inf;
   const float* grad_scale;
   const float* step;
-  double beta1_d, beta2_d;
   DeviceLr lr;
-  float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay;
-  bool l2, decoupled, use_bias_correction;
 
   struct Ctx {
     float bc1, bc2, lr;
@@ -54,36 +51,12 @@ void multi_tensor_adam_cuda(at::TensorList params, at::TensorList grads, at::Ten
                             bool bias_correction, const c10::optional<at::Tensor>& grad_scale,
                             const c10::optional<at::Tensor>& found_inf,
                             const c10::optional<at::Tensor>& lr_tensor) {
-  constexpr const char* op = "multi_tensor_adam_";
-  const at::Device device = check_tensor_lists(
-      op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},
-           {"exp_avg_sqs", exp_avg_sqs}, {"model_params", model_params}},
-      {"model_params"});
-  check_fp32_list(op, "exp_avgs", exp_avgs);
-  check_fp32_list(op, "exp_avg_sqs", exp_avg_sqs);
-  check_one_dtype(op, "params", params);
-  check_one_dtype(op, "grads", grads);
-  check_one_dtype(op, "model_params", model_params);
-  check_step(op, step, device, !params.empty());
+  const UpdateArgs<AdamHyper> args = multi_tensor_adam_args(
+      Backend::kCuda, params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2,
+      eps, weight_decay, adam_w_mode, bias_correction, grad_scale, found_inf, lr_tensor);
   const DeviceGuard guard(step.device());
-
-  AdamOp a;
-  a.found_inf = optional_ptr(op, "found_inf", found_inf, step.device());
-  a.grad_scale = optional_ptr(op, "grad_scale", grad_scale, step.device());
-  a.step = step.data_ptr<float>();
-  a.beta1_d = beta1;
-  a.beta2_d = beta2;
-  a.lr = make_lr(op, lr, lr_tensor, step.device());
-  a.beta1 = static_cast<float>(beta1);
-  a.beta2 = static_cast<float>(beta2);
-  a.one_minus_beta1 = static_cast<float>(1.0 - beta1);
-  a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  a.eps = static_cast<float>(eps);
-  a.weight_decay = static_cast<float>(weight_decay);
-  a.l2 = !adam_w_mode && weight_decay != 0.0;
-  a.decoupled = adam_w_mode && weight_decay != 0.0;
-  a.use_bias_correction = bias_correction;
-
+  const AdamOp a{{args.hyper}, args.scalars.found_inf, args.scalars.grad_scale,
+                 step.data_ptr<float>(), device_lr(args.scalars)};
   if (!params.empty()) {
     dispatch_dtype(params, [&](auto* p_tag) {
       dispatch_dtype(grads, [&](auto* g_tag) {

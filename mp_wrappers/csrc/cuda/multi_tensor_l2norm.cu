@@ -11,8 +11,8 @@
 
 #include <tuple>
 
-#include "mp_wrappers/checks.h"
 #include "mp_wrappers/cuda/multi_tensor_apply.cuh"
+#include "mp_wrappers/op_args.h"
 
 namespace mp_wrappers {
 namespace cuda {
@@ -111,7 +111,7 @@ std::tuple<at::Tensor, at::Tensor> l2norm_cuda_impl(at::TensorList tensors,
 
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cuda(at::TensorList tensors,
                                                             bool per_tensor) {
-  const at::Device device = check_tensor_lists("multi_tensor_l2norm", {{"tensors", tensors}});
+  const at::Device device = multi_tensor_l2norm_args(tensors);
   return l2norm_cuda_impl<false>(tensors, device, nullptr, nullptr, per_tensor);
 }
 
@@ -119,11 +119,7 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_unscale_l2norm_cuda(at::TensorLi
                                                                     const at::Tensor& inv_scale,
                                                                     const at::Tensor& found_inf,
                                                                     bool per_tensor) {
-  constexpr const char* op = "multi_tensor_unscale_l2norm";
-  const at::Device device =
-      tensors.empty() ? inv_scale.device() : check_tensor_lists(op, {{"tensors", tensors}});
-  check_scalar_tensor(op, "inv_scale", inv_scale, device);
-  check_found_inf(op, found_inf, device);
+  const at::Device device = multi_tensor_unscale_l2norm_args(tensors, inv_scale, found_inf);
   return l2norm_cuda_impl<true>(tensors, device, inv_scale.data_ptr<float>(),
                                 found_inf.data_ptr<float>(), per_tensor);
 }

@@ -18,23 +18,20 @@
 
 #include <optional>
 
-#include "mp_wrappers/checks.h"
 #include "mp_wrappers/cuda/optim_apply.cuh"
+#include "mp_wrappers/op_args.h"
 
 namespace mp_wrappers {
 namespace cuda {
 namespace {
 
 // Hyperparameters and device pointers shared by the three kernels.
-struct LambArgs {
+struct LambArgs : LambHyper {
   const float* found_inf;
   const float* grad_scale;
   const float* step;
   const float* global_grad_norm;
-  double beta1_d, beta2_d;
   DeviceLr lr;
-  float beta1, beta2, beta3, one_minus_beta2, eps, weight_decay, max_grad_norm;
-  bool l2, decoupled, use_bias_correction;
 };
 
 struct LambCtx {
@@ -182,42 +179,15 @@ void multi_tensor_lamb_cuda(at::TensorList params, at::TensorList grads, at::Ten
                             const c10::optional<at::Tensor>& grad_scale,
                             const c10::optional<at::Tensor>& found_inf,
                             const c10::optional<at::Tensor>& lr_tensor) {
-  constexpr const char* op = "multi_tensor_lamb_";
-  const at::Device device = check_tensor_lists(
-      op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},
-           {"exp_avg_sqs", exp_avg_sqs}, {"model_params", model_params}},
-      {"model_params"});
-  check_fp32_list(op, "exp_avgs", exp_avgs);
-  check_fp32_list(op, "exp_avg_sqs", exp_avg_sqs);
-  check_one_dtype(op, "params", params);
-  check_one_dtype(op, "grads", grads);
-  check_one_dtype(op, "model_params", model_params);
-  check_step(op, step, device, !params.empty());
-  check_scalar_tensor(op, "global_grad_norm", global_grad_norm, step.device());
-  TORCH_CHECK(max_grad_norm >= 0.0, op, ": max_grad_norm=", max_grad_norm,
-              "; expected >= 0 (0 disables clipping)");
+  const UpdateArgs<LambHyper> args = multi_tensor_lamb_args(
+      Backend::kCuda, params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2,
+      eps, weight_decay, adam_w_mode, bias_correction, grad_averaging, max_grad_norm, use_nvlamb,
+      global_grad_norm, grad_scale, found_inf, lr_tensor);
   const DeviceGuard guard(step.device());
   const Stream stream = current_stream();
-
-  LambArgs a;
-  a.found_inf = optional_ptr(op, "found_inf", found_inf, step.device());
-  a.grad_scale = optional_ptr(op, "grad_scale", grad_scale, step.device());
-  a.step = step.data_ptr<float>();
-  a.global_grad_norm = global_grad_norm.data_ptr<float>();
-  a.beta1_d = beta1;
-  a.beta2_d = beta2;
-  a.lr = make_lr(op, lr, lr_tensor, step.device());
-  a.beta1 = static_cast<float>(beta1);
-  a.beta2 = static_cast<float>(beta2);
-  a.beta3 = grad_averaging ? static_cast<float>(1.0 - beta1) : 1.f;
-  a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  a.eps = static_cast<float>(eps);
-  a.weight_decay = static_cast<float>(weight_decay);
-  a.max_grad_norm = static_cast<float>(max_grad_norm);
-  a.l2 = !adam_w_mode && weight_decay != 0.0;
-  a.decoupled = adam_w_mode && weight_decay != 0.0;
-  a.use_bias_correction = bias_correction;
-  const bool trust_ratio = use_nvlamb || weight_decay != 0.0;
+  const LambArgs a{{args.hyper}, args.scalars.found_inf, args.scalars.grad_scale,
+                   step.data_ptr<float>(), global_grad_norm.data_ptr<float>(),
+                   device_lr(args.scalars)};
 
   if (!params.empty()) {
     dispatch_dtype(params, [&](auto* p_tag) {
@@ -226,7 +196,7 @@ void multi_tensor_lamb_cuda(at::TensorList params, at::TensorList grads, at::Ten
           using P = std::remove_pointer_t<decltype(p_tag)>;
           using G = std::remove_pointer_t<decltype(g_tag)>;
           using M = std::remove_pointer_t<decltype(m_tag)>;
-          if (!trust_ratio) {
+          if (!a.trust_ratio) {
             launch_elementwise<LambFusedOp, P, G, M, 2>(
                 "lamb_fused", {params, grads, exp_avgs, exp_avg_sqs, model_params},
                 LambFusedOp{a.found_inf, a});

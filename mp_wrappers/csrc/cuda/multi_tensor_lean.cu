@@ -15,15 +15,19 @@
 #include <string>
 #include <type_traits>
 
-#include "mp_wrappers/checks.h"
-#include "mp_wrappers/torch_compat.h"
 #include "mp_wrappers/cuda/optim_apply.cuh"
+#include "mp_wrappers/op_args.h"
 
 namespace mp_wrappers {
 namespace cuda {
 namespace {
 
-enum Storage : int { kSplit = 0, kKahan = 1, kStochastic = 2 };
+// LeanStorage (op_args.h) as the int the kernels compare.
+enum Storage : int {
+  kSplit = static_cast<int>(LeanStorage::kSplit),
+  kKahan = static_cast<int>(LeanStorage::kKahan),
+  kStochastic = static_cast<int>(LeanStorage::kStochastic)
+};
 
 // The hash of reference.lean.stochastic_bits (same constants as cpu_lean.h).
 __device__ __forceinline__ uint32_t mix32(uint32_t x) {
@@ -153,11 +157,9 @@ void launch_lean(const char* name, const std::array<at::TensorList, 3 + K>& list
 }
 
 // ---- Adam: lists [params, aux, grads, exp_avgs, exp_avg_sqs] ------------------------------------
-struct AdamLeanOp {
+struct AdamLeanOp : AdamHyper {
   LeanCommon c;
-  double beta1_d, beta2_d;
-  float lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay;
-  bool l2, decoupled, use_bias_correction;
+  float lr;
 
   struct Ctx {
     float bc1, bc2;
@@ -186,10 +188,9 @@ struct AdamLeanOp {
 // ---- SGD: lists [params, aux, grads, momentum_buffers?] -----------------------------------------
 // kMomentum: one state list (the buffers) or none (momentum == 0, buffers may be absent).
 template <bool kMomentum>
-struct SgdLeanOp {
+struct SgdLeanOp : SgdHyper {
   LeanCommon c;
-  float lr, momentum, one_minus_dampening, weight_decay;
-  bool nesterov, wd_before, wd_after;
+  float lr;
 
   struct Ctx {
     bool first;
@@ -216,51 +217,10 @@ struct SgdLeanOp {
 };
 
 // ---- host side ------------------------------------------------------------------------------------
-int parse_storage(const char* op, const std::string& s) {
-  if (s == "split") return kSplit;
-  if (s == "kahan") return kKahan;
-  TORCH_CHECK(s == "stochastic", op, ": storage='", s,
-              "' is not allowed; expected 'split', 'kahan' or 'stochastic'");
-  return kStochastic;
-}
-
-void check_lean(const char* op, int storage, at::TensorList params, at::TensorList aux,
-                const at::Device& device, at::TensorList state) {
-  for (size_t i = 0; i < params.size(); ++i)
-    TORCH_CHECK(params[i].scalar_type() == at::kBFloat16, op, ": params[", i, "] has dtype ",
-                params[i].scalar_type(), "; the lean storages hold bfloat16 params");
-  if (storage == kStochastic) {
-    TORCH_CHECK(aux.empty(), op, ": storage='stochastic' keeps no aux state, got ", aux.size(),
-                " aux tensors");
-  } else {
-#if MP_WRAPPERS_HAS_UINT16
-    const at::ScalarType want = storage == kSplit ? at::kUInt16 : at::kBFloat16;
-#else
-    TORCH_CHECK(storage != kSplit, op, ": storage='split' needs torch >= 2.3 (torch.uint16; "
-                "this build is against torch " MP_WRAPPERS_TORCH_VERSION_STR ")");
-    const at::ScalarType want = at::kBFloat16;
-#endif
-    TORCH_CHECK(aux.size() == params.size(), op, ": aux has ", aux.size(),
-                " tensors but params has ", params.size(), "; the lists must be parallel");
-    for (size_t i = 0; i < aux.size(); ++i)
-      TORCH_CHECK(aux[i].scalar_type() == want && aux[i].is_contiguous() &&
-                      aux[i].device() == device && aux[i].numel() == params[i].numel(),
-                  op, ": aux[", i, "] must be a contiguous ", want, " tensor on ", device,
-                  " with ", params[i].numel(), " elements");
-  }
-  for (size_t i = 0; i < state.size(); ++i)
-    TORCH_CHECK((state[i].scalar_type() == at::kFloat || state[i].scalar_type() == at::kBFloat16) &&
-                    state[i].scalar_type() == state[0].scalar_type(),
-                op, ": optimizer state must be all float32 or all bfloat16, got ",
-                state[i].scalar_type(), " at index ", i);
-}
-
-LeanCommon lean_common(const char* op, int storage, int64_t seed, const at::Tensor& step,
-                       const c10::optional<at::Tensor>& grad_scale,
-                       const c10::optional<at::Tensor>& found_inf) {
-  return LeanCommon{optional_ptr(op, "found_inf", found_inf, step.device()),
-                    optional_ptr(op, "grad_scale", grad_scale, step.device()),
-                    step.data_ptr<float>(), storage, static_cast<uint32_t>(seed)};
+LeanCommon lean_common(LeanStorage storage, int64_t seed, const at::Tensor& step,
+                       const UpdateScalars& scalars) {
+  return LeanCommon{scalars.found_inf, scalars.grad_scale, step.data_ptr<float>(),
+                    static_cast<int>(storage), static_cast<uint32_t>(seed)};
 }
 
 // Calls fn(S*) with the state element type (float or bfloat16; float when there is no state).
@@ -278,33 +238,12 @@ void multi_tensor_adam_lean_cuda(at::TensorList params, at::TensorList aux, at::
                                  bool bias_correction, c10::string_view storage_name,
                                  int64_t seed, const c10::optional<at::Tensor>& grad_scale,
                                  const c10::optional<at::Tensor>& found_inf) {
-  constexpr const char* op = "multi_tensor_adam_lean_";
-  const int storage = parse_storage(op, std::string(storage_name));
-  const at::Device device = check_tensor_lists(
-      op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},
-           {"exp_avg_sqs", exp_avg_sqs}});
-  check_lean(op, storage, params, aux, device, exp_avgs);
-  check_lean(op, storage, params, aux, device, exp_avg_sqs);
-  TORCH_CHECK(exp_avgs.empty() || exp_avgs[0].scalar_type() == exp_avg_sqs[0].scalar_type(), op,
-              ": exp_avgs and exp_avg_sqs must share one dtype");
-  check_one_dtype(op, "grads", grads);
-  check_step(op, step, device, !params.empty());
+  const LeanArgs<AdamHyper> args = multi_tensor_adam_lean_args(
+      Backend::kCuda, params, aux, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps,
+      weight_decay, adam_w_mode, bias_correction, storage_name, grad_scale, found_inf);
   const DeviceGuard guard(step.device());
-
-  AdamLeanOp a;
-  a.c = lean_common(op, storage, seed, step, grad_scale, found_inf);
-  a.beta1_d = beta1;
-  a.beta2_d = beta2;
-  a.lr = static_cast<float>(lr);
-  a.beta1 = static_cast<float>(beta1);
-  a.beta2 = static_cast<float>(beta2);
-  a.one_minus_beta1 = static_cast<float>(1.0 - beta1);
-  a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  a.eps = static_cast<float>(eps);
-  a.weight_decay = static_cast<float>(weight_decay);
-  a.l2 = !adam_w_mode && weight_decay != 0.0;
-  a.decoupled = adam_w_mode && weight_decay != 0.0;
-  a.use_bias_correction = bias_correction;
+  const AdamLeanOp a{{args.hyper}, lean_common(args.storage, seed, step, args.scalars),
+                     args.scalars.lr};
   if (!params.empty()) {
     dispatch_dtype(grads, [&](auto* g_tag) {
       dispatch_state(exp_avgs, [&](auto* s_tag) {
@@ -326,30 +265,15 @@ void multi_tensor_sgd_lean_cuda(at::TensorList params, at::TensorList aux, at::T
                                 c10::string_view storage_name, int64_t seed,
                                 const c10::optional<at::Tensor>& grad_scale,
                                 const c10::optional<at::Tensor>& found_inf) {
-  constexpr const char* op = "multi_tensor_sgd_lean_";
-  const int storage = parse_storage(op, std::string(storage_name));
-  const bool has_momentum = momentum != 0.0;
-  const at::Device device = check_tensor_lists(
-      op, {{"params", params}, {"grads", grads}, {"momentum_buffers", momentum_buffers}},
-      {"momentum_buffers"});
-  TORCH_CHECK(!has_momentum || momentum_buffers.size() == params.size(), op,
-              ": momentum_buffers is empty but momentum=", momentum, " needs one per param");
-  check_lean(op, storage, params, aux, device, momentum_buffers);
-  check_one_dtype(op, "grads", grads);
-  check_step(op, step, device, !params.empty());
+  const LeanArgs<SgdHyper> args = multi_tensor_sgd_lean_args(
+      Backend::kCuda, params, aux, grads, momentum_buffers, step, lr, momentum, dampening,
+      weight_decay, nesterov, wd_after_momentum, storage_name, grad_scale, found_inf);
   const DeviceGuard guard(step.device());
 
   auto run = [&](auto momentum_tag) {
     constexpr bool kMomentum = decltype(momentum_tag)::value;
-    SgdLeanOp<kMomentum> a;
-    a.c = lean_common(op, storage, seed, step, grad_scale, found_inf);
-    a.lr = static_cast<float>(lr);
-    a.momentum = static_cast<float>(momentum);
-    a.one_minus_dampening = static_cast<float>(1.0 - dampening);
-    a.weight_decay = static_cast<float>(weight_decay);
-    a.nesterov = nesterov;
-    a.wd_before = weight_decay != 0.0 && !wd_after_momentum;
-    a.wd_after = weight_decay != 0.0 && wd_after_momentum;
+    const SgdLeanOp<kMomentum> a{{args.hyper}, lean_common(args.storage, seed, step, args.scalars),
+                                 args.scalars.lr};
     if (!params.empty()) {
       dispatch_dtype(grads, [&](auto* g_tag) {
         using G = std::remove_pointer_t<decltype(g_tag)>;
@@ -367,7 +291,7 @@ void multi_tensor_sgd_lean_cuda(at::TensorList params, at::TensorList aux, at::T
     // After the update kernels: they read step to tell the first update.
     launch_increment_step(step, a.c.found_inf);
   };
-  if (has_momentum) run(std::true_type{});
+  if (args.hyper.has_momentum) run(std::true_type{});
   else run(std::false_type{});
 }
 

@@ -16,23 +16,20 @@
 
 #include <optional>
 
-#include "mp_wrappers/checks.h"
 #include "mp_wrappers/cuda/optim_apply.cuh"
+#include "mp_wrappers/op_args.h"
 
 namespace mp_wrappers {
 namespace cuda {
 namespace {
 
-struct NovoOp {
+struct NovoOp : NovoHyper {
   static constexpr bool kWritesState = true;
   const float* found_inf;
   const float* grad_scale;
   const float* step;
-  const float* denom;  // [n_tensors], from pass 2
-  double beta1_d;
   DeviceLr lr;
-  float beta1, beta3, weight_decay;
-  bool reg_inside_moment, use_bias_correction;
+  const float* denom;  // [n_tensors], from pass 2
 
   struct Ctx {
     float bc1, denom, lr;
@@ -131,40 +128,15 @@ void multi_tensor_novograd_cuda(at::TensorList params, at::TensorList grads,
                                 const c10::optional<at::Tensor>& grad_scale,
                                 const c10::optional<at::Tensor>& found_inf,
                                 const c10::optional<at::Tensor>& lr_tensor) {
-  constexpr const char* op = "multi_tensor_novograd_";
-  const at::Device device = check_tensor_lists(
-      op, {{"params", params}, {"grads", grads}, {"exp_avgs", exp_avgs},
-           {"model_params", model_params}},
-      {"model_params"});
-  check_fp32_list(op, "exp_avgs", exp_avgs);
-  check_one_dtype(op, "params", params);
-  check_one_dtype(op, "grads", grads);
-  check_one_dtype(op, "model_params", model_params);
-  TORCH_CHECK(norm_type == 2 || norm_type == 0, op, ": norm_type=", norm_type,
-              "; expected 2 (L2 norm) or 0 (infinity norm)");
-  check_step(op, step, device, !params.empty());
-  TORCH_CHECK(exp_avg_sq_norms.scalar_type() == at::kFloat && exp_avg_sq_norms.is_contiguous() &&
-                  exp_avg_sq_norms.numel() == static_cast<int64_t>(params.size()) &&
-                  exp_avg_sq_norms.device() == step.device(),
-              op, ": exp_avg_sq_norms must be a contiguous float32 tensor on ", step.device(),
-              " with one element per param (", params.size(), "), got dtype ",
-              exp_avg_sq_norms.scalar_type(), " on ", exp_avg_sq_norms.device(), " with ",
-              exp_avg_sq_norms.numel(), " elements");
+  const UpdateArgs<NovoHyper> args = multi_tensor_novograd_args(
+      Backend::kCuda, params, grads, exp_avgs, exp_avg_sq_norms, model_params, step, lr, beta1,
+      beta2, eps, weight_decay, bias_correction, grad_averaging, reg_inside_moment, norm_type,
+      init_zero, grad_scale, found_inf, lr_tensor);
   const DeviceGuard guard(step.device());
   const Stream stream = current_stream();
-
-  NovoOp o;
-  o.found_inf = optional_ptr(op, "found_inf", found_inf, step.device());
-  o.grad_scale = optional_ptr(op, "grad_scale", grad_scale, step.device());
-  o.step = step.data_ptr<float>();
-  o.beta1_d = beta1;
-  o.lr = make_lr(op, lr, lr_tensor, step.device());
-  o.beta1 = static_cast<float>(beta1);
-  o.beta3 = grad_averaging ? static_cast<float>(1.0 - beta1) : 1.f;
-  o.weight_decay = static_cast<float>(weight_decay);
-  o.reg_inside_moment = reg_inside_moment;
-  o.use_bias_correction = bias_correction;
-  const bool l2 = norm_type == 2;
+  NovoOp o{{args.hyper}, args.scalars.found_inf, args.scalars.grad_scale, step.data_ptr<float>(),
+           device_lr(args.scalars), nullptr};
+  const bool l2 = o.l2_norm;
 
   if (!params.empty()) {
     const int64_t n_tensors = static_cast<int64_t>(params.size());
@@ -180,9 +152,9 @@ void multi_tensor_novograd_cuda(at::TensorList params, at::TensorList grads,
     });
     launch("novograd_norms", &novograd_norms_kernel,
            static_cast<unsigned int>((n_tensors + kPerTensorThreads - 1) / kPerTensorThreads),
-           kPerTensorThreads, stream, o.found_inf, o.step, partials, n_tensors, l2, init_zero,
-           beta2, bias_correction, static_cast<float>(beta2), static_cast<float>(1.0 - beta2),
-           static_cast<float>(eps), exp_avg_sq_norms.data_ptr<float>(), denom.data_ptr<float>());
+           kPerTensorThreads, stream, o.found_inf, o.step, partials, n_tensors, l2, o.init_zero,
+           o.beta2_d, o.use_bias_correction, o.beta2, o.one_minus_beta2, o.eps,
+           exp_avg_sq_norms.data_ptr<float>(), denom.data_ptr<float>());
     o.denom = denom.data_ptr<float>();
     dispatch_dtype(params, [&](auto* p_tag) {
       dispatch_dtype(grads, [&](auto* g_tag) {

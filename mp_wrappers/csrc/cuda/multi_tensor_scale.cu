@@ -2,8 +2,8 @@
 // with the non-finite check on their inputs. Semantics: mp_wrappers/ops/reference/multi_tensor.py.
 #include <ATen/core/Tensor.h>
 
-#include "mp_wrappers/checks.h"
 #include "mp_wrappers/cuda/multi_tensor_apply.cuh"
+#include "mp_wrappers/op_args.h"
 
 namespace mp_wrappers {
 namespace cuda {
@@ -102,11 +102,8 @@ __global__ void __launch_bounds__(kBlockSize)
 
 void multi_tensor_scale_cuda(at::TensorList inputs, at::TensorList outputs,
                              const at::Tensor& scale, const at::Tensor& found_inf) {
-  constexpr const char* op = "multi_tensor_scale_";
-  const at::Device device = check_tensor_lists(op, {{"inputs", inputs}, {"outputs", outputs}});
+  const at::Device device = multi_tensor_scale_args(inputs, outputs, scale, found_inf);
   if (inputs.empty()) return;
-  check_scalar_tensor(op, "scale", scale, device);
-  check_found_inf(op, found_inf, device);
   const DeviceGuard guard(device);
   const Stream stream = current_stream();
   // scale stays on the device: reading it on the host would synchronise.
@@ -118,18 +115,13 @@ void multi_tensor_scale_cuda(at::TensorList inputs, at::TensorList outputs,
 
 void multi_tensor_axpby_cuda(at::TensorList x, at::TensorList y, at::TensorList out, double a,
                              double b, int64_t arg_to_check, const at::Tensor& found_inf) {
-  constexpr const char* op = "multi_tensor_axpby_";
-  TORCH_CHECK(arg_to_check >= -1 && arg_to_check <= 1, op, ": arg_to_check=", arg_to_check,
-              "; allowed: -1 (x and y), 0 (x), 1 (y)");
-  const at::Device device = check_tensor_lists(op, {{"x", x}, {"y", y}, {"out", out}});
+  const AxpbyArgs args = multi_tensor_axpby_args(x, y, out, a, b, arg_to_check, found_inf);
   if (x.empty()) return;
-  check_found_inf(op, found_inf, device);
-  const DeviceGuard guard(device);
+  const DeviceGuard guard(args.device);
   const Stream stream = current_stream();
   for_each_launch<3>({x, y, out}, [&](int blocks, const TensorListMeta<3>& meta) {
-    launch("axpby", &axpby_kernel, blocks, kBlockSize, stream, meta, static_cast<float>(a),
-           static_cast<float>(b), arg_to_check != 1, arg_to_check != 0,
-           found_inf.data_ptr<float>());
+    launch("axpby", &axpby_kernel, blocks, kBlockSize, stream, meta, args.a, args.b, args.check_x,
+           args.check_y, found_inf.data_ptr<float>());
   });
 }
 

@@ -6,8 +6,8 @@
 
 #include <optional>
 
-#include "mp_wrappers/checks.h"
 #include "mp_wrappers/cuda/optim_apply.cuh"
+#include "mp_wrappers/op_args.h"
 
 namespace mp_wrappers {
 namespace cuda {
@@ -15,14 +15,12 @@ namespace {
 
 // kMomentum: one state list (the buffers) or none (momentum == 0, buffers may be absent).
 template <bool kMomentum>
-struct SgdOp {
+struct SgdOp : SgdHyper {
   static constexpr bool kWritesState = true;
   const float* found_inf;
   const float* grad_scale;
   const float* step;
   DeviceLr lr;
-  float momentum, one_minus_dampening, weight_decay;
-  bool wd_before, wd_after, nesterov;
 
   struct Ctx {
     bool first;
@@ -53,33 +51,15 @@ void multi_tensor_sgd_cuda(at::TensorList params, at::TensorList grads,
                            const c10::optional<at::Tensor>& grad_scale,
                            const c10::optional<at::Tensor>& found_inf,
                            const c10::optional<at::Tensor>& lr_tensor) {
-  constexpr const char* op = "multi_tensor_sgd_";
-  const bool has_momentum = momentum != 0.0;
-  const at::Device device = check_tensor_lists(
-      op, {{"params", params}, {"grads", grads}, {"momentum_buffers", momentum_buffers},
-           {"model_params", model_params}},
-      has_momentum ? std::initializer_list<const char*>{"model_params"}
-                   : std::initializer_list<const char*>{"model_params", "momentum_buffers"});
-  check_fp32_list(op, "momentum_buffers", momentum_buffers);
-  check_one_dtype(op, "params", params);
-  check_one_dtype(op, "grads", grads);
-  check_one_dtype(op, "model_params", model_params);
-  check_step(op, step, device, !params.empty());
+  const UpdateArgs<SgdHyper> args = multi_tensor_sgd_args(
+      Backend::kCuda, params, grads, momentum_buffers, model_params, step, lr, momentum, dampening,
+      weight_decay, nesterov, wd_after_momentum, grad_scale, found_inf, lr_tensor);
   const DeviceGuard guard(step.device());
 
   auto run = [&](auto momentum_tag) {
     constexpr bool kMomentum = decltype(momentum_tag)::value;
-    SgdOp<kMomentum> s;
-    s.found_inf = optional_ptr(op, "found_inf", found_inf, step.device());
-    s.grad_scale = optional_ptr(op, "grad_scale", grad_scale, step.device());
-    s.step = step.data_ptr<float>();
-    s.lr = make_lr(op, lr, lr_tensor, step.device());
-    s.momentum = static_cast<float>(momentum);
-    s.one_minus_dampening = static_cast<float>(1.0 - dampening);
-    s.weight_decay = static_cast<float>(weight_decay);
-    s.wd_before = weight_decay != 0.0 && !wd_after_momentum;
-    s.wd_after = weight_decay != 0.0 && wd_after_momentum;
-    s.nesterov = nesterov;
+    const SgdOp<kMomentum> s{{args.hyper}, args.scalars.found_inf, args.scalars.grad_scale,
+                             step.data_ptr<float>(), device_lr(args.scalars)};
     if (!params.empty()) {
       dispatch_dtype(params, [&](auto* p_tag) {
         dispatch_dtype(grads, [&](auto* g_tag) {
@@ -101,7 +81,7 @@ void multi_tensor_sgd_cuda(at::TensorList params, at::TensorList grads,
     // After the update kernels: they read step to tell the first update.
     launch_increment_step(step, s.found_inf);
   };
-  if (has_momentum) run(std::true_type{});
+  if (args.hyper.has_momentum) run(std::true_type{});
   else run(std::false_type{});
 }
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "mp_wrappers/cuda/multi_tensor_apply.cuh"
+#include "mp_wrappers/op_args.h"
 #include "mp_wrappers/scale_update.h"
 
 namespace mp_wrappers {
@@ -39,11 +40,10 @@ void update_scale_hysteresis_cuda(const at::Tensor& scale, const at::Tensor& gro
                                   const at::Tensor& found_inf, double growth_factor,
                                   double backoff_factor, int64_t growth_interval,
                                   int64_t hysteresis, double min_scale, double max_scale) {
-  check_scale_update_args("update_scale_hysteresis_", scale, growth_tracker, hysteresis_tracker,
-                          found_inf, growth_interval, hysteresis);
+  const ScaleUpdateParams params = update_scale_hysteresis_args(
+      scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
+      growth_interval, hysteresis, min_scale, max_scale);
   const DeviceGuard guard(scale.device());
-  const ScaleUpdateParams params = make_scale_update_params(
-      growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
   if (growth_tracker.scalar_type() == at::kInt) {
     launch_update<int32_t>(scale, growth_tracker, hysteresis_tracker, found_inf, params);
   } else {

@@ -1,6 +1,6 @@
 // Shared pieces of the CPU fused-optimizer kernels (cpu/multi_tensor_{adam,sgd,lamb,adagrad,
-// novograd}.cpp): argument checks of the scalar tensors, the host-side skip, the unscale, the bias
-// corrections and the dtype dispatch of one chunk.
+// novograd,lean}.cpp): the host-side reads of the scalar tensors (their checks are the ops' set-up,
+// op_args.h), the skip, the unscale, the bias corrections and the dtype dispatch of one chunk.
 //
 // Semantics are those of mp_wrappers/ops/reference/. The kernels repeat the reference's fp32
 // operations in the same order (Python float hyperparameters rounded to fp32 once, as torch does
@@ -13,8 +13,6 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <c10/util/Optional.h>  // Note [optional arguments] in bindings.cpp
-#include <c10/util/Exception.h>
 
 #include <cmath>
 #include <cstdint>
@@ -22,48 +20,28 @@
 #include <type_traits>
 #include <vector>
 
-#include "mp_wrappers/checks.h"
 #include "mp_wrappers/cpu_multi_tensor.h"
 #include "mp_wrappers/cpu_vec.h"
+#include "mp_wrappers/op_args.h"
 
 namespace mp_wrappers {
 namespace cpu {
 namespace optim {
 
-// ---- argument checks -----------------------------------------------------------------------------
-
-// step: the 1-element float32 counter of applied updates, on the tensors' device.
-inline void check_step(const char* op, const at::Tensor& step, const at::Device& device) {
-  check_scalar_tensor(op, "step", step, device);
-  TORCH_CHECK(step.is_contiguous(), op, ": step (strides ", step.strides(),
-              ") must be contiguous");
-}
-
-inline void check_optional_scalar(const char* op, const char* name,
-                                  const c10::optional<at::Tensor>& t, const at::Device& device) {
-  if (t.has_value() && t->defined()) check_scalar_tensor(op, name, *t, device);
-}
-
-// lr: the float, or (capturable=True) the value lr_tensor holds, a 1-element float32 tensor on the
-// tensors' device (checked with check_optional_scalar), read here: on the CPU a host read is free.
-inline float resolve_lr(double lr, const c10::optional<at::Tensor>& lr_tensor) {
-  if (!(lr_tensor.has_value() && lr_tensor->defined())) return static_cast<float>(lr);
-  return *lr_tensor->data_ptr<float>();
-}
-
-// State lists (moments, momentum buffers, sums) are float32: the kernels load them as float*.
-inline void check_fp32_list(const char* op, const char* name, at::TensorList list) {
-  for (size_t i = 0; i < list.size(); ++i)
-    TORCH_CHECK(list[i].scalar_type() == at::kFloat, op, ": ", name, "[", i, "] has dtype ",
-                list[i].scalar_type(), "; optimizer state must be float32");
-}
-
 // ---- host-side scalars ---------------------------------------------------------------------------
+//
+// The scalar tensors were checked by the op's set-up (op_args.h), which hands over their data
+// pointers (nullptr when absent). They live on the CPU with the tensors, so reading them here costs
+// no synchronisation.
 
-// found_inf lives on the CPU with the tensors, so reading it costs no synchronisation; a nonzero
-// flag turns the whole call (state, params, model copies and step) into a no-op.
-inline bool should_skip(const c10::optional<at::Tensor>& found_inf) {
-  return found_inf.has_value() && found_inf->defined() && *found_inf->data_ptr<float>() != 0.f;
+// lr: the float, or (capturable=True) the value lr_tensor holds.
+inline float resolve_lr(const UpdateScalars& s) {
+  return s.lr_tensor == nullptr ? s.lr : *s.lr_tensor;
+}
+
+// A nonzero found_inf turns the whole call (state, params, model copies and step) into a no-op.
+inline bool should_skip(const float* found_inf) {
+  return found_inf != nullptr && *found_inf != 0.f;
 }
 
 // The reference divides the fp32 grad by grad_scale. When the scale is a finite power of two (every
@@ -74,10 +52,10 @@ struct Unscale {
   float factor = 1.f;
   bool divide = false;
 
-  static Unscale from(const c10::optional<at::Tensor>& grad_scale) {
+  static Unscale from(const float* grad_scale) {
     Unscale u;
-    if (!(grad_scale.has_value() && grad_scale->defined())) return u;  // g * 1 is exact
-    const float s = *grad_scale->data_ptr<float>();
+    if (grad_scale == nullptr) return u;  // g * 1 is exact
+    const float s = *grad_scale;
     int exp = 0;
     const float mant = std::frexp(s, &exp);
     if (std::isfinite(s) && mant == 0.5f) {

@@ -1,7 +1,7 @@
 // The element-wise update kernel of the CUDA fused optimizers (cuda/multi_tensor_{adam,sgd,lamb,
-// adagrad,novograd}.cu) and what their entry points share: host checks, dtype dispatch, the
-// device-side skip, unscale and bias corrections, the step increment. Launches are planned by the
-// one planner of multi_tensor_apply.cuh.
+// adagrad,novograd}.cu) and what their entry points share besides their set-up (op_args.h): dtype
+// dispatch, the device-side skip, unscale and bias corrections, the step increment. Launches are
+// planned by the one planner of multi_tensor_apply.cuh.
 //
 // Everything stays on the device: found_inf, grad_scale and step are read by the kernels, never by
 // the host. Per-launch constants that depend on them (the bias corrections with their pow, the
@@ -14,18 +14,15 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <c10/util/Optional.h>  // Note [optional arguments] in bindings.cpp
 #include <c10/util/BFloat16.h>
-#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #include <array>
 #include <cstdint>
-#include <optional>
 #include <type_traits>
 
-#include "mp_wrappers/checks.h"
 #include "mp_wrappers/cuda/multi_tensor_apply.cuh"
+#include "mp_wrappers/op_args.h"
 
 namespace mp_wrappers {
 namespace cuda {
@@ -190,28 +187,7 @@ void launch_elementwise(const char* name,
   });
 }
 
-// ---- host side: checks and dispatch ------------------------------------------------------------------
-
-// One dtype per list (a launch dispatches on the dtype of the list's first tensor).
-inline void check_one_dtype(const char* op, const char* name, at::TensorList list) {
-  for (size_t i = 1; i < list.size(); ++i)
-    TORCH_CHECK(list[i].scalar_type() == list[0].scalar_type(), op, ": ", name, " mixes dtypes ",
-                list[0].scalar_type(), " and ", list[i].scalar_type(), " (index ", i,
-                "); on CUDA each list must hold one dtype");
-}
-
-inline void check_fp32_list(const char* op, const char* name, at::TensorList list) {
-  for (size_t i = 0; i < list.size(); ++i)
-    TORCH_CHECK(list[i].scalar_type() == at::kFloat, op, ": ", name, "[", i, "] has dtype ",
-                list[i].scalar_type(), "; optimizer state must be float32");
-}
-
-inline const float* optional_ptr(const char* op, const char* name,
-                                 const c10::optional<at::Tensor>& t, const at::Device& device) {
-  if (!(t.has_value() && t->defined())) return nullptr;
-  check_scalar_tensor(op, name, *t, device);
-  return t->data_ptr<float>();
-}
+// ---- host side: scalars and dispatch (the checks are the ops' set-up, op_args.h) ---------------------
 
 // lr: the float, or (capturable=True) read from lr_tensor on the device, by thread 0 of each block
 // like grad_scale, so that a captured CUDA graph uses the value the tensor holds at each replay.
@@ -220,20 +196,7 @@ struct DeviceLr {
   const float* ptr;
   __device__ __forceinline__ float get() const { return ptr != nullptr ? ld(ptr) : value; }
 };
-inline DeviceLr make_lr(const char* op, double lr, const c10::optional<at::Tensor>& lr_tensor,
-                        const at::Device& device) {
-  return DeviceLr{static_cast<float>(lr), optional_ptr(op, "lr_tensor", lr_tensor, device)};
-}
-
-// step: the 1-element float32 counter, on the tensors' device (when there are tensors).
-inline void check_step(const char* op, const at::Tensor& step, const at::Device& device,
-                       bool has_tensors) {
-  check_scalar_tensor(op, "step", step, step.device());
-  TORCH_CHECK(step.is_contiguous(), op, ": step (strides ", step.strides(),
-              ") must be contiguous");
-  TORCH_CHECK(!has_tensors || step.device() == device, op, ": step is on ", step.device(),
-              " but the tensors are on ", device);
-}
+inline DeviceLr device_lr(const UpdateScalars& s) { return DeviceLr{s.lr, s.lr_tensor}; }
 
 // Calls fn(T*) with T the element type of the list's dtype (a null typed pointer: only the type
 // matters). The list must not be empty.
