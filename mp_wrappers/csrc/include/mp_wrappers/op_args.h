@@ -1,7 +1,7 @@
 // The argument set-up of every op, written once for both of its entry points: the CPU kernel
-// (cpu/*.cpp) and the CUDA kernel (cuda/*.cu, which the host-execution test build also compiles).
-// Each <op>_args() checks the tensor lists (length, dtype, device, size, layout), the scalar tensors
-// and the scalar arguments, in one order, and packs what both kernels need: the device, the
+// (cpu/*.cpp) and the CUDA kernel (cuda/*.cu, which the host-execution test build compiles too).
+// Each <op>_args() checks the tensor lists (length, dtype, device, size, layout), the scalar
+// tensors and the scalar arguments, in one order, and packs what both kernels need: the device, the
 // pointers of the optional scalar tensors, and the hyperparameters rounded to fp32 once. The entry
 // points then differ only in the kernel they launch (the CPU kernels read the scalar tensors on the
 // host, the CUDA kernels on the device).
@@ -35,7 +35,7 @@ namespace mp_wrappers {
 
 enum class Backend { kCpu, kCuda };
 
-// ---- building blocks ---------------------------------------------------------------------------------
+// ---- building blocks ----------------------------------------------------------------------------
 
 // State lists (moments, momentum buffers, sums) are float32: the kernels load them as float*.
 inline void check_fp32_list(const char* op, const char* name, at::TensorList list) {
@@ -96,7 +96,7 @@ inline UpdateScalars update_scalars(const char* op, const at::Device& device, do
   return s;
 }
 
-// ---- multi-tensor building blocks --------------------------------------------------------------------
+// ---- multi-tensor building blocks ---------------------------------------------------------------
 
 inline at::Device multi_tensor_scale_args(at::TensorList inputs, at::TensorList outputs,
                                           const at::Tensor& scale, const at::Tensor& found_inf) {
@@ -154,13 +154,14 @@ inline ScaleUpdateParams update_scale_hysteresis_args(
                                   min_scale, max_scale);
 }
 
-// ---- optimizer updates ----------------------------------------------------------------------------------
+// ---- optimizer updates --------------------------------------------------------------------------
 //
 // The *Hyper structs hold the hyperparameters as both kernels use them: Python floats rounded to
 // fp32 once (as torch does for `tensor * python_float`), (1 - beta) formed in double and rounded
 // once (as Python does before torch sees it), the betas also kept in double for the bias
-// corrections (reference._bias_correction), and the weight-decay mode as two flags. Kernel-side
-// structs derive from them, so they are plain data (a CUDA kernel argument).
+// corrections (_bias_correction in mp_wrappers/ops/reference/_common.py), and the weight-decay
+// mode as two flags. Kernel-side structs derive from them, so they are plain data (a CUDA kernel
+// argument).
 
 struct AdamHyper {
   double beta1_d, beta2_d;
@@ -380,7 +381,7 @@ inline UpdateArgs<NovoHyper> multi_tensor_novograd_args(
   return {device, update_scalars(op, device, lr, grad_scale, found_inf, lr_tensor), h};
 }
 
-// ---- lean bf16 storage (Note [lean bf16 storage] in mp_wrappers/ops/reference_lean.py) -------------
+// ---- lean bf16 storage (Note [lean bf16 storage] in mp_wrappers/ops/reference/lean.py) ----------
 
 enum class LeanStorage : int { kSplit = 0, kKahan = 1, kStochastic = 2 };
 
