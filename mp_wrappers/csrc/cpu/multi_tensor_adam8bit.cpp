@@ -28,6 +28,7 @@
 #include "mp_wrappers/cpu_multi_tensor.h"
 #include "mp_wrappers/cpu_optim.h"
 #include "mp_wrappers/cpu_vec.h"
+#include "mp_wrappers/op_args.h"
 
 namespace mp_wrappers {
 namespace cpu {
@@ -370,11 +371,11 @@ void multi_tensor_adam8bit_cpu(at::TensorList params, at::TensorList grads,
   check_codes(op, "exp_avg_sqs", exp_avg_sqs, params, device);
   check_absmax(op, "exp_avg_absmaxes", exp_avg_absmaxes, params, device);
   check_absmax(op, "exp_avg_sq_absmaxes", exp_avg_sq_absmaxes, params, device);
-  optim::check_step(op, step, device);
-  optim::check_optional_scalar(op, "grad_scale", grad_scale, device);
-  optim::check_optional_scalar(op, "found_inf", found_inf, device);
+  check_step(op, step, device);
+  const float* grad_scale_ptr = optional_scalar(op, "grad_scale", grad_scale, device);
+  const float* found_inf_ptr = optional_scalar(op, "found_inf", found_inf, device);
   // A skipped step returns before touching anything: codes and absmax keep their bits.
-  if (optim::should_skip(found_inf)) return;
+  if (optim::should_skip(found_inf_ptr)) return;
 
   const float count = optim::read_count(step);
   Adam8bitConsts c;
@@ -395,7 +396,7 @@ void multi_tensor_adam8bit_cpu(at::TensorList params, at::TensorList grads,
     c.rbc1 = static_cast<float>(1.0 / (1.0 - std::pow(beta1, n)));
     c.rsbc2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2, n)));
   }
-  c.unscale = optim::Unscale::from(grad_scale);
+  c.unscale = optim::Unscale::from(grad_scale_ptr);
 
   const std::vector<RawTensor> ps = raw_tensors(params), gs = raw_tensors(grads),
                                os = raw_tensors(model_params);
