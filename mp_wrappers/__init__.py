@@ -1,7 +1,10 @@
 """mp_wrappers: apex-grade mixed precision for mmengine, on CPU and CUDA, without NVIDIA apex.
 
-Importing the package registers its optimizer wrappers, optimizers, example workloads and ``MixedPrecisionHook`` in
-mmengine's registries under the ``mp_wrappers`` scope (``type='mp_wrappers.FP16OptimWrapper'``).
+Importing the package registers its optimizer wrappers, optimizers, hooks, loops and distributed
+strategies in mmengine's registries under the ``mp_wrappers`` scope
+(``type='mp_wrappers.FP16OptimWrapper'``). The demo workloads of the shipped configs (digits CNN,
+byte-level LM) are not part of the package: they live in the repository's ``projects/`` folder and
+register under the same scope when a config imports them (``projects/README.md``).
 
 Importing the package also installs a ``weights_only`` loader for mmengine checkpoints (see
 :mod:`mp_wrappers.checkpoint`; ``MP_WRAPPERS_SECURE_CHECKPOINT_LOADER=0`` turns that off), so that

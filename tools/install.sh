@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install mp_wrappers (building its C++/CUDA extension) and what it needs, without ever letting pip
 # pick a torch: an unpinned torch resolves to the newest CUDA build (several GB) on a CPU machine.
-#   bash tools/install.sh          # the package and the example workloads
+#   bash tools/install.sh          # the package, and what the demo workloads (projects/) need
 #   bash tools/install.sh test     # ... plus what the test suite needs
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -48,7 +48,7 @@ def _config(tmp_path, name, base, hooks=(), extra=''):
     path = tmp_path / f'{name}.py'
     path.write_text(
         f'_base_ = [{os.path.join(REPO, base)!r}]\n'
-        "custom_imports = dict(imports=['mp_wrappers', '_reliability_hooks'], "
+        "custom_imports = dict(imports=['mp_wrappers', 'projects.digits', '_reliability_hooks'], "
         'allow_failed_imports=False)\n'
         f'custom_hooks = {list(hooks)!r}\n{extra}')
     return str(path)

@@ -16,6 +16,7 @@ from _compat import requires
 from mp_wrappers.checkpoint import (ENV_SWITCH, UnsafeCheckpointError, install_secure_checkpoint_loader,
                                     mmengine_safe_globals, secure_checkpoint_loader_installed,
                                     secure_torch_load, uninstall_secure_checkpoint_loader)
+from projects.digits import DigitsCNN  # noqa: F401  (registers the demo model and dataset)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

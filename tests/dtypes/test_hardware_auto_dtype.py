@@ -15,7 +15,7 @@ from torch import nn
 import mp_wrappers
 from mp_wrappers import ApexOptimWrapper, FP16OptimWrapper, hardware
 from mp_wrappers.policy import resolve_properties
-from mp_wrappers.workloads.models import DigitsCNN
+from projects.digits import DigitsCNN
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 AVX2 = {'avx', 'avx2', 'fma', 'f16c'}

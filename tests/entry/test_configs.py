@@ -21,7 +21,9 @@ def test_configs_are_found():
 @pytest.mark.parametrize('path', CONFIGS, ids=lambda p: os.path.relpath(p, ROOT))
 def test_config_builds(path):
     cfg = Config.fromfile(path)
-    assert cfg.custom_imports['imports'] == ['mp_wrappers']
+    # The library, then the demo project of the config's folder (projects/<folder>, outside the package).
+    folder = os.path.basename(os.path.dirname(path))
+    assert cfg.custom_imports['imports'] == ['mp_wrappers', f'projects.{folder}']
     with DefaultScope.overwrite_default_scope(cfg.default_scope), warnings.catch_warnings():
         warnings.simplefilter('ignore')  # fp16-on-CPU advice
         model = MODELS.build(cfg.model)

@@ -22,7 +22,7 @@ from mp_wrappers.master_modes import LeanMasterParams
 from mp_wrappers.ops.reference.lean import bf16_join, bf16_split
 from mp_wrappers.optim import FusedAdam, FusedSGD
 from mp_wrappers.policy import resolve_properties
-from mp_wrappers.workloads.models import DigitsCNN
+from projects.digits import DigitsCNN
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

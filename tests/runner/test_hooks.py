@@ -19,7 +19,7 @@ from mp_wrappers.hooks import PRECISION_INFO_KEY, SKIPPED_INFO_KEY, SKIPPED_ITER
 from mp_wrappers.registry import MODELS
 from mp_wrappers.optim_config import uses_our_optim_wrapper
 from mp_wrappers.train_config import add_mixed_precision_hook
-from mp_wrappers.workloads import DigitsCNN
+from projects.digits import DigitsCNN
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLANTED = (3, 4, 8)  # 0-based runner.iter values whose loss is inf

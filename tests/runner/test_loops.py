@@ -18,7 +18,7 @@ from mmengine.runner import Runner
 
 from mp_wrappers.loops import (MixedPrecisionTestLoop, MixedPrecisionValLoop,
                                use_mixed_precision_loops)
-from mp_wrappers.workloads import DigitsCNN
+from projects.digits import DigitsCNN
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, 'tools'))

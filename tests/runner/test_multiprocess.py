@@ -40,7 +40,7 @@ def _config(tmp_path, base, fault_rank):
              dict(type='RelTestRecordHook', out_dir=str(tmp_path / 'records'))]
     path.write_text(
         f'_base_ = [{os.path.join(REPO, base)!r}]\n'
-        "custom_imports = dict(imports=['mp_wrappers', '_reliability_hooks'], "
+        "custom_imports = dict(imports=['mp_wrappers', 'projects.digits', '_reliability_hooks'], "
         'allow_failed_imports=False)\n'
         f'custom_hooks = {hooks!r}\n')
     return str(path)

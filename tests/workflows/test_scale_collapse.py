@@ -18,7 +18,7 @@ def test_train_tool_exits_on_scale_collapse_naming_iteration_scale_and_params(tm
     cfg = tmp_path / 'collapse.py'
     cfg.write_text(
         f"_base_ = [{os.path.join(REPO, 'tests/configs/fp16_dynamic.py')!r}]\n"
-        "custom_imports = dict(imports=['mp_wrappers', '_reliability_hooks'], "
+        "custom_imports = dict(imports=['mp_wrappers', 'projects.digits', '_reliability_hooks'], "
         "allow_failed_imports=False)\n"
         "custom_hooks = [dict(type='RelTestGradFaultHook', from_iter=4, param='head.weight')]\n"
         "optim_wrapper = dict(_delete_=True, type='mp_wrappers.FP16OptimWrapper',\n"

@@ -1,6 +1,8 @@
-# Keep mmengine's scope and name our classes with the `mp_wrappers.` prefix.
+# Keep mmengine's scope and name our classes with the `mp_wrappers.` prefix. The byte-level LM is a
+# demo project outside the package (projects/charlm), imported from the repository root (see
+# configs/digits/_base_/default_runtime.py and projects/README.md).
 default_scope = 'mmengine'
-custom_imports = dict(imports=['mp_wrappers'], allow_failed_imports=False)
+custom_imports = dict(imports=['mp_wrappers', 'projects.charlm'], allow_failed_imports=False)
 
 default_hooks = dict(
     runtime_info=dict(type='RuntimeInfoHook'),

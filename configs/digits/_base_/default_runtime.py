@@ -1,7 +1,10 @@
 # Keep mmengine's scope and name our classes with the `mp_wrappers.` prefix, so that this plugin works
-# inside any OpenMMLab repo without taking over its default scope.
+# inside any OpenMMLab repo without taking over its default scope. The digits dataset, CNN and metric
+# are a demo project outside the package (projects/digits): it registers them under the same scope and
+# imports from the repository root (tools/train.py puts it on sys.path; elsewhere set PYTHONPATH to
+# it, see projects/README.md).
 default_scope = 'mmengine'
-custom_imports = dict(imports=['mp_wrappers'], allow_failed_imports=False)
+custom_imports = dict(imports=['mp_wrappers', 'projects.digits'], allow_failed_imports=False)
 
 default_hooks = dict(
     runtime_info=dict(type='RuntimeInfoHook'),

@@ -3,7 +3,7 @@
 # the model is 4 channels wide and each run is a few seconds, most of it interpreter start-up.
 model = dict(type='mp_wrappers.DigitsCNN', num_classes=10, width=4, dtype=None)
 default_scope = 'mmengine'
-custom_imports = dict(imports=['mp_wrappers'], allow_failed_imports=False)
+custom_imports = dict(imports=['mp_wrappers', 'projects.digits'], allow_failed_imports=False)
 train_dataloader = dict(
     batch_size=16,
     num_workers=0,

@@ -8,10 +8,9 @@ from mmengine.config import Config
 from mmengine.runner import Runner
 
 from mp_wrappers import ApexOptimWrapper, FP16OptimWrapper
-from mp_wrappers.workloads import CharLMDataset, CharLMMetric, CharTransformerLM
-from mp_wrappers.workloads.charlm import stdlib_corpus
+from projects.charlm import CharLMDataset, CharLMMetric, CharTransformerLM, stdlib_corpus
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = dict(d_model=32, n_layers=1, n_heads=2, max_len=16)
 
 

@@ -4,7 +4,7 @@ import torch
 from mmengine.dataset import default_collate, pseudo_collate
 
 from mp_wrappers.registry import DATASETS, METRICS, MODELS
-from mp_wrappers.workloads import DigitsAccuracy, DigitsCNN, DigitsDataset
+from projects.digits import DigitsAccuracy, DigitsCNN, DigitsDataset
 
 DTYPES = {None: torch.float32, 'float16': torch.float16, 'bfloat16': torch.bfloat16}
 

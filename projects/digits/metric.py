@@ -1,10 +1,10 @@
-"""Top-1 accuracy for :class:`~mp_wrappers.workloads.DigitsCNN` predictions."""
+"""Top-1 accuracy for :class:`~projects.digits.DigitsCNN` predictions."""
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from mmengine.evaluator import BaseMetric
 
-from ..registry import METRICS
+from mp_wrappers.registry import METRICS
 
 __all__ = ['DigitsAccuracy']
 

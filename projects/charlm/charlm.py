@@ -26,9 +26,9 @@ from mmengine.model import BaseModel
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..autocast import float_function
-from ..casting import cast_model, parse_dtype
-from ..registry import DATASETS, METRICS, MODELS
+from mp_wrappers.autocast import float_function
+from mp_wrappers.casting import cast_model, parse_dtype
+from mp_wrappers.registry import DATASETS, METRICS, MODELS
 
 __all__ = ['CharLMDataset', 'CharTransformerLM', 'CharLMMetric', 'DEFAULT_MODULES',
            'stdlib_corpus']

@@ -6,9 +6,9 @@ import torch.nn.functional as F
 from mmengine.model import BaseModel
 from torch import nn
 
-from ..casting import cast_floating, cast_model, parse_dtype
-from ..hardware import auto_dtype
-from ..registry import MODELS
+from mp_wrappers.casting import cast_floating, cast_model, parse_dtype
+from mp_wrappers.hardware import auto_dtype
+from mp_wrappers.registry import MODELS
 
 __all__ = ['DigitsCNN']
 

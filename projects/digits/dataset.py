@@ -5,7 +5,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..registry import DATASETS
+from mp_wrappers.registry import DATASETS
 
 __all__ = ['DigitsDataset']
 
@@ -47,7 +47,8 @@ class DigitsDataset(Dataset):
                              f'allowed: {", ".join(repr(s) for s in _SPLITS)}')
         if not 0.0 < float(val_fraction) < 1.0:
             raise ValueError(f'DigitsDataset: val_fraction={val_fraction!r} must be in (0, 1)')
-        # Imported here so that importing mp_wrappers does not pay for scikit-learn.
+        # Imported here so that a config's custom_imports of this project does not pay for
+        # scikit-learn until a dataset is built.
         from sklearn.datasets import load_digits
         from sklearn.model_selection import train_test_split
 
