@@ -2,7 +2,7 @@
 
 Every global load and store of the kernels goes through the helpers of
 mp_wrappers/csrc/include/mp_wrappers/cuda/multi_tensor_apply.cuh; the host-execution build
-(mp_wrappers/ops/cuda_host.py, real launch geometry) counts the bytes each launch reads and writes.
+(tests/cuda_host.py, real launch geometry) counts the bytes each launch reads and writes.
 For every op this prints bytes per parameter against the minimum (each tensor the op must read read
 once, each tensor it must write written once), and for the fused O2 Adam step (a read-only inf/norm
 pass over the half grads, then one update pass writing the fp32 master, moments and the half model)
@@ -13,11 +13,16 @@ measurement: a real kernel reaches some fraction of it.
 Usage: python benchmarks/bench_cuda_traffic.py [--params N]   (builds the 'real' variant if needed)
 """
 import argparse
+import os
+import sys
 from collections import defaultdict
 
 import torch
 
-from mp_wrappers.ops import cuda_host
+# The host-execution harness is test code (tests/cuda_host.py), not part of the package.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, 'tests')]
+import cuda_host  # noqa: E402
 
 H100_NOMINAL_BYTES_PER_S = 3.35e12
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16

@@ -9,14 +9,15 @@
 #        CUDA_HOST_SANITIZE=0 bash tools/cuda_host_check.sh   (skip the sanitizer pass)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# tests/: the host-execution harness (tests/cuda_host.py) is test code, not part of the package.
+export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 export MAX_JOBS=${MAX_JOBS:-2}
 MIN=${CUDA_HOST_MIN_COVERAGE:-95}
 TESTS=(tests/kernels/test_cuda_host.py tests/kernels/test_cuda_host_planner.py tests/kernels/test_cuda_host_lean.py)
 
 echo "== cuda host: building real, tiny (gcov)"
 python - <<'PY'
-from mp_wrappers.ops import cuda_host
+import cuda_host
 for variant in ('real', 'tiny'):
     cuda_host.build(variant)
     print(f'built {variant}: {cuda_host.build_dir(variant)}')
@@ -32,10 +33,10 @@ python tools/cuda_host_coverage.py --variants real,tiny --min "$MIN"
 
 if [ "${CUDA_HOST_SANITIZE:-1}" = 1 ]; then
   echo "== cuda host: AddressSanitizer + UndefinedBehaviorSanitizer (tiny geometry)"
-  PRELOAD=$(python -c 'from mp_wrappers.ops import cuda_host; print(cuda_host.sanitizer_preload())')
+  PRELOAD=$(python -c 'import cuda_host; print(cuda_host.sanitizer_preload())')
   # build() imports the module, so the building process needs the ASan runtime first too.
   LD_PRELOAD="$PRELOAD" ASAN_OPTIONS=detect_leaks=0 \
-    python -c 'from mp_wrappers.ops import cuda_host; cuda_host.build("asan")'
+    python -c 'import cuda_host; cuda_host.build("asan")'
   # Python itself is not instrumented: leak checking would report the interpreter's arenas.
   # Every test runs here, the error paths (-k rejects) too: PRELOAD holds libstdc++ beside libasan
   # so that a c10::Error thrown out of the sanitized module reaches Python (see sanitizer_preload).

@@ -20,7 +20,7 @@ Operators (``generate``):
 Never the working tree: every mutant is written under ``--workdir`` (default build/mutants), and
 only its translation units are compiled again (the flags and the other objects come from the
 tree's own ``build/cuda_host/tiny``, which is built first when absent); the module is linked there
-and the tests import it through ``MP_WRAPPERS_CUDA_HOST_MODULE`` (mp_wrappers/ops/cuda_host.py).
+and the tests import it through ``MP_WRAPPERS_CUDA_HOST_MODULE`` (tests/cuda_host.py).
 A mutant of a ``.cu`` file recompiles that file; one of a ``.cuh`` header every file including it.
 The recompiled objects get UBSan's array-bounds check (``_BOUNDS``).
 
@@ -260,9 +260,9 @@ class Builder:
 
     @staticmethod
     def _build_tiny():
-        env = dict(os.environ, PYTHONPATH=ROOT)
-        subprocess.run([sys.executable, '-c',
-                        'from mp_wrappers.ops import cuda_host; cuda_host.build("tiny")'],
+        # tests/: the host-execution harness is test code (tests/cuda_host.py).
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, 'tests')]))
+        subprocess.run([sys.executable, '-c', 'import cuda_host; cuda_host.build("tiny")'],
                        check=True, env=env, cwd=ROOT)
 
     @staticmethod

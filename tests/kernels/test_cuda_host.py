@@ -1,4 +1,4 @@
-"""The CUDA kernels executed on the CPU (host-execution build, mp_wrappers/ops/cuda_host.py).
+"""The CUDA kernels executed on the CPU (host-execution build, tests/cuda_host.py).
 
 The same .cu lines nvcc compiles run here through their real entry points (checks, the launch
 planner, dtype dispatch, launches with real block barriers and warp shuffles), on CPU tensors, in
@@ -21,7 +21,8 @@ import torch
 
 from _guards import checked, flat, guarded, guarded_empty
 from _tolerances import TOL
-from mp_wrappers.ops import backend, cuda_host, reference
+import cuda_host
+from mp_wrappers.ops import backend, reference
 from test_cpu_kernels import DTYPES as OPT_DTYPES
 from test_cpu_kernels import OPS as OPT_OPS
 from test_cpu_kernels import VARIANTS as OPT_VARIANTS

@@ -1,7 +1,7 @@
 // The Python module of the host-execution build (docs/cuda.md "Host execution"): importing it
 // registers the CUDA entry points of mp_wrappers/csrc/cuda/*.cu, compiled for the host, as CPU
 // kernels of the op namespace MP_WRAPPERS_CUDA_HOST_NS (defined from mp_wrappers' own schemas by
-// mp_wrappers/ops/cuda_host.py before the import). This module adds the build facts and the traffic
+// tests/cuda_host.py before the import). This module adds the build facts and the traffic
 // log of the emulated launches. Never part of the installed package's extension.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

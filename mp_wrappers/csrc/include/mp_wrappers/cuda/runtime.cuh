@@ -8,7 +8,7 @@
 //   MP_WRAPPERS_CUDA_OPS(m) { m.impl(...); }               instead of TORCH_LIBRARY_IMPL(..., CUDA, m).
 // so nvcc and the host compiler compile the very same lines. Convention for new kernels: every
 // .cu file in mp_wrappers/csrc/cuda is built by setup.py (CUDA builds) and by the host-execution
-// build (mp_wrappers/ops/cuda_host.py), with no list to update.
+// build (tests/cuda_host.py), with no list to update.
 #pragma once
 
 #include <ATen/core/Tensor.h>

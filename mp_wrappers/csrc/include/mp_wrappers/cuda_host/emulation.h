@@ -2,7 +2,7 @@
 // emulated with OS threads, so that the same .cu / .cuh lines run on the CPU in CI (issue 17).
 //
 // Included only by mp_wrappers/cuda/runtime.cuh when MP_WRAPPERS_CUDA_HOST is defined (the test
-// build made by mp_wrappers/ops/cuda_host.py); nvcc never sees this file.
+// build made by tests/cuda_host.py); nvcc never sees this file.
 //
 // The model, as numba's CUDA simulator does it:
 //   * a launch runs its blocks one after another (blockIdx.x = 0, 1, ...); the threads of a block
