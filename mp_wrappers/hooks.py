@@ -12,11 +12,11 @@ correct depends on it: the wrappers attach what they need to any mmengine runner
 * **Skip-aware schedules** (on by default). A skipped optimizer step (non-finite gradients) did not
   train, so iteration-based parameter schedulers should not advance either: otherwise every overflow
   silently shortens warm-ups and moves decay milestones. The hook snapshots the iteration-based
-  schedulers (their step counters and last values) and the scheduled values of the param groups
-  before the iteration, and restores them after mmengine's ``ParamSchedulerHook`` stepped them when
-  the wrapper's step of this iteration was skipped. The MessageHub runtime info
-  ``'mp_wrappers/last_step_skipped'`` (bool) and ``'mp_wrappers/skipped_iters'`` (count) tell other
-  hooks about it.
+  schedulers (their ``state_dict()``: step counters and last values) and the scheduled values of the
+  param groups before the iteration, and restores them (``load_state_dict``) after mmengine's
+  ``ParamSchedulerHook`` stepped them when the wrapper's step of this iteration was skipped. The
+  MessageHub runtime info ``'mp_wrappers/last_step_skipped'`` (bool) and
+  ``'mp_wrappers/skipped_iters'`` (count) tell other hooks about it.
 * **Overflow reports.** ``overflow_report=True`` turns on the wrappers' ``overflow_report`` (the first
   parameters with non-finite gradients and whether the loss itself was non-finite, on every skip).
 
@@ -24,6 +24,7 @@ correct depends on it: the wrappers attach what they need to any mmengine runner
 (:func:`mp_wrappers.train_config.add_mixed_precision_hook`); with a toolbox's own train script, list it in
 ``custom_hooks`` to get these extras.
 """
+import copy
 import logging
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -161,8 +162,10 @@ class MixedPrecisionHook(Hook):
     def _take_snapshot(self, runner) -> None:
         snapshot, seen, group_values = [], set(), []
         for sched in self._iter_schedulers(runner):
-            snapshot.append((sched, dict(global_step=sched._global_step, last_step=sched.last_step,
-                                         last_value=list(getattr(sched, '_last_value', [])))))
+            # The scheduler's own state_dict (its whole state but the optimizer: step counters and
+            # last values included), copied: step() rebinds some of it, and a subclass might change a
+            # list in place.
+            snapshot.append((sched, copy.deepcopy(sched.state_dict())))
             # Chained schedulers (warm-up then cosine) multiply the group's current value, so the
             # group values must be restored too, not only the schedulers' counters.
             for group in sched.optimizer.param_groups:
@@ -177,9 +180,7 @@ class MixedPrecisionHook(Hook):
         for sched, state in self._snapshot or []:
             if id(sched.optimizer) not in skipped_wrappers:
                 continue
-            sched._global_step = state['global_step']
-            sched.last_step = state['last_step']
-            sched._last_value = list(state['last_value'])
+            sched.load_state_dict(state)  # the snapshot is dropped after this iteration
         for sched, group, name, value in self._group_snapshot or []:
             if id(sched.optimizer) in skipped_wrappers:
                 group[name] = value

@@ -4,6 +4,7 @@ A digits CNN in fp16 with a dynamic loss scale (2**16) trains 12 iterations (6 p
 training split); the loss is made inf at iterations 3, 4 and 8, so each of those steps is skipped and
 halves the scale. The LoggerHook prints every 2 iterations.
 """
+import copy
 import json
 import math
 import os
@@ -172,6 +173,45 @@ def test_schedule_does_not_advance_on_skipped_steps(planted_run, tmp_path):
     assert plain.optim_wrapper.param_groups[0]['lr'] == pytest.approx(0.01 + 0.99 * ITERS / 99)
     # The counters that other hooks can read are kept either way.
     assert plain.message_hub.get_info(SKIPPED_ITERS_KEY) == len(PLANTED)
+
+
+def test_a_skipped_step_restores_every_scheduler_state_and_group_value():
+    """The undo goes through the schedulers' public state_dict()/load_state_dict(): after a skipped
+    step the chained schedulers (warm-up, then cosine) are in their state from before the iteration,
+    every field of it, and so is the learning rate they write; the schedule then goes on as if the
+    skipped iteration had not been there."""
+    from types import SimpleNamespace
+
+    from mmengine.optim.scheduler import CosineAnnealingLR, LinearLR
+
+    def schedule():
+        optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1, momentum=0.9)
+        schedulers = [LinearLR(optimizer, start_factor=0.1, by_epoch=False, begin=0, end=4),
+                      CosineAnnealingLR(optimizer, T_max=8, by_epoch=False, begin=2, end=10)]
+
+        def step(n=1):
+            for _ in range(n):
+                optimizer.step()
+                for sched in schedulers:
+                    sched.step()
+        return optimizer, schedulers, step
+
+    def state(optimizer, schedulers):
+        return [s.state_dict() for s in schedulers], optimizer.param_groups[0]['lr']
+
+    optimizer, schedulers, step = schedule()
+    step(3)
+    before = copy.deepcopy(state(optimizer, schedulers))
+    hook = MixedPrecisionHook()
+    hook._take_snapshot(SimpleNamespace(param_schedulers=schedulers))
+    step()  # what ParamSchedulerHook does after the iteration whose optimizer step was skipped
+    assert state(optimizer, schedulers) != before
+    hook._restore_snapshot({id(optimizer)})
+    assert state(optimizer, schedulers) == before
+    step(3)
+    ref_optimizer, ref_schedulers, ref_step = schedule()
+    ref_step(6)
+    assert state(optimizer, schedulers) == state(ref_optimizer, ref_schedulers)
 
 
 def test_hook_options_are_validated():
