@@ -96,7 +96,12 @@ setup(
     version='0.1.0',
     description='Apex-grade mixed precision (loss scaling, fp32 master weights, fused optimizers) '
                 'for mmengine, on CPU and CUDA, without NVIDIA apex.',
-    packages=find_packages(include=['mp_wrappers', 'mp_wrappers.*']),
+    # The wheel is the library: the mp_wrappers package and its extension. Tests (tests/, the CUDA
+    # host-execution harness among them), the configs' demo workloads (projects/), benchmarks/,
+    # tools/ and configs/ stay in the repository; tests/test_packaging.py checks the file list.
+    packages=find_packages(include=['mp_wrappers', 'mp_wrappers.*'],
+                           exclude=['tests', 'tests.*', 'projects', 'projects.*']),
+    include_package_data=False,  # no C++ sources or other files beside the modules
     python_requires='>=3.9',
     install_requires=_requirements(),
     extras_require={'test': ['pytest', 'scikit-learn', 'expecttest', 'hypothesis', 'tensorboard'],
