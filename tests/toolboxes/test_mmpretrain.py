@@ -283,6 +283,23 @@ def test_our_train_script_gives_the_same_run(mmpretrain):
         assert torch.equal(b['state_dict'][name], value), name
 
 
+def test_a_shipped_config_and_its_demo_project_through_mmpretrains_script(tmp_path):
+    """One of our configs (configs/digits: its model, data and metric are the demo project
+    projects/digits, imported by the config's custom_imports) through mmpretrain's script, run from
+    another working directory: the repository root on PYTHONPATH (run_script puts it there) is all
+    it needs (projects/README.md)."""
+    mim = require_toolbox('mmpretrain', 'mmpretrain', '1.2.0')
+    work_dir = tmp_path / 'digits'
+    # --no-persistent-workers: mmpretrain's script turns them on, and the config loads its data in
+    # the main process (num_workers=0).
+    run_script(os.path.join(mim, 'tools', 'train.py'),
+               os.path.join(REPO, 'configs', 'digits', 'cnn_fp32.py'), work_dir,
+               '--no-persistent-workers', '--cfg-options', 'train_cfg.max_epochs=1',
+               'train_cfg.val_interval=1', cwd=tmp_path)
+    accuracy = [r['accuracy'] for r in val_records(work_dir)]
+    assert len(accuracy) == 1 and accuracy[0] > 50, accuracy
+
+
 def test_amp_flag_replaces_our_wrapper_with_mmengines_amp_wrapper(mmpretrain):
     """mmpretrain's ``--amp`` sets ``optim_wrapper.type = 'AmpOptimWrapper'`` (mmengine's, on
     ``torch.amp``) over whatever the config names, keeping the other keys: our wrapper is dropped.
