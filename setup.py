@@ -98,7 +98,7 @@ setup(
                 'for mmengine, on CPU and CUDA, without NVIDIA apex.',
     # The wheel is the library: the mp_wrappers package and its extension. Tests (tests/, the CUDA
     # host-execution harness among them), the configs' demo workloads (projects/), benchmarks/,
-    # tools/ and configs/ stay in the repository; tests/test_packaging.py checks the file list.
+    # tools/ and configs/ stay in the repository; tests/repo/test_packaging.py checks the file list.
     packages=find_packages(include=['mp_wrappers', 'mp_wrappers.*'],
                            exclude=['tests', 'tests.*', 'projects', 'projects.*']),
     include_package_data=False,  # no C++ sources or other files beside the modules

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Runs setup.py of each root given on the command line (as cwd, as pip would) and prints
 # {root: [files the wheel would hold]}.
@@ -93,7 +93,7 @@ def test_wheel_holds_the_library_only(tmp_path):
 
     assert not not_shipped(files), f'the wheel would ship test or demo code: {not_shipped(files)}'
     for expected in ('mp_wrappers/__init__.py', 'mp_wrappers/registry.py', 'mp_wrappers/_C.so',
-                     'mp_wrappers/wrappers/base.py', 'mp_wrappers/ops/reference.py',
+                     'mp_wrappers/wrappers/base.py', 'mp_wrappers/ops/reference/__init__.py',
                      'mp_wrappers/optim/adam.py', 'mp_wrappers/distributed/fsdp.py'):
         assert expected in files
     # Every module of the package ships (and only Python modules and the extension).
