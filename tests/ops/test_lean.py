@@ -217,7 +217,7 @@ def _isa_results():
 
 _ISA_SCRIPT = r'''
 import sys, torch
-sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r}); sys.path.insert(0, {here!r})
 import test_lean as T
 from mp_wrappers.ops import backend
 assert backend()['cpu'] == 'cpp-' + {isa!r}, backend()
@@ -230,7 +230,8 @@ def test_isa_flavours_agree(tmp_path):
     results = {}
     for isa in ('avx2', 'baseline'):  # avx512 is this process's own flavour
         path = tmp_path / f'{isa}.pt'
-        script = _ISA_SCRIPT.format(root=str(ROOT), tests=str(ROOT / 'tests'), isa=isa,
+        script = _ISA_SCRIPT.format(root=str(ROOT), tests=str(ROOT / 'tests'),
+                                    here=os.path.dirname(os.path.abspath(__file__)), isa=isa,
                                     path=str(path))
         env = dict(os.environ, MP_WRAPPERS_CPU_ISA=isa, OMP_NUM_THREADS='1')
         subprocess.run([sys.executable, '-c', script], check=True, env=env, timeout=120)

@@ -593,7 +593,7 @@ def _isa_results(threads: int) -> dict:
 
 _ENV_SCRIPT = r'''
 import sys, torch
-sys.path.insert(0, sys.argv[3])
+sys.path.insert(0, sys.argv[3]); sys.path.insert(0, sys.argv[4])
 import test_multi_tensor as T
 torch.save(T._isa_results(int(sys.argv[2])), sys.argv[1])
 '''
@@ -604,8 +604,9 @@ def _run_with_env_isa(tmp_path, isa, threads):
     path = tmp_path / f'{isa}-{threads}.pt'
     env = dict(os.environ, MP_WRAPPERS_CPU_ISA=isa)
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run([sys.executable, '-c', _ENV_SCRIPT, str(path), str(threads), tests], env=env,
-                   check=True, cwd=os.path.dirname(tests))
+    here = os.path.dirname(os.path.abspath(__file__))
+    subprocess.run([sys.executable, '-c', _ENV_SCRIPT, str(path), str(threads), tests, here],
+                   env=env, check=True, cwd=os.path.dirname(tests))
     return torch.load(path)
 
 
