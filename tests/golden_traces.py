@@ -21,11 +21,11 @@ the checkpoint format itself), plus the loss scale and whether the step was skip
 """
 import argparse
 import hashlib
+import importlib
 import io
 import itertools
 import json
 import os
-import sys
 from typing import Dict, List
 
 import torch
@@ -119,7 +119,6 @@ def _bytes_digest(obj) -> str:
 
 
 def _build(name: str):
-    import mp_wrappers
     from mp_wrappers import ApexOptimWrapper, FP16OptimWrapper, cast_model
     wrapper_name, optimizer_name, variant = name.split('/')
     lean = None
@@ -137,10 +136,7 @@ def _build(name: str):
     if lean is not None:
         okw.update(LEAN[lean])
         wkw['master_weights'] = lean.split('-')[0]
-    optim_cls = getattr(sys.modules[module] if module in sys.modules else __import__(module), cls)
-    if module == 'mp_wrappers':
-        optim_cls = getattr(mp_wrappers, cls)
-    optimizer = optim_cls(model.parameters(), **okw)
+    optimizer = getattr(importlib.import_module(module), cls)(model.parameters(), **okw)
     if kind == 'Apex':
         wrapper = ApexOptimWrapper(optimizer, dtype=dtype, verbosity=0, **wkw)
     else:

@@ -12,8 +12,8 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ._checks import (_check_betas, _check_lr, _check_nonnegative, _check_scalar, _check_step,
-                      check_tensor_lists)
+from ._checks import (_check_betas, _check_lists, _check_lr, _check_nonnegative, _check_scalar,
+                      _check_step)
 from ._dispatch import run
 from .reference.quant import BLOCK_SIZE, num_blocks
 
@@ -71,13 +71,8 @@ def multi_tensor_adam8bit(params: Sequence[Tensor], grads: Sequence[Tensor],
     """
     op = 'multi_tensor_adam8bit'
     params, grads, model_params = list(params), list(grads), list(model_params)
-    device = check_tensor_lists(op, ('params', 'grads', 'model_params'),
-                                [params, grads, model_params], allow_empty=('model_params',))
-    for name, tensors in (('params', params), ('grads', grads), ('model_params', model_params)):
-        dtypes = {t.dtype for t in tensors}
-        if len(dtypes) > 1:
-            raise TypeError(f'{op}: {name} mixes dtypes {sorted(map(str, dtypes))}; each list must '
-                            'hold one dtype (call once per dtype)')
+    device = _check_lists(op, ('params', 'grads', 'model_params'), [params, grads, model_params],
+                          allow_empty=('model_params',))
     check_quantized_device(op, device)
     states = ((exp_avgs, 'exp_avgs', torch.uint8, int),
               (exp_avg_absmaxes, 'exp_avg_absmaxes', torch.float32, num_blocks),
