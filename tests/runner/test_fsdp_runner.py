@@ -19,6 +19,8 @@ import sys
 import pytest
 import torch
 
+import torchrun
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = 'tests/configs/fsdp_shard_fault.py'  # the shipped FSDP1 config + a one-rank fault
 OPTIONS = ['train_cfg.max_epochs=2', 'train_cfg.val_interval=2', 'default_hooks.checkpoint.interval=1',
@@ -38,20 +40,14 @@ def _torchrun(nproc, work_dir, result, extra=(), accumulate=2, config=CONFIG, op
            'tests/fsdp_train_check.py', config, str(result), '--launcher', 'pytorch',
            '--work-dir', str(work_dir), *extra, '--cfg-options',
            *(OPTIONS if options is None else options), f'optim_wrapper.accumulative_counts={accumulate}']
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 and _aborted_after_done(proc, nproc):
-        # A rank aborted at interpreter exit ("terminate called without an active exception")
-        # after finishing and leaving the process group: seen now and then on a loaded 2-core
-        # machine, in torch's teardown, not in training. Run once more; a second failure fails.
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = torchrun.run(cmd, cwd=REPO, env=env, finished=lambda p: _all_done(p, nproc))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(result, weights_only=True), proc.stdout + proc.stderr
 
 
-def _aborted_after_done(proc, nproc) -> bool:
+def _all_done(proc, nproc) -> bool:
     out = proc.stdout + proc.stderr
-    return ('terminate called without an active exception' in out
-            and all(f'fsdp_train_check: rank {r} done' in out for r in range(nproc)))
+    return all(f'fsdp_train_check: rank {r} done' in out for r in range(nproc))
 
 
 @pytest.fixture(scope='module')

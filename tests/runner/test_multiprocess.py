@@ -13,7 +13,6 @@
 """
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from mmengine.config import Config
 from torch import nn
 
+import torchrun
 from mp_wrappers.launch import prepare_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,10 +55,10 @@ def _torchrun(tmp_path, nproc, base, options, fault_rank):
            '--launcher', 'pytorch', '--work-dir', str(tmp_path / 'wd'), '--cfg-options',
            f'train_cfg.max_iters={MAX_ITERS}', 'default_hooks.checkpoint.interval=1000',
            'train_dataloader.batch_size=8', *options]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    records = [tmp_path / 'records' / f'rank{r}.pt' for r in range(nproc)]
+    proc = torchrun.run(cmd, cwd=REPO, env=env, finished=torchrun.files_exist(records))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [torch.load(tmp_path / 'records' / f'rank{r}.pt', weights_only=True)
-            for r in range(nproc)], proc.stdout + proc.stderr
+    return [torch.load(r, weights_only=True) for r in records], proc.stdout + proc.stderr
 
 
 APEX = 'tests/configs/apex.py'

@@ -1,0 +1,39 @@
+"""Launching ``torch.distributed.run`` from the tests, with the one retry torch's gloo teardown needs.
+
+Now and then (about once in a hundred launches on a loaded 2-core machine) a rank that finished its
+work, wrote its results and left the process group aborts at interpreter exit with "terminate called
+without an active exception": a C++ thread of torch's distributed stack is still joinable when the
+process is torn down. The run itself is complete and correct; the exit status is not. ``run`` launches
+again once, and only then: when that exact message is in the output *and* the caller's ``finished``
+says every rank got to its end. Any other failure, or a second abort, fails the test.
+``PYTHONFAULTHANDLER=1`` makes such an abort print every thread's Python stack, so the log of a
+failing run says where each rank was.
+"""
+import os
+import subprocess
+import warnings
+from typing import Callable, Dict, Sequence
+
+EXIT_ABORT = 'terminate called without an active exception'
+
+
+def run(cmd: Sequence[str], *, cwd: str, env: Dict[str, str],
+        finished: Callable[[subprocess.CompletedProcess], bool],
+        timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(env, PYTHONFAULTHANDLER='1')
+    proc = subprocess.run(list(cmd), cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0 and aborted_at_exit(proc) and finished(proc):
+        warnings.warn(f'a rank aborted at exit after finishing ({EXIT_ABORT!r}); launching once more')
+        proc = subprocess.run(list(cmd), cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    return proc
+
+
+def aborted_at_exit(proc: subprocess.CompletedProcess) -> bool:
+    return EXIT_ABORT in proc.stdout + proc.stderr
+
+
+def files_exist(paths: Sequence[os.PathLike]) -> Callable[[subprocess.CompletedProcess], bool]:
+    """A ``finished`` check: every rank wrote its result file."""
+    return lambda proc: all(os.path.exists(p) for p in paths)
