@@ -36,6 +36,16 @@ gives every run the same optimizer). Every row then also has **B/param**: the by
 tensors that persist between steps (model params, the optimizer's params, i.e. fp32 masters, and
 every optimizer state tensor, gradients excluded) after training, divided by the model's parameter
 count; and **time vs O2**, the ms/iter ratio to the plain O2 row of the same invocation.
+
+``--state-dtypes S ...`` trains every (level, dtype) run once per optimizer state dtype ``S``
+(``float32`` or ``int8``: the optimizer's ``state_dtype``, so the config's optimizer must be
+``mp_wrappers.FusedAdam``, docs/quantized_states.md; bf16 moments need lean masters and come with
+``--masters MODE-bf16state``); without it
+each run keeps the config's optimizer as it is (``--cfg-options optim_wrapper.optimizer.state_dtype=int8``
+selects 8-bit states for every run as well). The **states** column shows what each run's optimizer
+actually kept, measured after training: the dtype of most of the optimizer-state elements (``int8``
+for 8-bit codes; params under ``min_8bit_size`` keep fp32 moments), ``-`` for a stateless
+optimizer. Every row then has **B/param** too.
 """
 import argparse
 import datetime
@@ -53,11 +63,13 @@ _ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-__all__ = ['plan_runs', 'build_run_config', 'format_table', 'persistent_bytes_per_param', 'main']
+__all__ = ['plan_runs', 'check_state_dtypes', 'build_run_config', 'measured_state_dtype', 'format_table',
+           'persistent_bytes_per_param', 'main']
 
 LEVELS = ('O0', 'O1', 'O2', 'O3')
 DTYPES = ('float16', 'bfloat16')
 MASTER_MODES = ('split', 'kahan', 'stochastic')
+STATE_DTYPES = ('float32', 'int8')  # bf16 moments need lean masters: --masters MODE-bf16state
 _BF16_STATE = '-bf16state'
 
 
@@ -97,8 +109,37 @@ def plan_runs(levels: Sequence[str], dtypes: Sequence[str]) -> List[Tuple[str, s
     return runs
 
 
+def check_state_dtypes(states: Sequence[str]) -> List[str]:
+    """The ``--state-dtypes`` values, deduplicated.
+
+    Raises:
+        ValueError: an unknown state dtype, naming the allowed ones.
+    """
+    for state in states:
+        if state not in STATE_DTYPES:
+            raise ValueError(f'--state-dtypes: {state!r} is not an optimizer state dtype; '
+                             f'allowed: {", ".join(STATE_DTYPES)}')
+    return list(dict.fromkeys(states))
+
+
+def run_name(level: str, dtype: str, master: Optional[str] = None,
+             state: Optional[str] = None) -> str:
+    """``O2_bfloat16``, ``O2_bfloat16_kahan``, ``O2_bfloat16_int8state``: a run's folder name."""
+    return f'{level}_{dtype}' + (f'_{master}' if master else '') + (f'_{state}state' if state else '')
+
+
+def _set_state_dtype(optimizer: dict, state: str) -> None:
+    kind = optimizer.get('type')
+    name = kind if isinstance(kind, str) else getattr(kind, '__module__', '') + '.'
+    if not name.startswith('mp_wrappers.'):
+        raise ValueError(f'--state-dtypes {state}: the optimizer {kind!r} has no state_dtype; it '
+                         'needs one of ours, e.g. --cfg-options optim_wrapper.optimizer.type='
+                         'mp_wrappers.FusedAdam')
+    optimizer['state_dtype'] = state
+
+
 def build_run_config(cfg: Any, level: str, dtype: str, iters: Optional[int], work_dir: str,
-                     master: Optional[str] = None) -> Any:
+                     master: Optional[str] = None, state: Optional[str] = None) -> Any:
     """Rewrite a loaded mmengine ``Config`` for one comparison run (in place; returned).
 
     Args:
@@ -108,6 +149,12 @@ def build_run_config(cfg: Any, level: str, dtype: str, iters: Optional[int], wor
         iters: Iteration budget, or None for the config's own loop.
         work_dir: Where this run writes logs.
         master: None, or a ``--masters`` mode (O2 bf16 with ``master_weights`` set).
+        state: None (the config's optimizer as it is), or a ``--state-dtypes`` value set as the
+            optimizer's ``state_dtype``.
+
+    Raises:
+        ValueError: no single ``optim_wrapper`` with an ``optimizer``; a bad ``iters``; a
+            ``state`` for an optimizer that is not one of ours.
     """
     old = cfg.get('optim_wrapper', None)
     if not isinstance(old, dict) or 'optimizer' not in old:
@@ -121,6 +168,8 @@ def build_run_config(cfg: Any, level: str, dtype: str, iters: Optional[int], wor
         wrapper['master_weights'] = mode
         if state_dtype is not None:
             wrapper['optimizer']['state_dtype'] = state_dtype
+    if state is not None:
+        _set_state_dtype(wrapper['optimizer'], state)
     for key in ('clip_grad', 'accumulative_counts'):
         if old.get(key) is not None:
             wrapper[key] = old[key]
@@ -146,8 +195,26 @@ def build_run_config(cfg: Any, level: str, dtype: str, iters: Optional[int], wor
     cfg.custom_hooks = list(cfg.get('custom_hooks', None) or []) + [
         dict(type='CompareProbeHook', progress_file=osp.join(work_dir, 'progress'))]
     cfg.work_dir = work_dir
-    cfg.experiment_name = f'compare_{level}_{dtype}' + (f'_{master}' if master else '')
+    cfg.experiment_name = 'compare_' + run_name(level, dtype, master, state)
     return cfg
+
+
+def measured_state_dtype(optimizer: Any) -> Optional[str]:
+    """The dtype of most of the optimizer-state elements: ``'int8'`` for 8-bit codes (stored as
+    uint8), else the dtype's name (``'float32'``, ``'bfloat16'``); None without state tensors.
+
+    Scalars (step counters) and the per-block absmax scales of 8-bit moments are not counted: they
+    are bookkeeping, not the moments.
+    """
+    import torch
+    counts: Dict[str, int] = {}
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0 or key.endswith('_absmax'):
+                continue
+            name = 'int8' if value.dtype == torch.uint8 else str(value.dtype).replace('torch.', '')
+            counts[name] = counts.get(name, 0) + value.numel()
+    return max(counts, key=counts.get) if counts else None
 
 
 def persistent_bytes_per_param(model: Any, optimizer: Any) -> float:
@@ -231,7 +298,8 @@ def _probe_hook_class():
 
 
 def _run_one(config: str, level: str, dtype: str, iters: Optional[int], work_dir: str,
-             result_path: str, cfg_options: Optional[dict], master: Optional[str] = None) -> None:
+             result_path: str, cfg_options: Optional[dict], master: Optional[str] = None,
+             state: Optional[str] = None) -> None:
     import torch
     from mmengine.config import Config
     from mmengine.runner import Runner
@@ -245,7 +313,7 @@ def _run_one(config: str, level: str, dtype: str, iters: Optional[int], work_dir
     if cfg_options:
         cfg.merge_from_dict(cfg_options)
     os.makedirs(work_dir, exist_ok=True)
-    build_run_config(cfg, level, dtype, iters, work_dir, master)
+    build_run_config(cfg, level, dtype, iters, work_dir, master, state)
     add_mixed_precision_hook(cfg)
     threads = configure_torch_threads(cfg)
     runner = Runner.from_cfg(cfg)
@@ -256,7 +324,8 @@ def _run_one(config: str, level: str, dtype: str, iters: Optional[int], work_dir
     warmup = max(1, len(probe.iter_times) // 10)
     timed = probe.iter_times[warmup:] or probe.iter_times
     result = dict(
-        level=level, dtype=dtype, master=master, iters=len(probe.iter_times),
+        level=level, dtype=dtype, master=master, states=state, iters=len(probe.iter_times),
+        state_dtype=measured_state_dtype(wrapper.optimizer),
         bytes_per_param=persistent_bytes_per_param(runner.model, wrapper.optimizer),
         time_per_iter=sum(timed) / len(timed),
         peak_memory_bytes=probe.peak_bytes,
@@ -277,6 +346,18 @@ def _fmt(value: Optional[float], digits: int = 4) -> str:
     return f'{value:.{digits}f}'
 
 
+def _reference_run(results: Sequence[Dict[str, Any]], level: str) -> Optional[Dict[str, Any]]:
+    """The successful run of ``level`` that others are compared with: plain masters, and fp32
+    optimizer states where a ``--state-dtypes`` run of them exists."""
+    runs = [r for r in results if r['level'] == level and not r.get('master') and 'error' not in r]
+    return next((r for r in runs if r.get('states') in (None, 'float32')), runs[0] if runs else None)
+
+
+def _label(r: Dict[str, Any]) -> str:
+    """``O2 bfloat16``, ``O2 bfloat16 int8 states``: a run in the fidelity bar's lines."""
+    return f"{r['level']} {r['dtype']}" + (f" {r['states']} states" if r.get('states') else '')
+
+
 def format_table(results: Sequence[Dict[str, Any]]) -> str:
     """One Markdown table: a row per run (failed runs say so), O0 speed-up and metric deltas."""
     metric_names: List[str] = []
@@ -284,29 +365,29 @@ def format_table(results: Sequence[Dict[str, Any]]) -> str:
         for k in r.get('metrics', {}):
             if k not in metric_names:
                 metric_names.append(k)
-    base = next((r for r in results if r['level'] == 'O0' and 'error' not in r), None)
-    o2 = next((r for r in results if r['level'] == 'O2' and not r.get('master')
-               and 'error' not in r), None)
+    base = _reference_run(results, 'O0')
+    o2 = _reference_run(results, 'O2')
     with_bpp = any('bytes_per_param' in r for r in results)
     mem_kind = next((r['memory_kind'] for r in results if 'memory_kind' in r), 'cpu_peak_rss_growth')
     mem_head = 'peak mem (MiB, CUDA)' if mem_kind == 'cuda_max_allocated' else \
         'peak RSS growth (MiB)'
-    head = ['level', 'dtype', 'ms/iter', 'speed-up vs O0', mem_head, 'final train loss',
+    head = ['level', 'dtype', 'states', 'ms/iter', 'speed-up vs O0', mem_head, 'final train loss',
             *[f'val {m}' for m in metric_names], 'skipped steps']
     if with_bpp:
-        head[2:2] = ['B/param']
-        head[4:4] = ['time vs O2']
+        head[3:3] = ['B/param']
+        head[5:5] = ['time vs O2']
     if base:
         head[-1:-1] = [f'Δ {m} vs O0' for m in metric_names]
     lines = ['| ' + ' | '.join(head) + ' |', '|' + '|'.join('---' for _ in head) + '|']
     for r in results:
         if 'error' in r:
-            cells = [r['level'], r['dtype'], f"failed: {r['error']}"] + [''] * (len(head) - 3)
+            cells = [r['level'], r['dtype'], r.get('states') or '-', f"failed: {r['error']}"]
+            cells += [''] * (len(head) - 4)
             lines.append('| ' + ' | '.join(cells) + ' |')
             continue
         mem = r['peak_memory_bytes']
         level = r['level'] + (f" master_weights={r['master']}" if r.get('master') else '')
-        cells = [level, r['dtype'], _fmt(1e3 * r['time_per_iter'], 1),
+        cells = [level, r['dtype'], r.get('state_dtype') or '-', _fmt(1e3 * r['time_per_iter'], 1),
                  _fmt(base['time_per_iter'] / r['time_per_iter'], 2) + 'x' if base else '-',
                  _fmt(mem / 2 ** 20, 1) if mem is not None else '-',
                  _fmt(r['final_train_loss'])]
@@ -322,8 +403,8 @@ def format_table(results: Sequence[Dict[str, Any]]) -> str:
                     cells.append(f'{v - b:+.2f}')
         cells.append(str(r['skipped']))
         if with_bpp:
-            cells[2:2] = [_fmt(r.get('bytes_per_param'), 2)]
-            cells[4:4] = [_fmt(r['time_per_iter'] / o2['time_per_iter'], 2) + 'x' if o2 else '-']
+            cells[3:3] = [_fmt(r.get('bytes_per_param'), 2)]
+            cells[5:5] = [_fmt(r['time_per_iter'] / o2['time_per_iter'], 2) + 'x' if o2 else '-']
         lines.append('| ' + ' | '.join(cells) + ' |')
     return '\n'.join(lines)
 
@@ -352,14 +433,14 @@ def check_bar(results: Sequence[Dict[str, Any]], bars: Dict[str, float],
     metric is a loss and may rise at most TOLERANCE percent of the O0 value (improvements pass). A
     missing O0 run, a failed run or a missing metric fails the bar: it cannot be shown to be met.
     """
-    base = next((r for r in results if r['level'] == 'O0' and 'error' not in r), None)
+    base = _reference_run(results, 'O0')
     if base is None:
         return False, ['fidelity bar: no successful O0 run to compare with']
     ok, lines = True, []
     for r in results:
         if r['level'] not in levels or r.get('master'):
             continue
-        run = f"{r['level']} {r['dtype']}"
+        run = _label(r)
         if 'error' in r:
             ok = False
             lines.append(f"fidelity bar: {run}: MISSED (the run failed: {r['error']})")
@@ -407,7 +488,8 @@ def _progress():
 
 
 def _start(args: argparse.Namespace, level: str, dtype: str, run_dir: str,
-           master: Optional[str] = None) -> Tuple[subprocess.Popen, str, str]:
+           master: Optional[str] = None,
+           state: Optional[str] = None) -> Tuple[subprocess.Popen, str, str]:
     """Start the child process of one run; returns it, its progress file and its result file."""
     os.makedirs(run_dir, exist_ok=True)
     result_path = osp.join(run_dir, 'result.json')
@@ -421,6 +503,8 @@ def _start(args: argparse.Namespace, level: str, dtype: str, run_dir: str,
         cmd += ['--iters', str(args.iters)]
     if master is not None:
         cmd += ['--master-one', master]
+    if state is not None:
+        cmd += ['--state-one', state]
     if args.cfg_options:
         cmd += ['--cfg-options', *args.raw_cfg_options]
     env = dict(os.environ)
@@ -431,28 +515,30 @@ def _start(args: argparse.Namespace, level: str, dtype: str, run_dir: str,
 
 
 def _result(proc: subprocess.Popen, level: str, dtype: str, run_dir: str,
-            result_path: str, master: Optional[str] = None) -> Dict[str, Any]:
+            result_path: str, master: Optional[str] = None,
+            state: Optional[str] = None) -> Dict[str, Any]:
     if proc.returncode == 0 and osp.exists(result_path):
         with open(result_path) as f:
             return json.load(f)
-    return dict(level=level, dtype=dtype, master=master,
+    return dict(level=level, dtype=dtype, master=master, states=state,
                 error=f'exit code {proc.returncode}, see {osp.join(run_dir, "run.log")}')
 
 
 def _run_all(args: argparse.Namespace,
-             runs: List[Tuple[str, str, Optional[str]]]) -> List[Dict[str, Any]]:
+             runs: List[Tuple[str, str, Optional[str], Optional[str]]]) -> List[Dict[str, Any]]:
     results = []
     progress = None if args.no_progress else _progress()
     if progress is not None:
         progress.start()
     try:
         overall = progress.add_task('all runs', total=len(runs)) if progress else None
-        for level, dtype, master in runs:
-            run_dir = osp.join(args.work_dir, f'{level}_{dtype}' + (f'_{master}' if master else ''))
-            task = progress.add_task(f'{level} {dtype}', total=args.iters) if progress else None
+        for level, dtype, master, state in runs:
+            run_dir = osp.join(args.work_dir, run_name(level, dtype, master, state))
+            what = f'{level} {dtype}' + (f' {state} states' if state else '')
+            task = progress.add_task(what, total=args.iters) if progress else None
             if progress is None:
-                print(f'compare_precision: training {level} {dtype} ...', flush=True)
-            proc, progress_file, result_path = _start(args, level, dtype, run_dir, master)
+                print(f'compare_precision: training {what} ...', flush=True)
+            proc, progress_file, result_path = _start(args, level, dtype, run_dir, master, state)
             while proc.poll() is None:
                 time.sleep(0.5)
                 if progress is not None and osp.exists(progress_file):
@@ -462,7 +548,7 @@ def _run_all(args: argparse.Namespace,
                         progress.update(task, completed=done, total=total)
                     except ValueError:
                         pass  # caught the file mid-write
-            results.append(_result(proc, level, dtype, run_dir, result_path, master))
+            results.append(_result(proc, level, dtype, run_dir, result_path, master, state))
             if progress is not None:
                 progress.update(task, completed=progress.tasks[task].total or 1)
                 progress.advance(overall)
@@ -493,11 +579,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--masters', nargs='+', default=[],
                         help='also train O2 bf16 with master_weights=MODE for each MODE: split, '
                         "kahan, stochastic, optionally suffixed '-bf16state' (bf16 optimizer state)")
+    parser.add_argument('--state-dtypes', nargs='+', default=[], metavar='STATE',
+                        help='train every level/dtype once per optimizer state_dtype: float32, '
+                        "int8 (needs mp_wrappers.FusedAdam); default: the config's optimizer as "
+                        'it is')
     parser.add_argument('--run-one', nargs=2, metavar=('LEVEL', 'DTYPE'), help=argparse.SUPPRESS)
     parser.add_argument('--bar', nargs='+', default=[], metavar='METRIC=TOL',
                         help='fail (exit 1) unless every O1/O2 run is within TOL of O0: points '
                              "for accuracy metrics, percent for losses (e.g. accuracy=1, val_ce=2)")
     parser.add_argument('--master-one', default=None, help=argparse.SUPPRESS)
+    parser.add_argument('--state-one', default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     # Hand the raw option strings on to the child processes.
     raw = list(argv if argv is not None else sys.argv[1:])
@@ -517,17 +608,20 @@ def main(argv=None) -> int:
     if args.run_one:
         level, dtype = args.run_one
         _run_one(args.config, level, dtype, args.iters, args.work_dir,
-                 osp.join(args.work_dir, 'result.json'), args.cfg_options, args.master_one)
+                 osp.join(args.work_dir, 'result.json'), args.cfg_options, args.master_one,
+                 args.state_one)
         return 0
     if not osp.isfile(args.config):
         print(f'compare_precision.py: error: config {args.config!r} does not exist', file=sys.stderr)
         return 2
     try:
         bars = parse_bar(args.bar)
-        runs = [(level, dtype, None) for level, dtype in plan_runs(args.levels, args.dtypes)]
+        states = check_state_dtypes(args.state_dtypes) or [None]
+        runs = [(level, dtype, None, state) for level, dtype in plan_runs(args.levels, args.dtypes)
+                for state in states]
         for master in args.masters:
             parse_master_mode(master)
-            runs.append(('O2', 'bfloat16', master))
+            runs.append(('O2', 'bfloat16', master, None))
     except ValueError as exc:
         print(f'compare_precision.py: error: {exc}', file=sys.stderr)
         return 2

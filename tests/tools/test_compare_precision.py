@@ -52,9 +52,68 @@ def test_format_table(tool):
               skipped=2)
     failed = dict(level='O3', dtype='float16', error='exit code 1, see x/run.log')
     table = tool.format_table([base, o1, failed]).splitlines()
-    assert table[0].startswith('| level | dtype | ms/iter | speed-up vs O0 | peak RSS growth (MiB)')
-    assert table[3] == ('| O1 | bfloat16 | 5.0 | 2.00x | 2.0 | 0.5000 | 94.5000 | -0.50 | 2 |')
+    assert table[0].startswith('| level | dtype | states | ms/iter | speed-up vs O0 | '
+                               'peak RSS growth (MiB)')
+    assert table[3] == ('| O1 | bfloat16 | - | 5.0 | 2.00x | 2.0 | 0.5000 | 94.5000 | -0.50 | 2 |')
     assert 'failed: exit code 1, see x/run.log' in table[4]
+
+
+def test_state_dtype_column_and_reference_rows(tool):
+    """--state-dtypes runs: the measured state dtype is a column; O0 and time-vs-O2 refer to the
+    fp32-state runs, whichever order the runs came in."""
+    run = dict(dtype='bfloat16', time_per_iter=0.01, peak_memory_bytes=None, final_train_loss=0.5,
+               skipped=0, bytes_per_param=14.0)
+    o0_int8 = dict(run, level='O0', dtype='float32', states='int8', state_dtype='int8',
+                   metrics={'accuracy': 90.0}, bytes_per_param=6.0)
+    o0 = dict(run, level='O0', dtype='float32', states='float32', state_dtype='float32',
+              metrics={'accuracy': 95.0}, bytes_per_param=12.0)
+    o2_int8 = dict(run, level='O2', states='int8', state_dtype='int8', time_per_iter=0.02,
+                   metrics={'accuracy': 93.5}, bytes_per_param=8.1)
+    o2 = dict(run, level='O2', states='float32', state_dtype='float32', metrics={'accuracy': 96.0})
+    failed = dict(level='O2', dtype='float16', states='int8', error='exit code 1')
+    table = tool.format_table([o0_int8, o0, o2_int8, o2, failed]).splitlines()
+    assert table[0].startswith('| level | dtype | states | B/param | ms/iter | time vs O2 |')
+    assert table[2].startswith('| O0 | float32 | int8 | 6.00 | 10.0 | 1.00x |')
+    assert table[2].endswith('| 90.0000 | -5.00 | 0 |')  # against the fp32-state O0
+    assert table[4].startswith('| O2 | bfloat16 | int8 | 8.10 | 20.0 | 2.00x |')
+    assert table[6].startswith('| O2 | float16 | int8 | failed: exit code 1 |')
+    met, lines = tool.check_bar([o0_int8, o0, o2_int8, o2], {'accuracy': 1.0})
+    assert not met and lines[0].startswith(
+        'fidelity bar: O2 bfloat16 int8 states: accuracy 93.5000 vs O0 95.0000')
+    assert lines[1].endswith(': met')
+
+
+def test_state_dtypes_select_the_optimizers_state_dtype(tool, tmp_path):
+    assert tool.check_state_dtypes(['int8', 'float32', 'int8']) == ['int8', 'float32']
+    with pytest.raises(ValueError, match="--state-dtypes: 'fp8' is not an optimizer state dtype; "
+                                         'allowed: float32, int8'):
+        tool.check_state_dtypes(['fp8'])
+    assert tool.run_name('O2', 'bfloat16', state='int8') == 'O2_bfloat16_int8state'
+    cfg = Config.fromfile(DIGITS)
+    cfg.merge_from_dict({'optim_wrapper.optimizer': dict(_delete_=True, type='mp_wrappers.FusedAdam',
+                                                         lr=1e-3)})
+    tool.build_run_config(cfg, 'O2', 'bfloat16', 10, str(tmp_path), state='int8')
+    assert cfg.optim_wrapper.optimizer.state_dtype == 'int8'
+    assert cfg.experiment_name == 'compare_O2_bfloat16_int8state'
+    # The digits config's torch SGD has no state_dtype: refused, naming the option to change.
+    with pytest.raises(ValueError, match="--state-dtypes int8: the optimizer 'SGD' has no "
+                                         'state_dtype; .*optim_wrapper.optimizer.type='
+                                         'mp_wrappers.FusedAdam'):
+        tool.build_run_config(Config.fromfile(DIGITS), 'O2', 'bfloat16', 10, str(tmp_path),
+                              state='int8')
+
+
+def test_measured_state_dtype(tool):
+    import torch
+
+    from mp_wrappers.optim import FusedAdam, FusedSGD
+    big, small = torch.nn.Parameter(torch.randn(64, 128)), torch.nn.Parameter(torch.randn(8))
+    for state in ('int8', 'float32'):
+        opt = FusedAdam([big, small], lr=1e-3, state_dtype=state)
+        big.grad, small.grad = torch.randn_like(big), torch.randn_like(small)
+        opt.step()
+        assert tool.measured_state_dtype(opt) == state  # the small param's fp32 is a minority
+    assert tool.measured_state_dtype(FusedSGD([big], lr=0.1)) is None  # no state before a step
 
 
 def test_fidelity_bar(tool):
@@ -108,6 +167,27 @@ def test_tiny_comparison_writes_markdown(tmp_path):
     # each run kept its own mmengine log, with the amp fields of the hook
     (log,) = (tmp_path / 'runs' / 'O2_bfloat16').glob('*/*.log')
     assert 'amp_scale: 1.0000' in log.read_text()
+
+
+def test_int8_states_through_the_tool(tmp_path):
+    """--state-dtypes float32 int8 trains both arms (FusedAdam, O2 bf16) and shows what each kept."""
+    out = tmp_path / 'table.md'
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, 'tools', 'compare_precision.py'), DIGITS,
+         '--iters', '4', '--levels', 'O2', '--state-dtypes', 'float32', 'int8', '--no-progress',
+         '--work-dir', str(tmp_path / 'runs'), '--out', str(out), '--cfg-options',
+         'optim_wrapper.optimizer._delete_=True', 'optim_wrapper.optimizer.type=mp_wrappers.FusedAdam',
+         'optim_wrapper.optimizer.lr=1e-3'],
+        cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line.split(' | ') for line in out.read_text().splitlines() if line.startswith('| O2')]
+    assert [r[:3] for r in rows] == [['| O2', 'bfloat16', 'float32'], ['| O2', 'bfloat16', 'int8']]
+    # digits CNN, O2 Adam: bf16 model 2 + fp32 masters 4 + moments 8 (fp32) or ~2.1 (int8)
+    assert 13.9 < float(rows[0][3]) < 14.1 and 8.0 < float(rows[1][3]) < 8.3, rows
+    data = json.loads((tmp_path / 'table.json').read_text())
+    assert [r['states'] for r in data['results']] == ['float32', 'int8']
+    assert sorted(os.listdir(tmp_path / 'runs')) == ['O2_bfloat16_float32state',
+                                                     'O2_bfloat16_int8state']
 
 
 def test_master_modes_and_measured_bytes_per_param(tool, tmp_path):
