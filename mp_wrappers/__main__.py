@@ -65,6 +65,21 @@ def _extension_lines(info: dict) -> List[str]:
     return lines
 
 
+def _quantized_lines(info: dict) -> List[str]:
+    """``FusedAdam(state_dtype='int8')``: the kernel that runs it, CUDA's refusal, bytes per param."""
+    cpu = info['cpu']
+    lines = [f'cpu          {cpu} kernel' if cpu != 'reference' else
+             'cpu          no compiled kernel: the pure-PyTorch reference runs (same bits, slower)',
+             'cuda         not implemented yet: CUDA params with state_dtype=\'int8\' are refused '
+             "(NotImplementedError) at the first step, before any update; set "
+             "optim_wrapper.optimizer.state_dtype='float32' there"]
+    lines.append(f'bytes/param  (fp32 moments -> int8 moments, blocks of {info["block_size"]}; '
+                 'grads not counted)')
+    for what, (fp32, int8) in info['bytes_per_param'].items():
+        lines.append(f'             {what}: {fp32:.2f} -> {int8:.2f}')
+    return lines
+
+
 def _device_lines(rep: dict) -> List[str]:
     lines = []
     for d in rep['devices']:
@@ -96,6 +111,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         broken.append(f'the C++ extension failed to load: {error}')
     print('\n-- devices')
     print('\n'.join(_device_lines(rep)))
+    print("\n-- 8-bit optimizer states (FusedAdam(state_dtype='int8'))")
+    print('\n'.join(_quantized_lines(rep['quantized_states'])))
 
     if not args.no_selftest:
         print('\n-- self-test (every op against its pure-PyTorch reference)')

@@ -14,7 +14,7 @@ import torch
 from .policy import auto_dtype
 from .probe import FORMAT_NAMES, device_capability
 
-__all__ = ['extension_info', 'report']
+__all__ = ['extension_info', 'quantized_states_info', 'report']
 
 
 def extension_info() -> Dict[str, object]:
@@ -39,6 +39,33 @@ def extension_info() -> Dict[str, object]:
     return info
 
 
+def quantized_states_info() -> Dict[str, object]:
+    """Where ``FusedAdam(state_dtype='int8')`` runs and what its moments cost per param.
+
+    ``cpu``: the kernel flavour that runs the 8-bit update (``'cpp-avx512'``, ``'cpp-avx2'``,
+    ``'cpp-baseline'``), or ``'reference'`` (the pure-PyTorch update: same bits, much slower) when the
+    extension or its 8-bit kernel is missing. ``cuda``: None, there is no CUDA kernel yet (the
+    optimizer refuses CUDA params before the first step). ``bytes_per_param``: the expected
+    persistent bytes, fp32 against int8 moments (docs/quantized_states.md).
+    """
+    from ..ops import _extension
+    from ..ops._dispatch import _op_has_kernel
+    from ..ops.quantized_states import BLOCK_SIZE
+    ext = _extension.extension()
+    kernel = ext is not None and _op_has_kernel('multi_tensor_adam8bit_', 'cpu')
+    moments = 2 + 2 * 4 / BLOCK_SIZE  # a byte per element per moment, an fp32 absmax per block
+    return dict(
+        cpu=f'cpp-{ext.cpu_isa()}' if kernel else 'reference',
+        cuda=None,
+        block_size=BLOCK_SIZE,
+        bytes_per_param={
+            'Adam moments': (8.0, moments),
+            'fp32 params + Adam (O0)': (12.0, 4 + moments),
+            'O2 bf16: model + fp32 master + Adam': (14.0, 6 + moments),
+        },
+    )
+
+
 def report() -> Dict[str, object]:
     """Every device present with its ``dtype='auto'``, and :func:`extension_info`, as plain data
     (``python -m mp_wrappers`` prints it)."""
@@ -49,4 +76,5 @@ def report() -> Dict[str, object]:
         devices=[dataclasses.asdict(d) for d in devices],
         auto={d.device: FORMAT_NAMES[auto_dtype(capability=d).dtype] for d in devices},
         extension=extension_info(),
+        quantized_states=quantized_states_info(),
     )
