@@ -15,7 +15,20 @@ optimizer (or a param that now wants float32 moments) is dequantized.
 
 Refused with ``state_dtype='int8'``: ``bf16_storage`` (the lean storages), ``master_weights=True``,
 ``capturable=True`` (a tensor lr), params that are not on the CPU (no CUDA kernel yet) and params
-that are neither dense nor plain tensors (e.g. FSDP2 DTensors).
+that are neither dense nor plain tensors (e.g. FSDP2 DTensors), and a model sharded by FSDP1 or FSDP2
+(:func:`check_not_sharded`, Note [8-bit states under FSDP]).
+
+Note [8-bit states under FSDP]
+    Refused for FSDP1 and FSDP2 alike, by the wrappers in ``optim_context`` (before the first
+    forward, so before any step), naming the config line to change. FSDP2 params are DTensors,
+    which the 8-bit update has no path for. FSDP1 (``use_orig_params=True``, as the shipped configs
+    and mmengine use it) hands the optimizer each param's local 1-D shard, whose size differs per
+    rank (a param may be int8 on one rank and under ``min_8bit_size`` on another), and its 'full'
+    optimizer state dict all-gathers every state tensor shaped like the param shard: a per-block
+    absmax (one per 256 elements of the *local* shard) has no such shape, so a full checkpoint
+    could hold 8-bit states only dequantized, and resuming would not be bitwise (an absmax may
+    move by one ulp, docs/quantized_states.md). Lifting this needs blocks laid out per original
+    param and rank and a gather of the codes with their absmax in FSDP's state-dict path.
 """
 from typing import Any, Dict, Optional
 
@@ -29,7 +42,8 @@ from ..ops.reference.quant import (EXP_AVG_CODE, EXP_AVG_SQ_CODE, dequantize_blo
 from . import layout
 from .base import _Bucket
 
-__all__ = ['QuantizedStateMixin', 'STATE_DTYPES', 'DEFAULT_MIN_8BIT_SIZE', 'ABSMAX_KEYS']
+__all__ = ['QuantizedStateMixin', 'STATE_DTYPES', 'DEFAULT_MIN_8BIT_SIZE', 'ABSMAX_KEYS',
+           'check_not_sharded']
 
 #: The values of ``state_dtype`` (FusedAdam's argument and a param group's override).
 STATE_DTYPES = ('float32', 'bfloat16', 'int8')
@@ -39,6 +53,31 @@ DEFAULT_MIN_8BIT_SIZE = 4096
 ABSMAX_KEYS = {'exp_avg': 'exp_avg_absmax', 'exp_avg_sq': 'exp_avg_sq_absmax'}
 _CODES = {'exp_avg': EXP_AVG_CODE, 'exp_avg_sq': EXP_AVG_SQ_CODE}
 _GROUP_STATE_DTYPES = ('float32', 'int8')
+
+
+def check_not_sharded(optimizer: torch.optim.Optimizer, kind: str) -> None:
+    """Refuse an optimizer with 8-bit states in any param group over FSDP shards.
+
+    Args:
+        optimizer: Any optimizer; only :class:`QuantizedStateMixin` ones can hold 8-bit states.
+        kind: ``'fsdp1'`` or ``'fsdp2'`` (:attr:`mp_wrappers.sharding.Sharding.kind`).
+
+    Raises:
+        NotImplementedError: a param group would keep 8-bit moments (Note [8-bit states under
+            FSDP]), naming the config line to change.
+    """
+    if not isinstance(optimizer, QuantizedStateMixin):
+        return
+    default = 'int8' if optimizer.int8_states else 'float32'
+    groups = [i for i, g in enumerate(optimizer.param_groups)
+              if g.get('state_dtype', default) == 'int8']
+    if groups:
+        raise NotImplementedError(
+            f"{type(optimizer).__name__}: state_dtype='int8' (8-bit optimizer states, param "
+            f'groups {groups}) is not supported under {kind.upper()} (sharded params and their '
+            'checkpoints have no 8-bit path yet, docs/quantized_states.md). Set '
+            "optim_wrapper.optimizer.state_dtype='float32' in the config (and remove "
+            "state_dtype='int8' from paramwise_cfg), or train without FSDP")
 
 
 class QuantizedStateMixin:

@@ -231,6 +231,28 @@ def test_non_cpu_params_are_refused():
         opt.step()
 
 
+def test_sharded_models_are_refused_naming_the_config_line():
+    """Note [8-bit states under FSDP]: any group that would keep 8-bit moments is refused; a
+    FusedAdam whose groups all say float32, and other optimizers, pass. (The wrappers call this in
+    optim_context: tests/runner/test_fsdp_runner.py runs it through torchrun and the Runner.)"""
+    from mp_wrappers.optim.quantized_state import check_not_sharded
+    model = _mlp()
+    with pytest.raises(NotImplementedError, match=r"FusedAdam: state_dtype='int8' \(8-bit optimizer "
+                                                  r"states, param groups \[0\]\) is not supported "
+                                                  r"under FSDP1.*optim_wrapper.optimizer.state_dtype="
+                                                  r"'float32'"):
+        check_not_sharded(FusedAdam(model.parameters(), state_dtype='int8'), 'fsdp1')
+    first, *rest = model.parameters()
+    groups = [dict(params=[first], state_dtype='int8'), dict(params=rest)]
+    with pytest.raises(NotImplementedError, match=r'param groups \[0\]\) is not supported under '
+                                                  r'FSDP2.*remove state_dtype=.int8. from paramwise'):
+        check_not_sharded(FusedAdam(groups), 'fsdp2')
+    check_not_sharded(FusedAdam([dict(params=model.parameters(), state_dtype='float32')],
+                                state_dtype='int8'), 'fsdp1')
+    check_not_sharded(FusedAdam(model.parameters()), 'fsdp1')
+    check_not_sharded(torch.optim.SGD(model.parameters(), lr=0.1), 'fsdp2')
+
+
 # ---- the wrappers ----------------------------------------------------------------------------------
 
 def _classifier():

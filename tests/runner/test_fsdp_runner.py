@@ -171,3 +171,25 @@ torch.save(dict(masters=masters, state=state, scale=w.loss_scale, iter=runner.it
         assert set(slot) == {'exp_avg', 'exp_avg_sq'}, name
         for key, value in slot.items():
             assert torch.equal(value, saved['optimizer']['state'][name][key]), (name, key)
+
+
+@pytest.mark.parametrize('config,kind', [('configs/digits/cnn_fsdp_apex_O2_bf16.py', 'FSDP1'),
+                                         ('configs/digits/cnn_fsdp2_apex_O2_bf16.py', 'FSDP2')])
+def test_int8_optimizer_states_are_refused_before_the_first_step(tmp_path, config, kind):
+    """FusedAdam(state_dtype='int8') under FSDP1/FSDP2 (Note [8-bit states under FSDP] in
+    mp_wrappers/optim/quantized_state.py): the shipped config with the one line a user would add,
+    2 gloo ranks, refused in optim_context on every rank, before the first forward and step,
+    naming the config line to change."""
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=os.pathsep.join(
+        [REPO, os.environ.get('PYTHONPATH', '')]))
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+           'tools/train.py', config, '--launcher', 'pytorch', '--work-dir', str(tmp_path),
+           '--cfg-options', 'optim_wrapper.optimizer.state_dtype=int8']
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert (f"FusedAdam: state_dtype='int8' (8-bit optimizer states, param groups [0]) is not "
+            f'supported under {kind}') in out, out[-5000:]
+    assert "Set optim_wrapper.optimizer.state_dtype='float32' in the config" in out
+    assert 'Epoch(train)' not in out
+    assert not any(name.endswith('.pth') for name in os.listdir(tmp_path))
