@@ -40,8 +40,8 @@ count; and **time vs O2**, the ms/iter ratio to the plain O2 row of the same inv
 ``--state-dtypes S ...`` trains every (level, dtype) run once per optimizer state dtype ``S``
 (``float32`` or ``int8``: the optimizer's ``state_dtype``, so the config's optimizer must be
 ``mp_wrappers.FusedAdam``, docs/quantized_states.md; bf16 moments need lean masters and come with
-``--masters MODE-bf16state``); without it
-each run keeps the config's optimizer as it is (``--cfg-options optim_wrapper.optimizer.state_dtype=int8``
+``--masters MODE-bf16state``; another optimizer is refused before any run starts); without it each
+run keeps the config's optimizer as it is (``--cfg-options optim_wrapper.optimizer.state_dtype=int8``
 selects 8-bit states for every run as well). The **states** column shows what each run's optimizer
 actually kept, measured after training: the dtype of most of the optimizer-state elements (``int8``
 for 8-bit codes; params under ``min_8bit_size`` keep fp32 moments), ``-`` for a stateless
@@ -558,6 +558,14 @@ def _run_all(args: argparse.Namespace,
     return results
 
 
+def _check_config_takes_state_dtype(args: argparse.Namespace) -> None:
+    from mmengine.config import Config
+    cfg = Config.fromfile(args.config)
+    if args.cfg_options:
+        cfg.merge_from_dict(args.cfg_options)
+    build_run_config(cfg, 'O2', 'bfloat16', None, args.work_dir, state=args.state_dtypes[0])
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     from mmengine.config import DictAction
     parser = argparse.ArgumentParser(
@@ -622,6 +630,8 @@ def main(argv=None) -> int:
         for master in args.masters:
             parse_master_mode(master)
             runs.append(('O2', 'bfloat16', master, None))
+        if args.state_dtypes:  # refuse another optimizer here, not once per child process
+            _check_config_takes_state_dtype(args)
     except ValueError as exc:
         print(f'compare_precision.py: error: {exc}', file=sys.stderr)
         return 2

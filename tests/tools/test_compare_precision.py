@@ -83,7 +83,7 @@ def test_state_dtype_column_and_reference_rows(tool):
     assert lines[1].endswith(': met')
 
 
-def test_state_dtypes_select_the_optimizers_state_dtype(tool, tmp_path):
+def test_state_dtypes_select_the_optimizers_state_dtype(tool, tmp_path, capsys):
     assert tool.check_state_dtypes(['int8', 'float32', 'int8']) == ['int8', 'float32']
     with pytest.raises(ValueError, match="--state-dtypes: 'fp8' is not an optimizer state dtype; "
                                          'allowed: float32, int8'):
@@ -101,6 +101,10 @@ def test_state_dtypes_select_the_optimizers_state_dtype(tool, tmp_path):
                                          'mp_wrappers.FusedAdam'):
         tool.build_run_config(Config.fromfile(DIGITS), 'O2', 'bfloat16', 10, str(tmp_path),
                               state='int8')
+    # ... and by the command line before any run starts
+    assert tool.main([DIGITS, '--state-dtypes', 'int8', '--work-dir', str(tmp_path / 'w')]) == 2
+    assert "the optimizer 'SGD' has no state_dtype" in capsys.readouterr().err
+    assert not (tmp_path / 'w').exists()
 
 
 def test_measured_state_dtype(tool):
