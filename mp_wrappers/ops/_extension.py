@@ -11,6 +11,7 @@ from typing import Dict, Optional
 import torch
 
 from .. import compat
+from . import _registration
 
 __all__ = ['backend', 'extension', 'has_kernels']
 
@@ -36,6 +37,9 @@ def extension():
                 if compat.has('fake_kernels'):  # torch >= 2.4; eager mode needs none
                     from . import _fake  # noqa: F401  fake kernels need the schemas registered above
                     from . import _fake_optim  # noqa: F401  (same, fused-optimizer ops)
+                # Which implementation serves each op, settled once (Note [dispatch decided at
+                # registration] in ._registration).
+                _registration.register(_C)
                 _ext = _C
             except Exception as exc:  # ImportError, undefined symbols, ABI mismatch...
                 _load_error = exc

@@ -108,3 +108,18 @@ def _multi_tensor_sgd_lean_fake(params: List[Tensor], aux: List[Tensor], grads: 
     allow_empty = ('momentum_buffers',) if momentum == 0 else ()
     check_tensor_lists('multi_tensor_sgd_lean_', ('params', 'grads', 'momentum_buffers'),
                        (params, grads, momentum_buffers), allow_empty=allow_empty)
+
+
+# ---- block-wise 8-bit states (Note [8-bit optimizer states] in reference/quant.py) ----------------
+# The uint8 codes and their float32 absmax lists have their own element counts (one code per element,
+# one absmax per block): validated by the public entry point in mp_wrappers/ops/quantized_states.py.
+
+@torch.library.register_fake('mp_wrappers::multi_tensor_adam8bit_')
+def _multi_tensor_adam8bit_fake(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
+                                exp_avg_absmaxes: List[Tensor], exp_avg_sqs: List[Tensor],
+                                exp_avg_sq_absmaxes: List[Tensor], model_params: List[Tensor],
+                                step: Tensor, lr: float, beta1: float, beta2: float, eps: float,
+                                weight_decay: float, adam_w_mode: bool, bias_correction: bool,
+                                grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+    check_tensor_lists('multi_tensor_adam8bit_', ('params', 'grads', 'model_params'),
+                       (params, grads, model_params), allow_empty=('model_params',))

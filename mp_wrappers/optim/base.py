@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 
 from ..sharding import is_dtensor, local_slot
 from ..ops._dispatch import implementation
+from ..ops._extension import extension
 from . import layout, saved_state
 
 __all__ = ['FusedOptimizer']
@@ -117,6 +118,9 @@ class FusedOptimizer(Optimizer):
         # 'differentiable' to self.defaults, which must not leak into resumed param groups.
         self._hyperparameter_keys = tuple(defaults)
         super().__init__(params, defaults)
+        # Loaded here, eagerly, not at the first step: a step traced by torch.compile must find
+        # the ops' implementations settled (Note [dispatch decided at registration]).
+        extension()
 
     # ---- hooks for subclasses ----------------------------------------------------------------------
 
