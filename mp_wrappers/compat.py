@@ -22,7 +22,8 @@ import torch
 
 __all__ = ['TORCH_MIN', 'TORCH_NEWEST_TESTED', 'Feature', 'FEATURES', 'FeatureUnavailableError',
            'has', 'require', 'torch_version_tuple',
-           'register_load_state_dict_pre_hook', 'autocast_enabled', 'autocast_dtype', 'require_dtype_on']
+           'register_load_state_dict_pre_hook', 'autocast_enabled', 'autocast_dtype', 'require_dtype_on',
+           'is_compiling']
 
 #: The oldest torch mp_wrappers supports (setup.py cannot pin torch: see tools/install.sh).
 TORCH_MIN: Tuple[int, int] = (2, 1)
@@ -143,6 +144,15 @@ def autocast_dtype(device_type: str) -> torch.dtype:
     if hasattr(torch, 'get_autocast_dtype'):
         return torch.get_autocast_dtype(device_type)
     return torch.get_autocast_cpu_dtype() if device_type == 'cpu' else torch.get_autocast_gpu_dtype()
+
+
+def is_compiling() -> bool:
+    """Whether ``torch.compile`` is tracing the caller: ``torch.compiler.is_compiling()`` (torch >=
+    2.3), or its older home ``torch._dynamo.is_compiling()``."""
+    compiler = getattr(torch, 'compiler', None)
+    if compiler is not None and hasattr(compiler, 'is_compiling'):
+        return compiler.is_compiling()
+    return torch._dynamo.is_compiling()
 
 
 def register_load_state_dict_pre_hook(module: torch.nn.Module, hook: Callable):

@@ -20,6 +20,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 from torch import Tensor
 
+from . import compat
 from .ops import update_scale_hysteresis_
 
 __all__ = ['LossScaler', 'StaticLossScaler', 'DynamicLossScaler', 'build_loss_scaler',
@@ -112,9 +113,10 @@ class LossScaler:
         """Record one optimizer step whose gradients had ``found_inf`` (nonzero: skipped)."""
         flag = found_inf.to(self._device).reshape(1)
         self._steps += 1
-        if self._device.type == 'cpu' and not self.dynamic:
+        if self._device.type == 'cpu' and not self.dynamic and not compat.is_compiling():
             # On the CPU reading the flag costs nothing and every tensor op a few microseconds,
-            # which tiny models feel: the same counters, updated from the host.
+            # which tiny models feel: the same counters, updated from the host. A compiled step
+            # reads nothing on the host (Note [compiled step] in mp_wrappers.wrappers.compiled_step).
             if flag.item() > 0:
                 self._skipped_steps.add_(1)
                 self._growth_tracker.zero_()

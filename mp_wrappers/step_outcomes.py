@@ -218,11 +218,18 @@ class OutcomeLedger:
         return len(self._queue)
 
     def settle(self, scalers: Sequence[Any], used: Sequence[int], flags: Sequence[Tensor],
-               skipped: bool) -> StepOutcome:
-        """Update the scalers used in a step with its flags and number it (host reads)."""
-        before = [scalers[k].loss_scale for k in used] if skipped else []
-        for k, flag in zip(used, flags):
-            scalers[k].update(flag)
+               skipped: bool, updated: Optional[Sequence[Tensor]] = None) -> StepOutcome:
+        """Update the scalers used in a step with its flags and number it (host reads).
+
+        ``updated``: the scales before the step, when the step has updated the scalers itself
+        (a compiled step, Note [compiled step] in mp_wrappers.wrappers.compiled_step).
+        """
+        if updated is not None:
+            before = [float(t.item()) for t in updated] if skipped else []
+        else:
+            before = [scalers[k].loss_scale for k in used] if skipped else []
+            for k, flag in zip(used, flags):
+                scalers[k].update(flag)
         if skipped:
             outcome = StepOutcome(self.seq, None, tuple(used),
                                   tuple(bool(flag.item() > 0) for flag in flags), tuple(before),
@@ -234,15 +241,20 @@ class OutcomeLedger:
 
     def settle_deferred(self, scalers: Sequence[Any], used: Sequence[int],
                         flags: Sequence[Tensor], iteration: Optional[int],
-                        norm: Optional[Tensor]) -> None:
+                        norm: Optional[Tensor], updated: Optional[Sequence[Tensor]] = None
+                        ) -> None:
         """:meth:`settle` without host reads: the outcome is queued (Note [deferred outcomes]).
 
         ``norm``: with ``clip_grad``, the norm mmengine logs as ``grad_norm`` at every applied
-        step; it travels with the outcome and is logged when that arrives.
+        step; it travels with the outcome and is logged when that arrives. ``updated``: as in
+        :meth:`settle`.
         """
-        before = [scalers[k].scale.clone() for k in used]
-        for k, flag in zip(used, flags):
-            scalers[k].update(flag)
+        if updated is not None:
+            before = list(updated)
+        else:
+            before = [scalers[k].scale.clone() for k in used]
+            for k, flag in zip(used, flags):
+                scalers[k].update(flag)
         # push() packs the values now (in stream order), so the caller may clear the flags.
         self._queue.push(self.seq, iteration, used, flags, before,
                          [scalers[k].scale for k in used], norm=norm)

@@ -19,6 +19,7 @@ from ..policy import DEFAULT, Properties, resolve_properties
 from ..registry import OPTIM_WRAPPERS
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 from .checkpoint_format import APEX_KEY, FOREIGN_KEYS, apex_amp_state
+from .compiled_step import refuse_lr_as_number
 from .model_casting import CastPlan, ModelCastingOptimWrapper
 
 __all__ = ['ApexOptimWrapper']
@@ -79,7 +80,8 @@ class ApexOptimWrapper(ModelCastingOptimWrapper):
         accumulative_counts (int): mmengine gradient accumulation. Defaults to 1.
         clip_grad (dict, optional): mmengine's ``clip_grad``, applied to unscaled fp32 gradients.
         **kwargs: Options shared by all our wrappers (``overflow_report``, ``on_scale_collapse``,
-            ``collapse_patience``, ``sync_found_inf``, ``log_interval``, ``grad_check``): see
+            ``collapse_patience``, ``sync_found_inf``, ``log_interval``, ``grad_check``,
+            ``compile_step``): see
             :mod:`mp_wrappers.wrappers.options`.
 
     Examples:
@@ -114,6 +116,9 @@ class ApexOptimWrapper(ModelCastingOptimWrapper):
             raise ValueError(f'num_losses must be an integer >= 1, got {num_losses!r}')
         if isinstance(verbosity, bool) or not isinstance(verbosity, int) or verbosity < 0:
             raise ValueError(f'verbosity must be 0 or 1, got {verbosity!r}')
+        if self.properties.lean_storage is not None and self.properties.enabled:
+            refuse_lr_as_number(kwargs.get('compile_step', False),
+                                f'master_weights={self.properties.lean_storage!r}')
         scalers = [self._build_scaler(min_loss_scale, max_loss_scale, hysteresis, scale_window,
                                       init_scale) for _ in range(num_losses)]
         super().__init__(optimizer, scalers,

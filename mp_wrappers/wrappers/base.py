@@ -36,8 +36,8 @@ from .checkpoint_format import STATE_KEY, CheckpointMismatchWarning, WrapperChec
 from .model_view import ModelView
 from .overflow import StepFlags
 from .runner_link import RunnerLink
-from .unscale import (InPlaceGrads, StashedGrads, fusable, fused_step, nonfinite_param_names,
-                      unscale_in_place)
+from .compiled_step import DeviceStages
+from .unscale import InPlaceGrads, StashedGrads, fusable, nonfinite_param_names, unscale_in_place
 
 # The warnings are importable from here, beside the wrapper that raises them, as before.
 __all__ = ['MixedPrecisionOptimWrapper', 'STATE_KEY', 'CheckpointMismatchWarning',
@@ -58,7 +58,7 @@ class MixedPrecisionOptimWrapper(WrapperMasters, WrapperCheckpoint, OptimWrapper
         accumulative_counts (int): Iterations per optimizer step (mmengine). Defaults to 1.
         clip_grad (dict, optional): mmengine's ``clip_grad``; applied to unscaled fp32 gradients.
         overflow_report, on_scale_collapse, collapse_patience, sync_found_inf, log_interval,
-            grad_check: The options every wrapper shares, described in
+            grad_check, compile_step: The options every wrapper shares, described in
             :mod:`mp_wrappers.wrappers.options`.
 
     Stages of :meth:`step`: unscale and check the gradients (fused, in place or into the fp32
@@ -74,9 +74,11 @@ class MixedPrecisionOptimWrapper(WrapperMasters, WrapperCheckpoint, OptimWrapper
                  clip_grad: Optional[dict] = None, overflow_report: bool = False,
                  on_scale_collapse: str = 'warn', collapse_patience: int = 10,
                  sync_found_inf: Optional[bool] = None,
-                 log_interval: Optional[int] = None, grad_check: str = 'auto') -> None:
+                 log_interval: Optional[int] = None, grad_check: str = 'auto',
+                 compile_step: Union[bool, dict] = False) -> None:
         options.check_options(optimizer, accumulative_counts, clip_grad, on_scale_collapse,
                               collapse_patience, log_interval, grad_check, sync_found_inf)
+        self._device_stages = DeviceStages(compile_step, optimizer)  # Note [compiled step]
         options.check_optimizer(optimizer, master_weights, type(self).__name__)
         # mmengine pops 'type' from clip_grad; give it a copy so the user's config stays intact.
         super().__init__(optimizer, accumulative_counts=accumulative_counts,
@@ -215,8 +217,7 @@ class MixedPrecisionOptimWrapper(WrapperMasters, WrapperCheckpoint, OptimWrapper
             self._fused_step(masters)  # the same stages, in the kernels, decided on the device
             return
         grads = self._unscale_and_check(masters)
-        # One host read per step, as torch's GradScaler does: the host must know whether to call
-        # the optimizer at all.
+        # One host read per step, as torch's GradScaler does: whether to call the optimizer at all.
         skipped = self._overflowed()
         if not skipped:
             skipped = not self._clip_or_measure(grads)
@@ -282,33 +283,32 @@ class MixedPrecisionOptimWrapper(WrapperMasters, WrapperCheckpoint, OptimWrapper
     def _fused_step(self, masters: MasterParams) -> None:
         """:meth:`step` through the fused update, which skips itself on the device."""
         flag = self._flags.flag(self._flags.pending)
-        total = fused_step(self.optimizer, masters, self.loss_scalers[self._flags.pending],
-                           self._flags, self.clip_grad_kwargs, self._seen.sharding,
-                           self._sync_flags)
+        total, updated = self._device_stages(  # Note [compiled step]: eager, or compiled whole
+            self.optimizer, masters, self.loss_scalers[self._flags.pending], self._flags,
+            self.clip_grad_kwargs, self._seen.sharding, self._sync_flags)
         self._outcomes.grad_norm = total
         clipped_norm = total if self.clip_grad_kwargs else None
-        # The host needs the flag only for bookkeeping. On an accelerator that arrives later,
-        # without a sync (Note [deferred outcomes] in mp_wrappers.step_outcomes); on the CPU
-        # reading it is free. overflow_report names the parameters with bad gradients: it must
-        # read them at the step.
+        # The host needs the flag only for bookkeeping: on an accelerator it arrives later, with
+        # no sync (Note [deferred outcomes] in mp_wrappers.step_outcomes); on the CPU a read is
+        # free. overflow_report names the parameters with bad gradients: it reads them now.
         if defers_host_reads(flag.device) and not self.overflow_report:
-            self._finish_step_deferred(clipped_norm)
+            self._finish_step_deferred(clipped_norm, updated)
             return
         skipped = bool(flag.item() > 0)
-        self._finish_step(skipped)
+        self._finish_step(skipped, updated)
         if clipped_norm is not None and not skipped:
             self.message_hub.update_scalar(f'train/{self.grad_name}', float(clipped_norm))
 
     # ---- finishing a step: the scalers and the bookkeeping (step_outcomes.OutcomeLedger) ----------
-    def _finish_step(self, skipped: bool) -> None:
-        """Update the scalers and do the step's bookkeeping, reading the flags on the host."""
+    def _finish_step(self, skipped: bool, updated: Optional[List[Tensor]] = None) -> None:
+        """Update the scalers (unless the step did: ``updated``) and account for it (host reads)."""
         # Earlier deferred steps first: outcomes are accounted in step order (this step has read
         # the device already).
         self._take_outcomes(wait=True)
         where = where_direct(self.message_hub.get_info('iter'),
                              self.loss_scalers[0].steps) if skipped else ''
         outcome = self._outcomes.settle(self.loss_scalers, list(self._flags.used),
-                                        self._flags.used_flags(), skipped)
+                                        self._flags.used_flags(), skipped, updated)
         # The gradients are still here: the reports can name the parameters that overflowed.
         self._outcomes.account(outcome, self, where, self.nonfinite_param_names,
                                self._flags.loss_nonfinite)
@@ -316,11 +316,12 @@ class MixedPrecisionOptimWrapper(WrapperMasters, WrapperCheckpoint, OptimWrapper
         if publishing.publishes_every_step(self.message_hub, self.publish_now):
             self.publish_scalars()
 
-    def _finish_step_deferred(self, clipped_norm: Optional[Tensor]) -> None:
+    def _finish_step_deferred(self, clipped_norm: Optional[Tensor],
+                              updated: Optional[List[Tensor]] = None) -> None:
         """:meth:`_finish_step` without host reads (Note [deferred outcomes])."""
         self._outcomes.settle_deferred(self.loss_scalers, list(self._flags.used),
                                        self._flags.used_flags(),
-                                       self.message_hub.get_info('iter'), clipped_norm)
+                                       self.message_hub.get_info('iter'), clipped_norm, updated)
         self._reset_step_state()
         self._take_outcomes(wait=False)
         if publishing.publishes_every_step(self.message_hub, self.publish_now):

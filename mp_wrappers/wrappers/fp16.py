@@ -117,7 +117,8 @@ class FP16OptimWrapper(ModelCastingOptimWrapper):
             when the wrapper casts the model; see
             :class:`~mp_wrappers.wrappers.model_casting.ModelCastingOptimWrapper`.
         **kwargs: Options shared by all our wrappers (``overflow_report``, ``on_scale_collapse``,
-            ``collapse_patience``, ``sync_found_inf``, ``log_interval``, ``grad_check``): see
+            ``collapse_patience``, ``sync_found_inf``, ``log_interval``, ``grad_check``,
+            ``compile_step``): see
             :mod:`mp_wrappers.wrappers.options`.
 
     Examples:

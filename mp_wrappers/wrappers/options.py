@@ -31,6 +31,14 @@
         step would cost 1-2% of a ResNet-18 step (Note [unit-scale check] in overflow.py). ``'always'``:
         read every gradient on every step, so a finite loss with non-finite gradients is
         skipped too.
+    compile_step (bool or dict): Run the device stages of the fused step (an optimizer with
+        the fused master step such as ``mp_wrappers.FusedAdam``, the gradients of one scaler:
+        the inf/nan check, the norm, norm clipping, the update and the loss scale's update)
+        through ``torch.compile(fullgraph=True)``, as one graph; a dict gives ``torch.compile``'s
+        other keywords (``backend``, ``mode``, ``dynamic``, ``options``). The bookkeeping after
+        it stays eager, and steps that cannot fuse run eagerly. Needs torch >= 2.4
+        (``compat`` feature ``fake_kernels``). Defaults to False. Note [compiled step] in
+        :mod:`mp_wrappers.wrappers.compiled_step`.
 
 Every refusal says what was given and what is allowed, at construction, before anything is changed.
 """

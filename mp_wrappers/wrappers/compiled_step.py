@@ -1,0 +1,138 @@
+"""The device stages of the wrappers' fused step, run as they are or through ``torch.compile``.
+
+Note [compiled step]
+    ``optim_wrapper.step()`` on the fused path (an optimizer with the fused master step, the
+    gradients of one scaler) is two halves. The device stages are tensor work only: check the
+    half gradients for inf/nan and take their norm, the clipping coefficient, the fused update
+    (which skips itself on the device where ``found_inf`` is set) and the loss scaler's update.
+    The host half is bookkeeping: the outcome ledger, the overflow messages, the collapse watch
+    and the MessageHub (:mod:`mp_wrappers.step_outcomes`), Python that has no place in a graph.
+
+    ``compile_step`` (a wrapper option) runs the device stages as one function through
+    ``torch.compile(fullgraph=True)``: the whole of them is one graph, or compiling fails (no
+    silent graph breaks), the overflow decision stays on the device and nothing is read on the
+    host inside it. The bookkeeping runs eagerly after it, as on the eager path (on the CPU it
+    reads the flag there; on CUDA it takes the deferred outcomes). The results are bit-identical
+    to the eager step (tests/wrappers/test_compiled_step.py). The scaler's update differs in one
+    detail only: on the CPU an eager static scaler counts from the host (``LossScaler.update``),
+    under compile it counts on the device; the counters are the same.
+
+    The first two steps compile (the first creates the optimizer state, the second finds it);
+    later steps reuse the graph while the params that have gradients, their dtypes and the
+    wrapper's options stay the same. The learning rate must live on the device (the optimizer's
+    ``capturable=True``, Note [capturable] in :mod:`mp_wrappers.optim.base`): a float lr is a
+    constant of the graph, and an LR schedule would recompile the step at every new value, so
+    ``compile_step`` refuses it. Schedulers that write the tensor in place (torch's) or assign a
+    new one (mmengine's) both reuse the graph. The lean bf16 storages and the 8-bit states take
+    the lr as a number (no ``capturable``), so ``compile_step`` refuses them too; a compiled
+    ``opt.step`` of such an optimizer alone works, at a constant lr. ``compile_step`` needs an optimizer with the fused master
+    step (refused otherwise, at construction); a step that still cannot fuse (the gradients of
+    several loss scalers, clipping other than by the L2 norm) takes the eager path as before.
+"""
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from .. import compat
+from ..master import MasterParams
+from ..scaler import LossScaler
+from .overflow import StepFlags
+from .unscale import fused_step
+
+__all__ = ['DeviceStages', 'check_compile_step', 'refuse_lr_as_number']
+
+Stages = Tuple[Optional[Tensor], Optional[List[Tensor]]]
+
+
+def check_compile_step(value: Any, optimizer: Optional[Optimizer] = None
+                       ) -> Optional[Dict[str, Any]]:
+    """The ``torch.compile`` keywords ``compile_step`` asks for, or None (eager); refuses a wrong
+    value, an optimizer without the fused master step and a torch without fake kernels."""
+    if value is False or value is None:
+        return None
+    if value is True:
+        value = {}
+    if not isinstance(value, dict):
+        raise TypeError(f'compile_step must be True, False or a dict of torch.compile keywords '
+                        f"such as dict(backend='inductor'), got {value!r}")
+    if 'fullgraph' in value:
+        raise ValueError(f'compile_step={value!r}: fullgraph is always True (the device stages '
+                         'compile whole, Note [compiled step]); remove the key')
+    if optimizer is not None and not getattr(optimizer, 'supports_fused_master_step', False):
+        raise ValueError(
+            f'compile_step={value!r} compiles the fused step, which needs an optimizer with the '
+            f'fused master step; {type(optimizer).__name__} has none. Use one of mp_wrappers\' '
+            "fused optimizers, e.g. optimizer=dict(type='mp_wrappers.FusedAdam', lr=...) "
+            "(also FusedSGD, FusedLAMB, FusedNovoGrad, FusedAdagrad), or compile_step=False")
+    if optimizer is not None and getattr(optimizer, 'bf16_storage', None) is not None:
+        refuse_lr_as_number(value, f'bf16_storage={optimizer.bf16_storage!r}')
+    if optimizer is not None and getattr(optimizer, 'int8_states', False):
+        refuse_lr_as_number(value, "state_dtype='int8'")
+    if optimizer is not None and not _lr_on_device(optimizer):
+        raise ValueError(
+            f'compile_step={value!r} needs the learning rate on the device: a float lr is a '
+            'constant of the compiled graph, so every new value an LR schedule sets would compile '
+            f'the step again (and fail after a few). Build {type(optimizer).__name__} with '
+            'capturable=True, e.g. optimizer=dict(type=\'mp_wrappers.FusedAdam\', lr=..., '
+            'capturable=True): the lr becomes a 1-element tensor the kernels read when they run')
+    compat.require('fake_kernels')
+    return dict(value)
+
+
+def refuse_lr_as_number(value: Any, what: str) -> None:
+    """Refuse ``compile_step`` with ``what``, whose kernels take the lr as a number."""
+    if check_compile_step(value) is None:
+        return
+    raise ValueError(
+        f'compile_step={value!r} does not combine with {what}: its kernels take the lr as a '
+        'number, a constant of the compiled graph (every new value an LR schedule sets would '
+        'compile the step again). Use master_weights=True (fp32 masters) with '
+        "optimizer=dict(type='mp_wrappers.FusedAdam', ..., capturable=True), or compile_step=False")
+
+
+def _lr_on_device(optimizer: Optimizer) -> bool:
+    """Whether every group's lr is (or becomes at the first step, ``capturable``) a tensor."""
+    return bool(getattr(optimizer, 'capturable', False)) or all(
+        isinstance(g['lr'], Tensor) for g in optimizer.param_groups)
+
+
+def _device_stages(optimizer: Optimizer, masters: MasterParams, scaler: LossScaler,
+                   flags: StepFlags, clip: Optional[dict], sharding: Any,
+                   sync_flags: Callable[[], None]) -> Stages:
+    """Check, clip, update and update the scaler: (the gradient norm, the scale before)."""
+    flag = flags.flag(flags.pending)
+    total = fused_step(optimizer, masters, scaler, flags, clip, sharding, sync_flags)
+    before = scaler.scale.clone()
+    scaler.update(flag)
+    return total, [before]
+
+
+class DeviceStages:
+    """The fused step's device stages: eager (the scaler is updated by the bookkeeping, as
+    always), or compiled with the scaler's update inside (Note [compiled step]).
+
+    Args:
+        compile_step: The wrapper option: False, True or a dict of ``torch.compile`` keywords.
+        optimizer: The wrapper's optimizer (checked: it must have the fused master step).
+    """
+
+    def __init__(self, compile_step: Union[bool, Dict[str, Any]] = False,
+                 optimizer: Optional[Optimizer] = None) -> None:
+        self.compile_kwargs = check_compile_step(compile_step, optimizer)
+        self._compiled: Optional[Callable[..., Stages]] = None
+
+    @property
+    def compiled(self) -> bool:
+        return self.compile_kwargs is not None
+
+    def __call__(self, optimizer: Optimizer, masters: MasterParams, scaler: LossScaler,
+                 flags: StepFlags, clip: Optional[dict], sharding: Any,
+                 sync_flags: Callable[[], None]) -> Stages:
+        """(norm, scales before the step): the latter None when the scaler is still to update."""
+        if self.compile_kwargs is None:
+            return fused_step(optimizer, masters, scaler, flags, clip, sharding, sync_flags), None
+        if self._compiled is None:
+            self._compiled = torch.compile(_device_stages, fullgraph=True, **self.compile_kwargs)
+        return self._compiled(optimizer, masters, scaler, flags, clip, sharding, sync_flags)
