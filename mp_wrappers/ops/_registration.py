@@ -29,7 +29,7 @@ import torch
 
 from . import reference
 
-__all__ = ['register', 'implementations', 'has_compiled_kernel', 'declared_ops']
+__all__ = ['register', 'register_references', 'implementations', 'has_compiled_kernel', 'declared']
 
 # Dispatch keys of the device types the extension may build kernels for.
 DISPATCH_KEYS = {'cpu': 'CPU', 'cuda': 'CUDA'}
@@ -45,11 +45,10 @@ _libraries: list = []
 _registered: set = set()
 
 
-def declared_ops(namespace: str = NAMESPACE) -> FrozenSet[str]:
-    """Names of the ops declared under ``torch.ops.<namespace>``."""
-    prefix = f'{namespace}::'
-    return frozenset(s.name[len(prefix):] for s in torch._C._jit_get_all_schemas()
-                     if s.name.startswith(prefix))
+def declared(names: Iterable[str], namespace: str = NAMESPACE) -> FrozenSet[str]:
+    """Those of ``names`` declared as ops under ``torch.ops.<namespace>``."""
+    ops = getattr(torch.ops, namespace)
+    return frozenset(name for name in names if hasattr(ops, name))
 
 
 def _has_kernel(qualified: str, key: str) -> bool:
@@ -86,17 +85,17 @@ def register_references(names: Iterable[str], device_types: Iterable[str],
 def register(ext) -> None:
     """Settle every op of the loaded extension ``ext`` on the device types it was built for."""
     device_types = ['cpu'] + (['cuda'] if getattr(ext, 'cuda_built', False) else [])
-    declared = declared_ops()
     refs = {name: getattr(reference, name) for name in reference.__all__
             if callable(getattr(reference, name)) and name.startswith(('multi_tensor_', 'update_'))}
-    compiled = register_references(sorted(declared), device_types, refs)
+    ops = declared(refs)
+    compiled = register_references(sorted(ops), device_types, refs)
     _compiled.clear()
     _compiled.update(compiled)
     _implementations.clear()
-    ops = torch.ops.mp_wrappers
     for device_type in device_types:
         _implementations[device_type] = {
-            name: getattr(ops, name) if name in declared else fn for name, fn in refs.items()}
+            name: getattr(torch.ops.mp_wrappers, name) if name in ops else fn
+            for name, fn in refs.items()}
 
 
 def implementations(device_type: str) -> Optional[Dict[str, Callable]]:

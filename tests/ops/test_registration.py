@@ -28,7 +28,7 @@ def _probe_op(name):
     global _PROBE_LIB
     if _PROBE_LIB is None:
         _PROBE_LIB = torch.library.Library(PROBES, 'DEF')
-    if name not in _registration.declared_ops(PROBES):
+    if not _registration.declared([name], PROBES):
         _PROBE_LIB.define(f'{name}(Tensor(a!) x, float value) -> ()')
     return f'{PROBES}::{name}'
 
