@@ -196,6 +196,13 @@ def test_compile_step_needs_the_fused_master_step():
                          dtype='bfloat16', compile_step=True)
 
 
+@needs_compile
+def test_compile_step_refuses_fsdp_at_the_first_step():
+    stages = DeviceStages(True)
+    with pytest.raises(NotImplementedError, match='sharded .FSDP. model yet; set compile_step=False'):
+        stages(None, None, None, None, None, object(), lambda: None)
+
+
 def test_compile_step_needs_fake_kernels(monkeypatch):
     monkeypatch.setattr(compat, 'has', lambda feature: feature != 'fake_kernels')
     with pytest.raises(FeatureUnavailableError, match=r'torch.compile .* needs torch >= 2\.4'):
