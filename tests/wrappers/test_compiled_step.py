@@ -189,6 +189,15 @@ def test_compile_step_refuses_optimizers_taking_the_lr_as_a_number(adam, what):
         FP16OptimWrapper(FusedAdam(model.parameters(), lr=1e-2, **adam), compile_step=True)
 
 
+def test_compile_step_refuses_a_param_group_with_int8_states():
+    model = _model()
+    groups = [dict(params=[model[0].weight], state_dtype='int8'),
+              dict(params=[p for n, p in model.named_parameters() if n != '0.weight'])]
+    with pytest.raises(ValueError, match="does not combine with state_dtype='int8'"):
+        ApexOptimWrapper(FusedAdam(groups, lr=1e-2), opt_level='O2', dtype='bfloat16',
+                         compile_step=True)
+
+
 def test_compile_step_needs_the_fused_master_step():
     model = _model()
     with pytest.raises(ValueError, match=r"AdamW has none.*type='mp_wrappers.FusedAdam'"):
