@@ -63,6 +63,26 @@ def _cpu_fp16() -> bool:
     return True
 
 
+_PROBE_LIBRARIES: list = []
+
+
+@functools.lru_cache(maxsize=None)
+def _functionalizes_list_mutation() -> bool:
+    # Our fused ops update lists of tensors in place (schema `Tensor(a!)[]`). torch.compile traces
+    # a custom op that mutates its inputs through auto_functionalize, which took mutated Tensor[]
+    # arguments only in a later release: torch 2.4.1 refuses them ("Found a custom (non-ATen)
+    # operator whose output has alias annotations"), 2.6.0 takes them. Asked of a probe op with
+    # that schema, in a namespace of its own, so that this module needs no extension.
+    try:
+        from torch._higher_order_ops.auto_functionalize import can_auto_functionalize
+        lib = torch.library.Library('mp_wrappers_compat_probe', 'FRAGMENT')
+        lib.define('list_update_(Tensor(a!)[] xs) -> ()')
+        _PROBE_LIBRARIES.append(lib)  # a Library deregisters its ops when collected
+        return bool(can_auto_functionalize(torch.ops.mp_wrappers_compat_probe.list_update_.default))
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+
+
 @dataclasses.dataclass(frozen=True)
 class Feature:
     """A feature that needs a newer torch than :data:`TORCH_MIN`.
@@ -93,6 +113,13 @@ FEATURES: Dict[str, Feature] = {
         'torch.compile / meta tensors through the torch.ops.mp_wrappers ops', '2.4',
         'torch.library.register_fake', 'eager mode (no torch.compile) works on any torch',
         _attrs(torch.library, 'register_fake')),
+    # torch.compile of a fused step (FusedAdam & co. under torch.compile, compile_step=...): our ops
+    # update lists of tensors in place, which the compiler must functionalize.
+    'compile_list_ops': Feature(
+        'torch.compile of the fused steps (ops that update lists of tensors in place)', '2.6',
+        'auto_functionalize of custom ops mutating a Tensor[] (torch 2.4.1 lacks it, 2.6.0 has '
+        'it; 2.5 not tried)', 'eager fused steps work on any torch',
+        _functionalizes_list_mutation),
     # FSDP2: per-parameter sharding with DTensors (public in torch.distributed.fsdp since 2.6).
     'fsdp2': Feature(
         'FSDP2 (fully_shard, mp_wrappers.FullyShardedModel)', '2.6',

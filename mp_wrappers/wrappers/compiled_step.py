@@ -81,6 +81,7 @@ def check_compile_step(value: Any, optimizer: Optional[Optimizer] = None
             'capturable=True, e.g. optimizer=dict(type=\'mp_wrappers.FusedAdam\', lr=..., '
             'capturable=True): the lr becomes a 1-element tensor the kernels read when they run')
     compat.require('fake_kernels')
+    compat.require('compile_list_ops')
     return dict(value)
 
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
-from mp_wrappers import compat
+from _compat import requires
 from mp_wrappers.ops import _extension
 from mp_wrappers.optim import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 
 pytestmark = [
-    pytest.mark.skipif(not compat.has('fake_kernels'),
-                       reason='torch.compile of our ops needs torch >= 2.4 (compat fake_kernels)'),
+    requires('fake_kernels'),
+    requires('compile_list_ops'),
     pytest.mark.skipif(_extension.extension() is None, reason='the extension is not built'),
 ]
 

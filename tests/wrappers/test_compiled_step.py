@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.testing import CompileCounter
 
+from _compat import requires
 from mp_wrappers import (ApexOptimWrapper, FP16OptimWrapper, FusedAdam, FusedLAMB, FusedSGD,
                          cast_model, compat)
 from mp_wrappers.compat import FeatureUnavailableError
@@ -22,8 +23,8 @@ from mp_wrappers.step_outcomes import simulate_accelerator
 from mp_wrappers.wrappers.compiled_step import DeviceStages, check_compile_step
 
 _COMPILE_MARKS = (
-    pytest.mark.skipif(not compat.has('fake_kernels'),
-                       reason='torch.compile of our ops needs torch >= 2.4 (compat fake_kernels)'),
+    requires('fake_kernels'),
+    requires('compile_list_ops'),
     pytest.mark.skipif(_extension.extension() is None, reason='the extension is not built'),
 )
 
@@ -210,6 +211,13 @@ def test_compile_step_refuses_fsdp_at_the_first_step():
     stages = DeviceStages(True)
     with pytest.raises(NotImplementedError, match='sharded .FSDP. model yet; set compile_step=False'):
         stages(None, None, None, None, None, object(), lambda: None)
+
+
+def test_compile_step_needs_list_functionalization(monkeypatch):
+    monkeypatch.setattr(compat, 'has', lambda feature: feature != 'compile_list_ops')
+    with pytest.raises(FeatureUnavailableError, match=r'torch.compile of the fused steps .* needs '
+                                                      r'torch >= 2\.6'):
+        check_compile_step(True)
 
 
 def test_compile_step_needs_fake_kernels(monkeypatch):
