@@ -7,7 +7,7 @@ Note [wrapper lifecycle]
     through ours. The hook does exactly what correctness needs, nothing optional:
 
     * ``before_run`` (before any other hook's): an FSDP2 model under a runner whose checkpoints
-      would hold rank 0's shards only is refused
+      would hold rank 0's shards only, and an ``EMAHook`` over an FSDP1 or FSDP2 model, are refused
       (:func:`mp_wrappers.distributed.runner_checkpoint.attach`); mmengine's ``EMAHook`` averages
       the full-precision weights when a wrapper trains half weights
       (:func:`mp_wrappers.ema.adopt_ema_hooks`);
@@ -30,7 +30,7 @@ from typing import Any, List, Optional
 
 from mmengine.hooks import Hook, LoggerHook
 
-from .distributed.runner_checkpoint import adapt_loaded_checkpoint
+from .distributed.runner_checkpoint import adapt_loaded_checkpoint, refuse_sharded_ema
 from .distributed.runner_checkpoint import attach as attach_sharded_checkpoints
 from .ema import adopt_ema_hooks
 from .registry import HOOKS
@@ -82,15 +82,18 @@ class WrapperLifecycleHook(Hook):
 
     def before_run(self, runner) -> None:
         self._ran.add('before_run')
-        # An FSDP2 model under a runner that would save rank 0's shards only, or with an
-        # EMAHook, is refused before anything is saved or averaged (Note [runner checkpoints
-        # under FSDP2]).
+        # An FSDP2 model under a runner that would save rank 0's shards only, or an FSDP1 or
+        # FSDP2 model with an EMAHook, is refused before anything is saved or averaged (Note
+        # [runner checkpoints under FSDP2], Note [EMA of a sharded model]).
         attach_sharded_checkpoints(runner)
         adopt_ema_hooks(runner)
 
     def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
         """A sharded run's full checkpoint resumed without sharding: the optimizer state keyed
         by parameter name is re-keyed by position (``runner_checkpoint.adapt_loaded_checkpoint``)."""
+        # load_from/resume run before before_run: refuse an EMAHook over a sharded model before
+        # its after_load_checkpoint reads the checkpoint into a copy it has not made
+        refuse_sharded_ema(runner)
         adapt_loaded_checkpoint(runner, checkpoint)
 
     def before_train(self, runner) -> None:

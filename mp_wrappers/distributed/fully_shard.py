@@ -20,8 +20,10 @@ from mmengine.model.base_model.data_preprocessor import BaseDataPreprocessor
 from torch import nn
 from .. import compat
 from ..casting import is_norm_layer, parse_dtype
+from mmengine.dist import is_distributed
 from mmengine.runner import Runner
 
+from ..launch import init_gloo
 from ..registry import MODEL_WRAPPERS, RUNNERS
 from . import runner_checkpoint
 
@@ -180,6 +182,14 @@ class FullyShardedRunner(Runner):
         >>> model_wrapper_cfg = dict(type='mp_wrappers.FullyShardedModel', dtype='bfloat16')
         >>> default_hooks = dict(checkpoint=dict(type='CheckpointHook', interval=1))
     """
+
+    def setup_env(self, env_cfg: Dict) -> None:
+        # Without CUDA mmengine's init_dist calls torch.cuda.set_device (and takes nccl): start a
+        # gloo group from the launcher's environment first, as MixedPrecisionFSDPStrategy does for
+        # FSDP1, so that a toolbox's own train script runs an FSDP2 config on CPU too.
+        if self.distributed and not torch.cuda.is_available() and not is_distributed():
+            init_gloo(self.launcher, env_cfg.get('dist_cfg', {}) or {})
+        super().setup_env(env_cfg)
 
     def _init_model_weights(self) -> None:
         if isinstance(self.model, FullyShardedModel):

@@ -28,7 +28,8 @@ The interface for whatever attaches to a runner (see docs/distributed.md):
 * :func:`attach` (``runner``): call once the runner is built, before ``runner.train()`` saves or
   loads anything. It refuses a runner whose model is FSDP2-sharded but whose ``save_checkpoint``
   is mmengine's rank-0-only one, naming the config line to change, so that no path writes a
-  partial checkpoint (and an EMAHook under FSDP2, which fails later otherwise).
+  partial checkpoint (and an EMAHook under FSDP1 or FSDP2, which would save a partial EMA or
+  fail later otherwise).
 * :func:`save_checkpoint`, :func:`load_checkpoint`: the collective versions of the ``Runner``
   methods of the same names (all ranks call them, with the runner as first argument).
 
@@ -49,8 +50,8 @@ from .dcp_format import (INFO_KEY, REST_KEY, VERSION, SafeFileSystemReader, chec
                          from_blob, is_sharded_checkpoint, merge_tensors, rest_template,
                          sharded_keys, split_tensors, to_blob)
 
-__all__ = ['fsdp2_root', 'attach', 'save_checkpoint', 'load_checkpoint', 'adapt_loaded_checkpoint',
-           'optimizer_state_by_position']
+__all__ = ['fsdp2_root', 'attach', 'refuse_sharded_ema', 'save_checkpoint', 'load_checkpoint',
+           'adapt_loaded_checkpoint', 'optimizer_state_by_position']
 
 
 # ---- what is sharded ------------------------------------------------------------------------------
@@ -67,27 +68,23 @@ def fsdp2_root(model: nn.Module) -> Optional[nn.Module]:
 
 
 def attach(runner: Any) -> None:
-    """Check that ``runner`` writes whole checkpoints of an FSDP2 model (call before training).
+    """Check that ``runner`` writes whole checkpoints of a sharded model (call before training).
 
     Under FSDP2 only a runner whose ``save_checkpoint`` is collective (this module's, as
     :class:`~mp_wrappers.distributed.fully_shard.FullyShardedRunner` has) may save; mmengine's own
-    would write rank 0's shards only (Note [runner checkpoints under FSDP2]). Idempotent; does
-    nothing for models that are not FSDP2-sharded.
+    would write rank 0's shards only (Note [runner checkpoints under FSDP2]). mmengine's ``EMAHook``
+    (and every subclass, ours included) is refused under FSDP1 and FSDP2 (Note [EMA of a sharded
+    model]). Idempotent; does nothing for models that are not sharded.
 
     Raises:
         RuntimeError: the model is FSDP2-sharded and the runner's ``save_checkpoint`` is
             mmengine's rank-0-only one.
-        NotImplementedError: the model is FSDP2-sharded and an ``EMAHook`` is registered.
+        NotImplementedError: the model is FSDP1- or FSDP2-sharded and an ``EMAHook`` is
+            registered.
     """
+    refuse_sharded_ema(runner)
     if fsdp2_root(getattr(runner, 'model', None)) is None:
         return
-    from mmengine.hooks import EMAHook
-    ema = [type(h).__name__ for h in getattr(runner, 'hooks', []) if isinstance(h, EMAHook)]
-    if ema:
-        raise NotImplementedError(
-            f'{ema[0]} under FSDP2: its averaged model is a deepcopy of the model, which torch '
-            "refuses for fully_shard modules ('FSDP does not support deepcopy'). Remove it from "
-            'custom_hooks, or train with DDP or FSDP1 for EMA')
     if getattr(type(runner).save_checkpoint, '_mp_wrappers_collective', False):
         return
     raise RuntimeError(
@@ -95,6 +92,46 @@ def attach(runner: Any) -> None:
         "rank 0's shards only (a partial checkpoint that resumes silently wrong). Set "
         "runner_type = 'mp_wrappers.FullyShardedRunner' in the config: it saves and resumes "
         'sharded checkpoints (torch.distributed.checkpoint) from every rank')
+
+
+def _sharding(model: Any) -> Optional[str]:
+    """``'FSDP1'`` or ``'FSDP2'`` when ``model`` (or mmengine's wrapper's ``module``) is sharded."""
+    if fsdp2_root(model) is not None:
+        return 'FSDP2'
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    return 'FSDP1' if isinstance(model, FullyShardedDataParallel) else None
+
+
+def refuse_sharded_ema(runner: Any) -> None:
+    """Refuse mmengine's ``EMAHook`` (any subclass) over a sharded model, before it copies it.
+
+    Note [EMA of a sharded model]
+        ``EMAHook`` deep-copies the model in ``before_run`` and swaps the copy into the checkpoint
+        in ``before_save_checkpoint``. Under FSDP2 torch refuses the deepcopy (``FSDP does not
+        support deepcopy``); under FSDP1 (torch 2.13, mmengine's FSDP wrapper) it fails on the
+        wrapper's state (``cannot pickle 'module' object``). Were it made, the copy would hold each
+        rank's *local shard views* (flat pieces, empty on some ranks): the elementwise average
+        would be right rank by rank, but mmengine swaps it into a ``'full'`` checkpoint in place of
+        the gathered weights, so the file would hold rank 0's EMA pieces only (a partial EMA that
+        resumes wrong). Both are refused before the first step, with the config lines to change.
+        An EMA of a sharded model needs its own sharded state (DTensor shards saved through DCP,
+        gathered for ``'full'``): not built.
+    """
+    from mmengine.hooks import EMAHook
+    kind = _sharding(getattr(runner, 'model', None))
+    ema = [type(h).__name__ for h in getattr(runner, 'hooks', []) if isinstance(h, EMAHook)]
+    if kind is None or not ema:
+        return
+    why = ("torch refuses to deepcopy fully_shard modules ('FSDP does not support deepcopy')"
+           if kind == 'FSDP2' else
+           "torch cannot copy an FSDP1 model, and a copy would hold each rank's local shard "
+           "views, of which a checkpoint would keep rank 0's only")
+    raise NotImplementedError(
+        f'{ema[0]} under {kind}: its averaged model is a deepcopy of the model, and {why} '
+        '(Note [EMA of a sharded model]). Remove the '
+        f"dict(type='{ema[0]}', ...) entry from custom_hooks, or train with DDP for EMA: in place "
+        "of runner_type, strategy and model_wrapper_cfg, set model_wrapper_cfg = "
+        "dict(type='mp_wrappers.MixedPrecisionDistributedDataParallel')")
 
 
 def _collective(fn):
