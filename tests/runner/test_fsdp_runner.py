@@ -1,19 +1,25 @@
-"""FSDP1 through mmengine's FlexibleRunner, launched as users launch it: torchrun + tools/train.py.
+"""FSDP1 through mmengine's FlexibleRunner, launched as users launch it: torchrun + a train script.
 
 ``configs/digits/cnn_fsdp_apex_O2_bf16.py`` (mp_wrappers.MixedPrecisionFSDPStrategy, ApexOptimWrapper
-O2 bf16, FusedAdam, clip_grad, evaluation), with inf planted into rank 1's local gradient shard at
-iterations 10 and 40 (skipped on every rank, at 2 and 3 ranks), a dynamic loss scale that grows every 10 steps and
-``accumulative_counts=2`` (no_sync): 2 processes train 2 epochs with a full checkpoint per epoch; a
-second 2-process run resumes from the first epoch's checkpoint and ends bitwise equal, with the
-same loss scale; a 3-process run resumes from the same 2-process checkpoint (N -> M). With
-``state_dict_cfg='local'`` (each rank writes its ShardedTensors) the resume is bitwise too, loaded
-with exactly torch's ShardedTensor classes allow-listed, and refused on another rank count. Each rank's
-optimizer state is about total / N elements (the fp32 shards are the masters: none extra).
+O2 bf16, FusedAdam, clip_grad, evaluation every epoch), with inf planted into rank 1's local gradient
+shard at iterations 10 and 40 (skipped on every rank, at 2 and 3 ranks), a dynamic loss scale that
+grows every 10 steps and ``accumulative_counts=2`` (no_sync). Through tools/train.py: 2 processes
+train 2 epochs with a full checkpoint per epoch; a second 2-process run resumes from the first
+epoch's checkpoint and ends bitwise equal, with the same loss scale; a 3-process run resumes from the
+same 2-process checkpoint (N -> M); one process without FSDP resumes it too, and its evaluation of
+those weights gives the accuracy the 2 ranks logged. Through a toolbox's own train script (no
+tools/train.py, no hook of ours: what a config alone gives), with ``state_dict_cfg='local'`` (each
+rank writes its ShardedTensors) and accumulation: the same one-rank overflow, evaluation, and a
+resume that is bitwise, loaded with exactly torch's ShardedTensor classes allow-listed, and refused
+on another rank count. Every rank records the same validation metrics. Each rank's optimizer state
+is about total / N elements (the fp32 shards are the masters: none extra). (mmengine's ``EMAHook``
+under FSDP1, refused before training: tests/runner/test_runner_checkpoint.py.)
 ``configs/digits/cnn_fsdp2_apex_O2_bf16.py`` (FSDP2 through mp_wrappers.FullyShardedRunner): training,
 checkpoints and resume in tests/runner/test_runner_checkpoint.py.
 """
+import importlib.util
 import os
-import subprocess
+import re
 import sys
 
 import pytest
@@ -22,8 +28,11 @@ import torch
 import torchrun
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:  # projects.digits, which the configs import, for runs in this process
+    sys.path.append(REPO)
 CONFIG = 'tests/configs/fsdp_shard_fault.py'  # the shipped FSDP1 config + a one-rank fault
-OPTIONS = ['train_cfg.max_epochs=2', 'train_cfg.val_interval=2', 'default_hooks.checkpoint.interval=1',
+PLAIN = 'tests/configs/fsdp_plain_fault.py'  # the same without any hook of ours
+OPTIONS = ['train_cfg.max_epochs=2', 'train_cfg.val_interval=1', 'default_hooks.checkpoint.interval=1',
            'optim_wrapper.loss_scale=dynamic', 'optim_wrapper.init_scale=256.',
            'optim_wrapper.scale_window=10',
            # 30 iterations per epoch on 2 ranks: the checkpoint falls on an accumulation boundary
@@ -31,11 +40,16 @@ OPTIONS = ['train_cfg.max_epochs=2', 'train_cfg.val_interval=2', 'default_hooks.
            'train_dataloader.batch_size=24']
 
 
-def _torchrun(nproc, work_dir, result, extra=(), accumulate=2, config=CONFIG, options=None):
+def _env():
     # tests/ on the path: the configs import tests/_reliability_hooks.py
-    env = dict(os.environ, OMP_NUM_THREADS='1',
-               PYTHONPATH=os.pathsep.join([os.path.join(REPO, 'tests'), REPO,
-                                           os.environ.get('PYTHONPATH', '')]))
+    return dict(os.environ, OMP_NUM_THREADS='1',
+                PYTHONPATH=os.pathsep.join([os.path.join(REPO, 'tests'), REPO,
+                                            os.environ.get('PYTHONPATH', '')]))
+
+
+def _torchrun(nproc, work_dir, result, extra=(), accumulate=2, config=CONFIG, options=None):
+    """Train under torchrun with tools/train.py's setup (``'--plain'`` in ``extra``: a toolbox's)."""
+    env = _env()
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
            'tests/fsdp_train_check.py', config, str(result), '--launcher', 'pytorch',
            '--work-dir', str(work_dir), *extra, '--cfg-options',
@@ -43,6 +57,39 @@ def _torchrun(nproc, work_dir, result, extra=(), accumulate=2, config=CONFIG, op
     proc = torchrun.run(cmd, cwd=REPO, env=env, finished=lambda p: _all_done(p, nproc))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(result, weights_only=True), proc.stdout + proc.stderr
+
+
+def accuracies(log):
+    """``{epoch: accuracy}`` of the ``Epoch(val)`` lines of a run's log."""
+    return {int(e): float(a) for e, a in
+            re.findall(r'Epoch\(val\) \[(\d+)\]\[\d+/\d+\]\s+accuracy: ([\d.]+)', log)}
+
+
+def same_on_every_rank(val, logged, nproc):
+    """Every rank's last ``val/accuracy`` is the same number, the one rank 0 logged (4 decimals)."""
+    assert len(val) == nproc and val[0] is not None and val == val[:1] * nproc, val
+    assert val[0] == pytest.approx(logged, abs=1e-4)
+
+
+def train_tool():
+    """tools/train.py as a module (its import puts the repository root on sys.path)."""
+    spec = importlib.util.spec_from_file_location('train_tool', os.path.join(REPO, 'tools', 'train.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def in_this_process(fn):
+    """Run ``fn`` (a Runner's train/val) with the digits configs' one thread, in this process, then
+    undo the process-wide settings the Runner makes (threads, deterministic algorithms). Cheaper than
+    a subprocess: starting one is most of its time."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(False)
 
 
 def _all_done(proc, nproc) -> bool:
@@ -59,13 +106,16 @@ def runs(tmp_path_factory):
     # on 3 ranks (20 iterations per epoch) overshoots the accumulation bookkeeping's max_iters.
     three, _ = _torchrun(3, tmp / 'c', tmp / 'c.pt', ['--resume', str(tmp / 'a' / 'epoch_1.pth')],
                          accumulate=1)
-    # state_dict_cfg='local': each rank writes rank{i}.pth of ShardedTensors (no accumulation)
+    # A toolbox's train script, no hook of ours, state_dict_cfg='local': each rank writes
+    # rank{i}.pth of ShardedTensors
     local = [*OPTIONS, 'strategy.state_dict_cfg=local']
-    local_a, _ = _torchrun(2, tmp / 'la', tmp / 'la.pt', accumulate=1, options=local)
-    local_b, _ = _torchrun(2, tmp / 'lb', tmp / 'lb.pt', ['--resume', str(tmp / 'la' / 'epoch_1.pth')],
-                           accumulate=1, options=local)
+    local_a, local_log = _torchrun(2, tmp / 'la', tmp / 'la.pt', ['--plain'], config=PLAIN,
+                                   options=local)
+    local_b, _ = _torchrun(2, tmp / 'lb', tmp / 'lb.pt',
+                           ['--plain', '--resume', str(tmp / 'la' / 'epoch_1.pth')], config=PLAIN,
+                           options=local)
     return dict(straight=straight, resumed=resumed, three=three, log=log, local_a=local_a,
-                local_b=local_b, tmp=tmp)
+                local_b=local_b, local_log=local_log, tmp=tmp)
 
 
 def test_trains_with_fsdp_mixed_precision(runs):
@@ -79,7 +129,10 @@ def test_trains_with_fsdp_mixed_precision(runs):
     # FSDP's fp32 shards are the masters: Adam's m and v only, split between the ranks
     assert sum(a['opt_numel']) == 2 * a['total']
     assert all(abs(n - a['total']) <= 16 for n in a['opt_numel'])
-    assert 'accuracy' in runs['log']
+    # evaluation every epoch; every rank got the metrics rank 0 logged for the last one
+    logged = accuracies(runs['log'])
+    assert sorted(logged) == [1, 2] and min(logged.values()) > 80.0
+    same_on_every_rank(a['val'], logged[2], 2)
 
 
 def test_resume_from_full_checkpoint_is_bitwise(runs):
@@ -95,15 +148,23 @@ def test_checkpoint_of_two_ranks_resumes_on_three(runs):
     assert c['skipped'] == 2  # iteration 10 (in the checkpoint) and 40 on 3 ranks
     assert sum(c['opt_numel']) == 2 * c['total']
     assert all(torch.isfinite(p).all() for p in c['params'])
+    assert c['val'][0] is not None and c['val'] == c['val'][:1] * 3  # the 3 ranks agree
 
 
-def test_local_sharded_checkpoint_resumes_bitwise(runs):
+def test_plain_runner_local_checkpoint_resumes_bitwise(runs):
+    """A toolbox's train script and a config without hooks of ours: one-rank overflow, clip_grad,
+    accumulation, evaluation and a bitwise resume, from the config alone."""
     a, b = runs['local_a'], runs['local_b']
+    assert 'MixedPrecisionHook' not in runs['local_log']
     assert sorted(os.listdir(runs['tmp'] / 'la' / 'epoch_1.pth')) == ['rank0.pth', 'rank1.pth']
     assert a['skipped'] == b['skipped'] == 2 and b['iters'] == a['iters'] == 60
-    assert b['scale'] == a['scale']
+    assert b['scale'] == a['scale'] == 256.0
     for x, y in zip(a['params'], b['params']):
         assert torch.equal(x, y)
+    logged = accuracies(runs['local_log'])
+    assert sorted(logged) == [1, 2] and min(logged.values()) > 80.0
+    same_on_every_rank(a['val'], logged[2], 2)
+    assert b['val'] == a['val']
 
 
 def test_local_checkpoint_loads_only_with_its_allow_list_and_rank_count(runs, tmp_path):
@@ -124,42 +185,38 @@ def test_local_checkpoint_loads_only_with_its_allow_list_and_rank_count(runs, tm
 
 def test_full_checkpoint_of_two_ranks_resumes_on_one_process_without_fsdp(runs, tmp_path):
     """FSDP1 'full' (optimizer state keyed by parameter name, FSDP's fp32 shards as the masters)
-    -> one process with mmengine's Runner, no FSDP, ApexOptimWrapper O2 keeping its own masters."""
+    -> one process with mmengine's Runner, no FSDP, ApexOptimWrapper O2 keeping its own masters;
+    it evaluates those weights to the accuracy the 2 ranks logged for them."""
     ckpt = runs['tmp'] / 'a' / 'epoch_1.pth'
-    out = tmp_path / 'loaded.pt'
-    script = f"""
-import sys, torch
-sys.path.insert(0, 'tools')
-import train
-args = train.parse_args(['{CONFIG}', '--work-dir', '{tmp_path / "w"}', '--resume', '{ckpt}',
-                         '--cfg-options', 'runner_type=Runner', 'train_cfg.max_epochs=1',
-                         'optim_wrapper.loss_scale=dynamic', 'optim_wrapper.init_scale=256.',
-                         'optim_wrapper.scale_window=10'])
-cfg = train.build_config(args)
-from mmengine.registry import RUNNERS
-runner = RUNNERS.build(cfg)
-runner.train()  # resumed at the end of epoch 1 of 1: prepares the wrapper, trains nothing
-w = runner.optim_wrapper
-names = {{id(p): n for n, p in runner.model.named_parameters()}}
-masters = {{names[id(p)]: m.clone() for m, p in w._master_params().half_pairs()}}
-slots = dict(names)  # fp32 params (BatchNorm) are stepped as they are, half ones via masters
-slots.update({{id(m): names[id(p)] for m, p in w._master_params().half_pairs()}})
-state = {{slots[id(s)]: {{k: v.clone() for k, v in w.optimizer.state[s].items()
-                         if torch.is_tensor(v) and v.numel() > 1}}
-          for g in w.optimizer.param_groups for s in g['params']}}
-torch.save(dict(masters=masters, state=state, scale=w.loss_scale, iter=runner.iter,
-                fsdp=type(runner.model).__name__), '{out}')
-"""
-    env = dict(os.environ, OMP_NUM_THREADS='1',
-               PYTHONPATH=os.pathsep.join([os.path.join(REPO, 'tests'), REPO,
-                                           os.environ.get('PYTHONPATH', '')]))
-    proc = subprocess.run([sys.executable, '-c', script], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    got = torch.load(out, weights_only=True)
+    train = train_tool()
+    args = train.parse_args([os.path.join(REPO, CONFIG), '--work-dir', str(tmp_path / 'w'),
+                             '--resume', str(ckpt), '--cfg-options', 'runner_type=Runner',
+                             'train_cfg.max_epochs=1', 'optim_wrapper.loss_scale=dynamic',
+                             'optim_wrapper.init_scale=256.', 'optim_wrapper.scale_window=10'])
+    from mmengine.registry import RUNNERS
+
+    def resume_and_evaluate():
+        runner = RUNNERS.build(train.build_config(args))
+        # resumed at the end of epoch 1 of 1: prepares the wrapper, trains nothing; then evaluates
+        # the O2 bf16 model (BatchNorm fp32), as FSDP evaluated it
+        runner.train()
+        return runner, runner.val()['accuracy']
+
+    runner, accuracy = in_this_process(resume_and_evaluate)
+    w = runner.optim_wrapper
+    names = {id(p): n for n, p in runner.model.named_parameters()}
+    masters = {names[id(p)]: m for m, p in w._master_params().half_pairs()}
+    slots = dict(names)  # fp32 params (BatchNorm) are stepped as they are, half ones via masters
+    slots.update({id(m): names[id(p)] for m, p in w._master_params().half_pairs()})
+    state = {slots[id(s)]: {k: v for k, v in w.optimizer.state[s].items()
+                            if torch.is_tensor(v) and v.numel() > 1}
+             for g in w.optimizer.param_groups for s in g['params']}
+    got = dict(masters=masters, state=state, scale=w.loss_scale, iter=runner.iter,
+               fsdp=type(runner.model).__name__, accuracy=float(accuracy))
     from mp_wrappers.checkpoint import secure_torch_load
     saved = secure_torch_load(str(ckpt))
     assert got['iter'] == 30 and 'FullyShardedDataParallel' not in got['fsdp']
+    assert got['accuracy'] == pytest.approx(accuracies(runs['log'])[1], abs=1e-3)
     assert got['scale'] == saved['optimizer']['mp_wrappers']['loss_scalers'][0]['loss_scale']
     assert got['masters']  # O2: the conv and linear weights are bf16 with fp32 masters
     for name, master in got['masters'].items():

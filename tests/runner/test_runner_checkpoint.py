@@ -21,22 +21,29 @@ accumulation.
 * The consolidated best checkpoint loads with ``torch.load(weights_only=True)`` and, evaluated by a
   single process (the same O2 bf16 model without FSDP), gives the accuracy logged by the sharded
   run for that epoch.
-* mmengine's plain ``Runner`` with an FSDP2 model is refused before training (it would save rank 0's
-  shards only), naming ``runner_type``.
+* Through a toolbox's own train script and a config without hooks of ours (what a config alone
+  gives; the ``load_from`` runs, with ``accumulative_counts=2``): the one-rank overflow, clipping,
+  evaluation (every rank records the metrics rank 0 logged), whole DCP checkpoints.
+* Refused before training, naming the config line, through a toolbox's train script (one launch
+  for all, tests/refusal_check.py): mmengine's plain ``Runner`` with an FSDP2 model (it would save
+  rank 0's shards only), and mmengine's ``EMAHook`` under FSDP2 and under FSDP1 (Note [EMA of a
+  sharded model]).
 """
 import os
-import re
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from test_fsdp_runner import REPO, _torchrun
+import torchrun
+from test_fsdp_runner import PLAIN as FSDP1_PLAIN
+from test_fsdp_runner import (REPO, _env, _torchrun, accuracies, in_this_process,
+                              same_on_every_rank)
 
 # the shipped config + inf planted into rank 1's local gradient shard at iterations 6, 50 and 70
 CONFIG = 'tests/configs/fsdp2_shard_fault.py'
+PLAIN = 'tests/configs/fsdp2_plain_fault.py'  # the same without any hook of ours
 SCALE = ['optim_wrapper.loss_scale=dynamic', 'optim_wrapper.init_scale=256.',
          'optim_wrapper.scale_window=10']
 
@@ -67,11 +74,6 @@ def _consolidate(src, out, *flags):
     return out
 
 
-def _accuracies(log):
-    return {int(e): float(a) for e, a in
-            re.findall(r'Epoch\(val\) \[(\d+)\]\[\d+/\d+\]\s+accuracy: ([\d.]+)', log)}
-
-
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp('fsdp2_ckpt')
@@ -87,13 +89,14 @@ def runs(tmp_path_factory):
     f, _ = _run(2, tmp, 'f', 4, resume=full_c)
     # load_from (weights only, new optimizer state): the DCP directory and an ordinary full file
     plain = _consolidate(tmp / 'a' / 'epoch_2.pth', tmp / 'a_epoch_2_weights.pth')
-    # ... with accumulation (the fault at iteration 6 falls on a step)
-    opts = ['train_cfg.max_epochs=1', *SCALE]
-    g, _ = _torchrun(2, tmp / 'g', tmp / 'g.pt', accumulate=2, config=CONFIG,
-                     options=[*opts, f'load_from={tmp / "a" / "epoch_2.pth"}'])
-    h, _ = _torchrun(2, tmp / 'h', tmp / 'h.pt', accumulate=2, config=CONFIG,
+    # ... through a toolbox's train script, no hook of ours, with accumulation (the fault at
+    # iteration 6 falls on a step) and evaluation
+    opts = ['train_cfg.max_epochs=1', 'train_cfg.val_interval=1', *SCALE]
+    g, log_g = _torchrun(2, tmp / 'g', tmp / 'g.pt', ['--plain'], accumulate=2, config=PLAIN,
+                         options=[*opts, f'load_from={tmp / "a" / "epoch_2.pth"}'])
+    h, _ = _torchrun(2, tmp / 'h', tmp / 'h.pt', ['--plain'], accumulate=2, config=PLAIN,
                      options=[*opts, f'load_from={plain}'])
-    return dict(tmp=tmp, a=a, b=b, c=c, d=d, e=e, f=f, g=g, h=h, log_a=log_a)
+    return dict(tmp=tmp, a=a, b=b, c=c, d=d, e=e, f=f, g=g, h=h, log_a=log_a, log_g=log_g)
 
 
 def _equal(x, y):
@@ -131,7 +134,9 @@ def test_fsdp2_config_trains(runs):
     assert a['scale'] > 256.0 and a['skipped'] == 2
     assert sum(a['opt_numel']) == 2 * a['total']  # Adam's m and v as DTensor shards, no masters
     assert all(abs(n - a['total']) <= 64 for n in a['opt_numel'])
-    assert min(_accuracies(runs['log_a']).values()) > 80.0
+    logged = accuracies(runs['log_a'])
+    assert sorted(logged) == [1, 2, 3] and min(logged.values()) > 80.0
+    same_on_every_rank(a['val'], logged[3], 2)
 
 
 def test_resume_is_bitwise(runs):
@@ -159,10 +164,25 @@ def test_load_from_sharded_or_ordinary_file_alike(runs):
     assert runs['g']['skipped'] == 1  # the fault at iteration 6, with accumulative_counts=2
 
 
+def test_plain_runner_trains_evaluates_and_saves_whole_checkpoints(runs):
+    """A toolbox's train script and a config without hooks of ours (runs g and h)."""
+    g, log = runs['g'], runs['log_g']
+    assert 'MixedPrecisionHook' not in log
+    # 12 steps (23 iterations, accumulation 2): step 3 (iteration 6) skipped on both ranks, the
+    # scale halved there, and the 9 clean steps after it are under the 10-step growth window
+    assert g['skipped'] == 1 and g['scale'] == 128.0
+    logged = accuracies(log)
+    assert sorted(logged) == [1] and logged[1] > 80.0
+    same_on_every_rank(g['val'], logged[1], 2)
+    assert runs['h']['val'] == g['val']
+    ckpt = runs['tmp'] / 'g' / 'epoch_1.pth'  # save_last: FullyShardedRunner from the config
+    assert sorted(os.listdir(ckpt)) == ['.metadata', '__0_0.distcp', '__1_0.distcp']
+
+
 def test_consolidated_checkpoint_is_plain_and_evaluates_alike(runs, tmp_path):
     tmp = runs['tmp']
-    accuracies = _accuracies(runs['log_a'])
-    best_epoch = max(accuracies, key=lambda k: (accuracies[k], -k))
+    logged = accuracies(runs['log_a'])
+    best_epoch = max(logged, key=lambda k: (logged[k], -k))
     best = tmp / 'a' / f'best_accuracy_epoch_{best_epoch}.pth'
     assert (best / '.metadata').is_file()
     out = _consolidate(best, tmp_path / 'best.pth')
@@ -180,33 +200,59 @@ def test_consolidated_checkpoint_is_plain_and_evaluates_alike(runs, tmp_path):
                       weights_only=True)['state_dict']
     assert half['features.0.weight'].dtype == torch.bfloat16
     assert half['features.1.weight'].dtype == torch.float32  # BatchNorm stays fp32
-    script = (
-        'import sys; from mmengine.config import Config; from mmengine.runner import Runner; '
-        'import mp_wrappers; '
-        "cfg = Config.fromfile('configs/digits/cnn_apex_O2_bf16.py'); "
-        f"cfg.load_from = {str(out)!r}; cfg.work_dir = {str(tmp_path / 'eval')!r}; "
-        # FSDP2 evaluated with bf16 weights and activations (its MixedPrecisionPolicy), BatchNorm
-        # fp32: the single process under bf16 autocast computes the same
-        "cfg.val_cfg = dict(type='mp_wrappers.MixedPrecisionValLoop', fp16=True, dtype='bfloat16'); "
-        'print("ACC", Runner.from_cfg(cfg).val()["accuracy"])')
-    proc = subprocess.run([sys.executable, '-c', script], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, OMP_NUM_THREADS='1'))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    accuracy = float(proc.stdout.split('ACC')[-1])
-    assert accuracy == pytest.approx(accuracies[best_epoch], abs=1e-3)
+    from mmengine.config import Config
+    from mmengine.runner import Runner
+    cfg = Config.fromfile(os.path.join(REPO, 'configs', 'digits', 'cnn_apex_O2_bf16.py'))
+    cfg.load_from, cfg.work_dir = str(out), str(tmp_path / 'eval')
+    # FSDP2 evaluated with bf16 weights and activations (its MixedPrecisionPolicy), BatchNorm fp32:
+    # the single process under bf16 autocast computes the same
+    cfg.val_cfg = dict(type='mp_wrappers.MixedPrecisionValLoop', fp16=True, dtype='bfloat16')
+    accuracy = in_this_process(lambda: Runner.from_cfg(cfg).val()['accuracy'])
+    assert accuracy == pytest.approx(logged[best_epoch], abs=1e-3)
 
 
-def test_plain_runner_with_fsdp2_is_refused_before_training(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS='1')
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-           'tools/train.py', 'configs/digits/cnn_fsdp2_apex_O2_bf16.py', '--launcher', 'pytorch',
-           '--work-dir', str(tmp_path),
-           '--cfg-options', 'runner_type=Runner']
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert "runner_type = 'mp_wrappers.FullyShardedRunner'" in proc.stderr
-    assert 'Epoch(train)' not in proc.stdout + proc.stderr
-    assert not any(name.endswith('.pth') for name in os.listdir(tmp_path))
+REFUSED = {
+    # mmengine's plain Runner would save rank 0's shards of an FSDP2 model
+    'runner_fsdp2': (PLAIN, "runner_type = 'Runner'\n",
+                     "runner_type = 'mp_wrappers.FullyShardedRunner'"),
+    # Note [EMA of a sharded model]
+    'ema_fsdp2': (PLAIN, "custom_hooks = [dict(type='EMAHook', momentum=0.01)]\n",
+                  "EMAHook under FSDP2: "),
+    'ema_fsdp1': (FSDP1_PLAIN, "custom_hooks = [dict(type='EMAHook', momentum=0.01)]\n",
+                  "EMAHook under FSDP1: "),
+}
+
+
+@pytest.fixture(scope='module')
+def refusals(tmp_path_factory):
+    """One launch, every config of REFUSED in turn: ``{name: (outcome line, work dir)}``."""
+    tmp = tmp_path_factory.mktemp('refused')
+    configs = []
+    for name, (base, line, _) in REFUSED.items():
+        configs.append(tmp / f'{name}.py')
+        configs[-1].write_text(f"_base_ = [{os.path.join(REPO, base)!r}]\n{line}")
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=1',
+           'tests/refusal_check.py', str(tmp / 'work'), *map(str, configs)]
+    proc = torchrun.run(cmd, cwd=REPO, env=_env(),
+                        finished=lambda p: 'refusal_check: rank 0 done' in p.stdout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    outcomes = dict(line.split(': ', 3)[2:] for line in proc.stdout.splitlines()
+                    if line.startswith('refusal_check: rank 0: '))
+    return {name: (outcomes[name], tmp / 'work' / name) for name in REFUSED}
+
+
+@pytest.mark.parametrize('name', list(REFUSED))
+def test_refused_before_training_with_the_config_line(refusals, name):
+    outcome, work_dir = refusals[name]
+    assert outcome != 'trained' and REFUSED[name][2] in outcome, outcome
+    if name.startswith('ema'):
+        assert "Remove the dict(type='EMAHook', ...) entry from custom_hooks" in outcome
+        assert ("model_wrapper_cfg = dict(type='mp_wrappers.MixedPrecisionDistributedDataParallel')"
+                in outcome)
+    # nothing trained, nothing saved
+    logs = [os.path.join(d, f) for d, _, fs in os.walk(work_dir) for f in fs if f.endswith('.log')]
+    assert logs and not any('Epoch(train)' in open(log).read() for log in logs)
+    assert not any(f.endswith('.pth') for _, ds, fs in os.walk(work_dir) for f in [*ds, *fs])
 
 
 def test_resume_picks_complete_sharded_checkpoints(tmp_path):
@@ -280,6 +326,9 @@ def test_attach_refuses_without_processes(monkeypatch):
     from mp_wrappers.lifecycle import WrapperLifecycleHook
     with pytest.raises(RuntimeError, match="runner_type = 'mp_wrappers.FullyShardedRunner'"):
         WrapperLifecycleHook().before_run(runner(Runner))
+    # load_from/resume come before before_run: the EMAHook is refused there too
+    with pytest.raises(NotImplementedError, match='EMAHook under FSDP2'):
+        WrapperLifecycleHook().after_load_checkpoint(runner(FullyShardedRunner, [EMAHook()]), {})
 
 
 def test_state_keyed_by_name_is_rekeyed_by_position_or_refused():
