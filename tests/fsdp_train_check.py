@@ -1,6 +1,7 @@
 """Run by tests/runner/test_fsdp_runner.py under torchrun: train with tools/train.py's setup, save full weights.
 
 Usage: torchrun --nproc_per_node=N tests/fsdp_train_check.py CONFIG RESULT_PT [--plain] [train.py args...]
+       [--then CONFIG RESULT_PT [--plain] [train.py args...]]...
 Builds the runner as tools/train.py does (FlexibleRunner for ``runner_type``), trains, then gathers
 the full fp32 weights (FSDP1 ``summon_full_params``, FSDP2 ``full_tensor``) and rank 0 saves ``{'params': [...],
 'iters': i, 'world_size': N, 'scale': s, 'skipped': k, 'opt_numel': [...per rank...],
@@ -11,6 +12,9 @@ the config, ``--cfg-options``, ``--work-dir``, ``--resume``, ``cfg.launcher``, t
 or ``RUNNERS.build`` for ``runner_type``): none of tools/train.py's config edits (no automatic hook,
 no mixed precision loops, no gloo group, no thread setting, no ``attach``). What the run needs from
 mp_wrappers then comes from the config alone.
+
+``--then`` runs another config after the first one, in the same processes and process group (each
+its own Runner, model and seeded RNGs): starting processes is most of a launch's time.
 """
 import importlib.util
 import os.path as osp
@@ -47,10 +51,8 @@ def _toolbox_config(args):
     return cfg
 
 
-def main() -> None:
-    config, result, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+def _build_runner(config, argv, train, first):
     plain = '--plain' in argv
-    train = _train_module()
     args = train.parse_args([config, *(a for a in argv if a != '--plain')])
     from mmengine.registry import RUNNERS
     from mmengine.runner import Runner
@@ -59,9 +61,18 @@ def main() -> None:
     else:
         cfg = train.build_config(args)
         train.configure_torch_threads(cfg)
+    if not first:
+        # mmengine names its MessageHub, logger and visualizer instances after the experiment
+        # (config name + the second it started): a later run of the same config in this process
+        # would get the earlier run's MessageHub, scalars and all
+        cfg.experiment_name = osp.basename(osp.normpath(args.work_dir))
     runner = Runner.from_cfg(cfg) if 'runner_type' not in cfg else RUNNERS.build(cfg)
     if not plain:
         train.attach_sharded_checkpoints(runner)
+    return runner
+
+
+def _train_and_save(runner, result) -> None:
     runner.train()
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     model = runner.model
@@ -92,8 +103,24 @@ def main() -> None:
                         skipped=sum(s.skipped_steps for s in wrapper.loss_scalers),
                         opt_numel=[int(g) for g in gathered], val=accuracies,
                         total=sum(p.numel() for p in params)), result)
-    # Leave the group cleanly: exiting with live gloo threads has aborted a rank at exit.
     dist.barrier()
+
+
+def main() -> None:
+    # CONFIG RESULT [args] [--then CONFIG RESULT [args]]...: one run after the other, in the same
+    # processes and process group (the first run starts it)
+    runs, current = [], []
+    for arg in sys.argv[1:]:
+        if arg == '--then':
+            runs.append(current)
+            current = []
+        else:
+            current.append(arg)
+    runs.append(current)
+    train = _train_module()
+    for i, (config, result, *argv) in enumerate(runs):
+        _train_and_save(_build_runner(config, argv, train, first=i == 0), result)
+    # Leave the group cleanly: exiting with live gloo threads has aborted a rank at exit.
     rank = dist.get_rank()
     dist.destroy_process_group()
     # Read by tests/runner/test_fsdp_runner.py: everything this script checks is done on this rank.

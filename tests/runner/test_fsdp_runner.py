@@ -5,18 +5,19 @@ O2 bf16, FusedAdam, clip_grad, evaluation every epoch), with inf planted into ra
 shard at iterations 10 and 40 (skipped on every rank, at 2 and 3 ranks), a dynamic loss scale that
 grows every 10 steps and ``accumulative_counts=2`` (no_sync). Through tools/train.py: 2 processes
 train 2 epochs with a full checkpoint per epoch; a second 2-process run resumes from the first
-epoch's checkpoint and ends bitwise equal, with the same loss scale; a 3-process run resumes from the
-same 2-process checkpoint (N -> M); one process without FSDP resumes it too, and its evaluation of
-those weights gives the accuracy the 2 ranks logged. Through a toolbox's own train script (no
-tools/train.py, no hook of ours: what a config alone gives), with ``state_dict_cfg='local'`` (each
-rank writes its ShardedTensors) and accumulation: the same one-rank overflow, evaluation, and a
-resume that is bitwise, loaded with exactly torch's ShardedTensor classes allow-listed, and refused
-on another rank count. Every rank records the same validation metrics. Each rank's optimizer state
+epoch's checkpoint and ends bitwise equal, with the same loss scale; one process without FSDP
+resumes it too, and its evaluation of those weights gives the accuracy the 2 ranks logged. Through
+a toolbox's own train script (no tools/train.py, no hook of ours: what a config alone gives): a
+3-process run resumes from the same 2-process checkpoint (N -> M); with ``state_dict_cfg='local'``
+(each rank writes its ShardedTensors) and accumulation, the same one-rank overflow, evaluation, and
+a resume that is bitwise, loaded with exactly torch's ShardedTensor classes allow-listed, and
+refused on another rank count. Every rank records the same validation metrics. Each rank's optimizer state
 is about total / N elements (the fp32 shards are the masters: none extra). (mmengine's ``EMAHook``
 under FSDP1, refused before training: tests/runner/test_runner_checkpoint.py.)
 ``configs/digits/cnn_fsdp2_apex_O2_bf16.py`` (FSDP2 through mp_wrappers.FullyShardedRunner): training,
 checkpoints and resume in tests/runner/test_runner_checkpoint.py.
 """
+import glob
 import importlib.util
 import os
 import re
@@ -47,16 +48,35 @@ def _env():
                                             os.environ.get('PYTHONPATH', '')]))
 
 
+def _args(work_dir, result, extra=(), accumulate=2, config=CONFIG, options=None):
+    return [config, str(result), '--launcher', 'pytorch', '--work-dir', str(work_dir), *extra,
+            '--cfg-options', *(OPTIONS if options is None else options),
+            f'optim_wrapper.accumulative_counts={accumulate}']
+
+
+def torchrun_runs(nproc, *runs):
+    """Each of ``runs`` (a dict of :func:`_torchrun`'s arguments) in turn, in one launch of
+    ``nproc`` processes (fsdp_train_check.py ``--then``: starting processes is most of a launch's
+    time). Returns ``[(result, rank 0's log file of that run)]``."""
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
+           'tests/fsdp_train_check.py']
+    for i, run in enumerate(runs):
+        cmd += (['--then'] if i else []) + _args(**run)
+    proc = torchrun.run(cmd, cwd=REPO, env=_env(), finished=lambda p: _all_done(p, nproc))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [(torch.load(run['result'], weights_only=True), run_log(run['work_dir'])) for run in runs]
+
+
 def _torchrun(nproc, work_dir, result, extra=(), accumulate=2, config=CONFIG, options=None):
     """Train under torchrun with tools/train.py's setup (``'--plain'`` in ``extra``: a toolbox's)."""
-    env = _env()
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
-           'tests/fsdp_train_check.py', config, str(result), '--launcher', 'pytorch',
-           '--work-dir', str(work_dir), *extra, '--cfg-options',
-           *(OPTIONS if options is None else options), f'optim_wrapper.accumulative_counts={accumulate}']
-    proc = torchrun.run(cmd, cwd=REPO, env=env, finished=lambda p: _all_done(p, nproc))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return torch.load(result, weights_only=True), proc.stdout + proc.stderr
+    return torchrun_runs(nproc, dict(work_dir=work_dir, result=result, extra=extra,
+                                     accumulate=accumulate, config=config, options=options))[0]
+
+
+def run_log(work_dir):
+    """Rank 0's log of the run in ``work_dir`` (mmengine's ``<work_dir>/<timestamp>/*.log``)."""
+    return ''.join(open(path).read()
+                   for path in sorted(glob.glob(os.path.join(str(work_dir), '*', '*.log'))))
 
 
 def accuracies(log):
@@ -100,20 +120,24 @@ def _all_done(proc, nproc) -> bool:
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp('fsdp_runner')
-    straight, log = _torchrun(2, tmp / 'a', tmp / 'a.pt')
-    resumed, _ = _torchrun(2, tmp / 'b', tmp / 'b.pt', ['--resume', str(tmp / 'a' / 'epoch_1.pth')])
+    # 'local' runs: a toolbox's train script, no hook of ours, state_dict_cfg='local' (each rank
+    # writes rank{i}.pth of ShardedTensors); each launch runs two configs in turn
+    local = [*OPTIONS, 'strategy.state_dict_cfg=local']
+    (straight, log), (local_a, local_log) = torchrun_runs(
+        2, dict(work_dir=tmp / 'a', result=tmp / 'a.pt'),
+        dict(work_dir=tmp / 'la', result=tmp / 'la.pt', extra=['--plain'], config=PLAIN,
+             options=local))
+    (resumed, _), (local_b, _) = torchrun_runs(
+        2, dict(work_dir=tmp / 'b', result=tmp / 'b.pt',
+                extra=['--resume', str(tmp / 'a' / 'epoch_1.pth')]),
+        dict(work_dir=tmp / 'lb', result=tmp / 'lb.pt', config=PLAIN, options=local,
+             extra=['--plain', '--resume', str(tmp / 'la' / 'epoch_1.pth')]))
     # Without accumulation: mmengine resumes the iteration counter of the 2-rank run (30), which
     # on 3 ranks (20 iterations per epoch) overshoots the accumulation bookkeeping's max_iters.
-    three, _ = _torchrun(3, tmp / 'c', tmp / 'c.pt', ['--resume', str(tmp / 'a' / 'epoch_1.pth')],
-                         accumulate=1)
-    # A toolbox's train script, no hook of ours, state_dict_cfg='local': each rank writes
-    # rank{i}.pth of ShardedTensors
-    local = [*OPTIONS, 'strategy.state_dict_cfg=local']
-    local_a, local_log = _torchrun(2, tmp / 'la', tmp / 'la.pt', ['--plain'], config=PLAIN,
-                                   options=local)
-    local_b, _ = _torchrun(2, tmp / 'lb', tmp / 'lb.pt',
-                           ['--plain', '--resume', str(tmp / 'la' / 'epoch_1.pth')], config=PLAIN,
-                           options=local)
+    # Through a toolbox's train script, no hook of ours.
+    three, _ = _torchrun(3, tmp / 'c', tmp / 'c.pt',
+                         ['--plain', '--resume', str(tmp / 'a' / 'epoch_1.pth')], accumulate=1,
+                         config=PLAIN)
     return dict(straight=straight, resumed=resumed, three=three, log=log, local_a=local_a,
                 local_b=local_b, local_log=local_log, tmp=tmp)
 

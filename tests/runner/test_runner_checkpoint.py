@@ -22,8 +22,9 @@ accumulation.
   single process (the same O2 bf16 model without FSDP), gives the accuracy logged by the sharded
   run for that epoch.
 * Through a toolbox's own train script and a config without hooks of ours (what a config alone
-  gives; the ``load_from`` runs, with ``accumulative_counts=2``): the one-rank overflow, clipping,
-  evaluation (every rank records the metrics rank 0 logged), whole DCP checkpoints.
+  gives; the ``load_from`` runs, with ``accumulative_counts=2``, and the 3-rank runs): the one-rank
+  overflow, clipping, evaluation (every rank records the metrics rank 0 logged), whole DCP
+  checkpoints.
 * Refused before training, naming the config line, through a toolbox's train script (one launch
   for all, tests/refusal_check.py): mmengine's plain ``Runner`` with an FSDP2 model (it would save
   rank 0's shards only), and mmengine's ``EMAHook`` under FSDP2 and under FSDP1 (Note [EMA of a
@@ -38,8 +39,8 @@ import torch
 
 import torchrun
 from test_fsdp_runner import PLAIN as FSDP1_PLAIN
-from test_fsdp_runner import (REPO, _env, _torchrun, accuracies, in_this_process,
-                              same_on_every_rank)
+from test_fsdp_runner import (REPO, _env, accuracies, in_this_process, same_on_every_rank,
+                              torchrun_runs)
 
 # the shipped config + inf planted into rank 1's local gradient shard at iterations 6, 50 and 70
 CONFIG = 'tests/configs/fsdp2_shard_fault.py'
@@ -54,10 +55,12 @@ def _options(epochs):
             'default_hooks.checkpoint.save_best=accuracy', *SCALE]
 
 
-def _run(nproc, tmp, name, epochs, resume=None):
-    extra = ['--resume', str(resume)] if resume else []
-    return _torchrun(nproc, tmp / name, tmp / f'{name}.pt', extra, accumulate=1, config=CONFIG,
-                     options=_options(epochs))
+def _spec(tmp, name, epochs, resume=None, plain=False):
+    """A run of :func:`torchrun_runs`: tools/train.py, or with ``plain`` a toolbox's train script
+    and PLAIN (no hook of ours)."""
+    extra = (['--plain'] if plain else []) + (['--resume', str(resume)] if resume else [])
+    return dict(work_dir=tmp / name, result=tmp / f'{name}.pt', extra=extra, accumulate=1,
+                config=PLAIN if plain else CONFIG, options=_options(epochs))
 
 
 def _tool():
@@ -77,25 +80,28 @@ def _consolidate(src, out, *flags):
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp('fsdp2_ckpt')
-    a, log_a = _run(2, tmp, 'a', 3)
-    b, _ = _run(2, tmp, 'b', 3, resume=tmp / 'a' / 'epoch_2.pth')
-    # 2 -> 3 (epoch 2 of a, one more epoch), against 3 ranks from the consolidated checkpoint
-    c, _ = _run(3, tmp, 'c', 3, resume=tmp / 'a' / 'epoch_2.pth')
-    full_a = _consolidate(tmp / 'a' / 'epoch_2.pth', tmp / 'a_epoch_2_full.pth', '--resumable')
-    d, _ = _run(3, tmp, 'd', 3, resume=full_a)
-    # 3 -> 2: c's epoch 3 was written by 3 ranks
-    e, _ = _run(2, tmp, 'e', 4, resume=tmp / 'c' / 'epoch_3.pth')
-    full_c = _consolidate(tmp / 'c' / 'epoch_3.pth', tmp / 'c_epoch_3_full.pth', '--resumable')
-    f, _ = _run(2, tmp, 'f', 4, resume=full_c)
-    # load_from (weights only, new optimizer state): the DCP directory and an ordinary full file
-    plain = _consolidate(tmp / 'a' / 'epoch_2.pth', tmp / 'a_epoch_2_weights.pth')
-    # ... through a toolbox's train script, no hook of ours, with accumulation (the fault at
-    # iteration 6 falls on a step) and evaluation
+    (a, log_a), = torchrun_runs(2, _spec(tmp, 'a', 3))
+    epoch_2 = tmp / 'a' / 'epoch_2.pth'
+    full_a = _consolidate(epoch_2, tmp / 'a_epoch_2_full.pth', '--resumable')
+    plain = _consolidate(epoch_2, tmp / 'a_epoch_2_weights.pth')
+    # One launch of 2 processes, three runs in turn: --resume of epoch 2 (b); then through a
+    # toolbox's train script, no hook of ours, with accumulation (the fault at iteration 6 falls on
+    # a step) and evaluation, load_from (weights only, new optimizer state) of the DCP directory
+    # (g) and of the same weights consolidated into an ordinary file (h)
     opts = ['train_cfg.max_epochs=1', 'train_cfg.val_interval=1', *SCALE]
-    g, log_g = _torchrun(2, tmp / 'g', tmp / 'g.pt', ['--plain'], accumulate=2, config=PLAIN,
-                         options=[*opts, f'load_from={tmp / "a" / "epoch_2.pth"}'])
-    h, _ = _torchrun(2, tmp / 'h', tmp / 'h.pt', ['--plain'], accumulate=2, config=PLAIN,
-                     options=[*opts, f'load_from={plain}'])
+    load = dict(extra=['--plain'], accumulate=2, config=PLAIN)
+    (b, _), (g, log_g), (h, _) = torchrun_runs(
+        2, _spec(tmp, 'b', 3, resume=epoch_2),
+        dict(load, work_dir=tmp / 'g', result=tmp / 'g.pt', options=[*opts, f'load_from={epoch_2}']),
+        dict(load, work_dir=tmp / 'h', result=tmp / 'h.pt', options=[*opts, f'load_from={plain}']))
+    # 2 -> 3 (epoch 2 of a, one more epoch), against 3 ranks from the consolidated checkpoint,
+    # both through a toolbox's train script
+    (c, _), (d, _) = torchrun_runs(3, _spec(tmp, 'c', 3, resume=epoch_2, plain=True),
+                                   _spec(tmp, 'd', 3, resume=full_a, plain=True))
+    # 3 -> 2: c's epoch 3 was written by 3 ranks
+    full_c = _consolidate(tmp / 'c' / 'epoch_3.pth', tmp / 'c_epoch_3_full.pth', '--resumable')
+    (e, _), (f, _) = torchrun_runs(2, _spec(tmp, 'e', 4, resume=tmp / 'c' / 'epoch_3.pth'),
+                                   _spec(tmp, 'f', 4, resume=full_c))
     return dict(tmp=tmp, a=a, b=b, c=c, d=d, e=e, f=f, g=g, h=h, log_a=log_a, log_g=log_g)
 
 
@@ -148,6 +154,7 @@ def test_two_to_three_ranks_matches_consolidated_reference(runs):
     assert runs['c']['skipped'] == 2  # 6 (in the checkpoint), then 50 on 3 ranks
     _equal(runs['c'], runs['d'])
     assert runs['c']['scale'] >= runs['a']['scale'] / 2  # scaler state carried over, not reset
+    assert runs['c']['val'][0] is not None and runs['c']['val'] == runs['c']['val'][:1] * 3
 
 
 def test_three_to_two_ranks_matches_consolidated_reference(runs):
