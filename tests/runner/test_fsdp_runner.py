@@ -11,9 +11,10 @@ a toolbox's own train script (no tools/train.py, no hook of ours: what a config 
 3-process run resumes from the same 2-process checkpoint (N -> M); with ``state_dict_cfg='local'``
 (each rank writes its ShardedTensors) and accumulation, the same one-rank overflow, evaluation, and
 a resume that is bitwise, loaded with exactly torch's ShardedTensor classes allow-listed, and
-refused on another rank count. Every rank records the same validation metrics. Each rank's optimizer state
-is about total / N elements (the fp32 shards are the masters: none extra). (mmengine's ``EMAHook``
-under FSDP1, refused before training: tests/runner/test_runner_checkpoint.py.)
+refused on another rank count. Runs of one rank count share a launch (fsdp_train_check.py
+``--then``). Every rank records the same validation metrics. Each rank's optimizer state is about
+total / N elements (the fp32 shards are the masters: none extra). (mmengine's ``EMAHook`` under
+FSDP1, refused before training: tests/runner/test_runner_checkpoint.py.)
 ``configs/digits/cnn_fsdp2_apex_O2_bf16.py`` (FSDP2 through mp_wrappers.FullyShardedRunner): training,
 checkpoints and resume in tests/runner/test_runner_checkpoint.py.
 """

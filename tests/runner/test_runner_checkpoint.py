@@ -1,11 +1,12 @@
-"""FSDP2 checkpoints through mmengine's CheckpointHook, as users run them: torchrun + tools/train.py.
+"""FSDP2 checkpoints through mmengine's CheckpointHook, as users run them: torchrun + a train script.
 
 ``configs/digits/cnn_fsdp2_apex_O2_bf16.py`` (mp_wrappers.FullyShardedRunner, FullyShardedModel,
 ApexOptimWrapper O2 bf16, FusedAdam, clip_grad, evaluation) with a dynamic loss scale that grows
 every 10 steps, a checkpoint every epoch, ``max_keep_ckpts=2`` and ``save_best='accuracy'``, and inf
 planted into rank 1's local gradient shard at iterations 6, 50 and 70 (tests/configs/
 fsdp2_shard_fault.py): rank 0 skips those steps too, at 2 and 3 ranks, with and without
-accumulation.
+accumulation. Runs of one rank count share a launch (tests/fsdp_train_check.py ``--then``): 4
+launches for the 8 runs below.
 
 * 2 ranks train 3 epochs; each checkpoint is a DCP directory whose metadata covers every element of
   every tensor, written by both ranks (never rank 0's shards alone); the oldest is removed.
