@@ -22,6 +22,7 @@ import glob
 import importlib.util
 import os
 import re
+import subprocess
 import sys
 
 import pytest
