@@ -15,6 +15,7 @@ namespace {
 
 struct AdagradOp : AdagradHyper {
   static constexpr bool kWritesState = true;
+  static constexpr bool kUnscaleOnLoad = false;
   const float* found_inf;
   const float* grad_scale;
   DeviceLr lr;

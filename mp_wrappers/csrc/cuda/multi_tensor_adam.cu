@@ -16,6 +16,7 @@ namespace {
 
 struct AdamOp : AdamHyper {
   static constexpr bool kWritesState = true;
+  static constexpr bool kUnscaleOnLoad = false;
   const float* found_inf;
   const float* grad_scale;
   const float* step;

@@ -70,6 +70,7 @@ __device__ __forceinline__ float lamb_update(const LambArgs& a, const LambCtx& c
 // Single pass, no trust ratio: p -= lr * update.
 struct LambFusedOp {
   static constexpr bool kWritesState = true;
+  static constexpr bool kUnscaleOnLoad = false;
   const float* found_inf;
   LambArgs a;
   using Ctx = LambCtx;
@@ -83,6 +84,7 @@ struct LambFusedOp {
 // Pass 3: lists [p, m, v, model]; moments are read, not written.
 struct LambApplyOp {
   static constexpr bool kWritesState = false;
+  static constexpr bool kUnscaleOnLoad = false;  // no grads
   const float* found_inf;
   const float* ratio;  // [n_tensors], from pass 2
   LambArgs a;

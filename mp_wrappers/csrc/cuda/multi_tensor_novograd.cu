@@ -25,6 +25,7 @@ namespace {
 
 struct NovoOp : NovoHyper {
   static constexpr bool kWritesState = true;
+  static constexpr bool kUnscaleOnLoad = false;
   const float* found_inf;
   const float* grad_scale;
   const float* step;

@@ -17,6 +17,7 @@ namespace {
 template <bool kMomentum>
 struct SgdOp : SgdHyper {
   static constexpr bool kWritesState = true;
+  static constexpr bool kUnscaleOnLoad = true;  // Note in optim_apply.cuh: no spill for sm_121
   const float* found_inf;
   const float* grad_scale;
   const float* step;
@@ -32,7 +33,7 @@ struct SgdOp : SgdHyper {
   }
   template <int K>
   __device__ __forceinline__ float update(const Ctx& c, float p, float g, float (&s)[K]) const {
-    float d = c.unscale(g);
+    float d = g;  // unscaled as it was loaded (kUnscaleOnLoad)
     if (wd_before) d = fadd(d, fmul(weight_decay, p));
     if constexpr (kMomentum) {
       const float buf = c.first ? d : fadd(fmul(momentum, s[0]), fmul(one_minus_dampening, d));
