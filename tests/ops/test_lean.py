@@ -211,7 +211,9 @@ def _isa_results():
                 for _ in range(2):
                     getattr(st, opt)(getattr(torch.ops.mp_wrappers, f'multi_tensor_{opt}_lean_'),
                                      st.grads(), hp, torch.full((1,), 8.0))
-                out[f'{storage}-{opt}-{sd}'] = [t.clone() for t in st.tensors()]
+                # As bit patterns: torch < 2.6 cannot torch.save a uint16 tensor (the subprocesses
+                # below send theirs back that way; "dtype torch.uint16 is not recognized").
+                out[f'{storage}-{opt}-{sd}'] = [_bits(t).clone() for t in st.tensors()]
     return out
 
 

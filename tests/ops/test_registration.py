@@ -18,7 +18,7 @@ needs_extension = pytest.mark.skipif(_extension.extension() is None,
 needs_compile = pytest.mark.skipif(
     not (compat.has('fake_kernels') and compat.has('compile_list_ops')),
     reason='torch.compile of our ops needs torch >= 2.4 (fake kernels) and, for the ops that update '
-           'lists in place, torch >= 2.6 (compat compile_list_ops)')
+           'lists in place, torch >= 2.13 (compat compile_list_ops)')
 
 # A namespace of its own: the probes must not join the ops the doctor and the kernel tests list.
 PROBES = 'mp_wrappers_registration_probe'
