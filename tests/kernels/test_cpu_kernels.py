@@ -13,7 +13,7 @@ skipped without a GPU.
 import pytest
 import torch
 
-from _compat import needs_opcheck
+from _compat import needs_opcheck, opcheck
 from _guards import checked, flat, guarded
 from _tolerances import TOL
 from mp_wrappers.ops import backend, reference
@@ -373,7 +373,7 @@ def test_opcheck(op, device):
         pytest.skip(f'no {device} kernel built')
     hp = VARIANTS[op][0][1]
     st = State(op, [37, 5], DTYPES[1], device, seed=4)
-    torch.library.opcheck(getattr(torch.ops.mp_wrappers, op), st.args(op, hp))
+    opcheck(getattr(torch.ops.mp_wrappers, op), st.args(op, hp))
 
 
 @needs_opcheck

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from _compat import needs_opcheck
+from _compat import needs_opcheck, opcheck
 from mp_wrappers import compat
 from _guards import checked, flat, guarded
 from _tolerances import KAHAN_TOL, TOL
@@ -334,9 +334,9 @@ def test_kernel_checks_direct_calls():
 @needs_kernels
 def test_opcheck():
     lean, grads = _lean_args('split')
-    torch.library.opcheck(torch.ops.mp_wrappers.multi_tensor_adam_lean_,
-                          (lean.params, lean.aux, grads, lean.m, lean.v, lean.step,
-                           *ADAM.values(), 'split', 0, None, None))
+    opcheck(torch.ops.mp_wrappers.multi_tensor_adam_lean_,
+            (lean.params, lean.aux, grads, lean.m, lean.v, lean.step,
+             *ADAM.values(), 'split', 0, None, None))
 
 
 @needs_kernels

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from _compat import needs_opcheck
+from _compat import needs_opcheck, opcheck
 import mp_wrappers
 import mp_wrappers.ops as mops
 from mp_wrappers.ops import _extension, reference
@@ -545,16 +545,7 @@ def _opcheck_cases(device):
 @pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('op', list(_opcheck_cases('cpu')))
 def test_opcheck(device, op):
-    overload = getattr(torch.ops.mp_wrappers, op).default
-    utils = torch.library._OPCHECK_DEFAULT_UTILS
-    # torch 2.4 cannot functionalize a custom op that mutates a Tensor[] (auto_functionalize takes
-    # them from a later release), so AOT dispatch of the list-mutating ops is not checked there:
-    # the same detection decides whether torch.compile can trace them (docs/compatibility.md).
-    from torch._higher_order_ops.auto_functionalize import can_auto_functionalize
-    if overload._schema.is_mutable and not can_auto_functionalize(overload):
-        utils = tuple(u for u in utils if u != 'test_aot_dispatch_dynamic')
-    torch.library.opcheck(getattr(torch.ops.mp_wrappers, op), _opcheck_cases(device)[op],
-                          test_utils=utils)
+    opcheck(getattr(torch.ops.mp_wrappers, op), _opcheck_cases(device)[op])
 
 
 @needs_opcheck
