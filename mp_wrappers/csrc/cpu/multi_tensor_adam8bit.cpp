@@ -14,13 +14,23 @@
 // the normal range rounds the fp32 mantissa by integer addition (ties to even), the subnormal range
 // converts with the current (round-to-nearest-even) mode. 16 bytes per fp32 parameter (p read and
 // written, g read, 1 byte per moment read and written, plus the absmax) against fp32 Adam's 28.
+//
+// Speed (docs/quantized_states.md): on one core the step is bound by vector instructions, not by
+// memory, so the common case gets shorter paths that give the same bits. A whole block whose codes
+// of both moments all have a nonzero exponent field decodes without the subnormal lanes (3-4
+// instructions per moment); the encode needs no clamp when the block factor is finite (the block's
+// own absmax bounds every scaled value by MAX (1 + 2^-23), which rounds to MAX) and no absolute
+// value for exp_avg_sq (never negative), and whole blocks store their codes packed 32 or 64 at a
+// time; the block's absmax of exp_avg is one VRANGEPS per vector; g * 1 (no loss scale) is skipped.
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>  // Note [optional arguments] in bindings.cpp
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "mp_wrappers/checks.h"
@@ -76,11 +86,13 @@ inline float decode_scalar(uint8_t byte, float dec) {
   return (C::S && byte >= 0x80) ? -v : v;
 }
 
+// `enc` infinite (a block absmax below MAX / FLT_MAX): clamp as torch.clamp does, NaN (0 * inf)
+// passes through and encodes as the reference's integer arithmetic on its bits does.
 template <class C>
 inline uint8_t encode_scalar(float x, float enc) {
   const float scaled = x * enc;
   const float mag = std::fabs(scaled);
-  const float a = mag < C::kMax ? mag : C::kMax;  // minps rule: C::kMax when mag is NaN
+  const float a = mag > C::kMax ? C::kMax : mag;
   int32_t c;
   if (a < C::kMinNormal) {
     c = static_cast<int32_t>(std::nearbyint(a * C::kSubEnc));
@@ -107,17 +119,46 @@ struct Quant<VecBaseline> {
     for (int i = 0; i < V::kWidth; ++i) r.v[i] = i < n ? decode_scalar<C>(p[i], dec) : 0.f;
     return r;
   }
+  // The scalar forms have no faster cases: the whole-block flags change nothing here.
   template <class C>
-  static inline void encode(uint8_t* p, V::F x, float enc, int64_t n) {
-    const int64_t k = std::min<int64_t>(n, V::kWidth);
-    for (int64_t i = 0; i < k; ++i) p[i] = encode_scalar<C>(x.v[i], enc);
+  static inline bool all_normal(const uint8_t*) { return false; }
+  template <class C>
+  static inline V::F decode_normal(const uint8_t* p, V::F dec) {
+    return decode<C>(p, V::kWidth, dec.v[0]);
   }
+  template <class C>
+  static inline void encode(uint8_t* p, V::F x, V::F enc, bool, int64_t n) {
+    const int64_t k = std::min<int64_t>(n, V::kWidth);
+    for (int64_t i = 0; i < k; ++i) p[i] = encode_scalar<C>(x.v[i], enc.v[0]);
+  }
+  template <class C>
+  static inline void encode_block(uint8_t* p, const float* x, V::F enc, bool clamp) {
+    for (int64_t i = 0; i < kBlock; i += V::kWidth) encode<C>(p + i, V::load(x + i), enc, clamp, V::kWidth);
+  }
+  static inline V::F max_abs(V::F acc, V::F x) { return V::max(acc, V::abs(x)); }
 };
+
+// The mask of a code's exponent field: zero for code 0 and the subnormal codes.
+template <class C>
+constexpr int kExpField = ((1 << C::E) - 1) << C::M;
+template <class C>
+constexpr int32_t kSignedMagMask = static_cast<int32_t>(0x80000000u | (0x7Fu << C::kShift));
 
 #if defined(__x86_64__)
 template <>
 struct Quant<VecAvx2> {
   using V = VecAvx2;
+  // True when none of the kBlock codes at p has a zero exponent field.
+  template <class C>
+  MP_WRAPPERS_TARGET_AVX2 static inline bool all_normal(const uint8_t* p) {
+    const __m256i field = _mm256_set1_epi8(static_cast<char>(kExpField<C>));
+    __m256i low = _mm256_set1_epi8(-1);
+    for (int64_t i = 0; i < kBlock; i += 32) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
+      low = _mm256_min_epu8(low, _mm256_and_si256(b, field));
+    }
+    return _mm256_movemask_epi8(_mm256_cmpeq_epi8(low, _mm256_setzero_si256())) == 0;
+  }
   template <class C>
   MP_WRAPPERS_TARGET_AVX2 static inline V::F decode(const uint8_t* p, int64_t n, float dec) {
     uint64_t raw = 0;
@@ -139,27 +180,49 @@ struct Quant<VecAvx2> {
     }
     return v;
   }
+  // 8 codes with nonzero exponent fields: the fp32 bits are the code's, re-based, with the sign
+  // (sign-extended from bit 7 into bits 27-31, bit 31 kept) in place.
   template <class C>
-  MP_WRAPPERS_TARGET_AVX2 static inline void encode(uint8_t* p, V::F x, float enc, int64_t n) {
-    const __m256 scaled = _mm256_mul_ps(x, _mm256_set1_ps(enc));
-    const __m256 a = _mm256_min_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), scaled),
-                                   _mm256_set1_ps(C::kMax));
+  MP_WRAPPERS_TARGET_AVX2 static inline V::F decode_normal(const uint8_t* p, V::F dec) {
+    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    __m256i bits;
+    if (C::S) {
+      const __m256i x = _mm256_slli_epi32(_mm256_cvtepi8_epi32(raw), C::kShift);
+      bits = _mm256_add_epi32(_mm256_and_si256(x, _mm256_set1_epi32(kSignedMagMask<C>)),
+                              _mm256_set1_epi32(C::kRebase << C::kShift));
+    } else {
+      bits = _mm256_slli_epi32(
+          _mm256_add_epi32(_mm256_cvtepu8_epi32(raw), _mm256_set1_epi32(C::kRebase)), C::kShift);
+    }
+    return _mm256_mul_ps(_mm256_castsi256_ps(bits), dec);
+  }
+  // The codes of 8 lanes, one per int32 lane (the low byte, as the reference's uint8 cast).
+  template <class C>
+  MP_WRAPPERS_TARGET_AVX2 static inline __m256i codes(V::F x, V::F enc, bool clamp) {
+    const __m256 scaled = _mm256_mul_ps(x, enc);
+    __m256 a = C::S || clamp ? _mm256_andnot_ps(_mm256_set1_ps(-0.f), scaled) : scaled;
+    if (clamp) a = _mm256_min_ps(_mm256_set1_ps(C::kMax), a);  // NaN passes, as in torch.clamp
     const __m256i bits = _mm256_castps_si256(a);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, C::kShift), _mm256_set1_epi32(1));
-    const __m256i round = _mm256_add_epi32(lsb, _mm256_set1_epi32((1 << (C::kShift - 1)) - 1));
-    const __m256i normal = _mm256_sub_epi32(
-        _mm256_srli_epi32(_mm256_add_epi32(bits, round), C::kShift), _mm256_set1_epi32(C::kRebase));
+    const __m256i half = _mm256_set1_epi32((1 << (C::kShift - 1)) - 1 - (C::kRebase << C::kShift));
+    __m256i c = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, half), lsb), C::kShift);
     const __m256 is_sub = _mm256_cmp_ps(a, _mm256_set1_ps(C::kMinNormal), _CMP_LT_OQ);
-    __m256i c = normal;
     if (_mm256_movemask_ps(is_sub) != 0) {
       const __m256i sub = _mm256_cvtps_epi32(_mm256_mul_ps(a, _mm256_set1_ps(C::kSubEnc)));
       c = _mm256_castps_si256(
-          _mm256_blendv_ps(_mm256_castsi256_ps(normal), _mm256_castsi256_ps(sub), is_sub));
+          _mm256_blendv_ps(_mm256_castsi256_ps(c), _mm256_castsi256_ps(sub), is_sub));
     }
+    if (clamp) c = _mm256_and_si256(c, _mm256_set1_epi32(0xFF));  // NaN: low byte, unsaturated
     if (C::S) {
       const __m256 neg = _mm256_cmp_ps(scaled, _mm256_setzero_ps(), _CMP_LT_OQ);
       c = _mm256_or_si256(c, _mm256_and_si256(_mm256_castps_si256(neg), _mm256_set1_epi32(0x80)));
     }
+    return c;
+  }
+  template <class C>
+  MP_WRAPPERS_TARGET_AVX2 static inline void encode(uint8_t* p, V::F x, V::F enc, bool clamp,
+                                                    int64_t n) {
+    const __m256i c = codes<C>(x, enc, clamp);
     const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
     const __m128i bytes = _mm_packus_epi16(w, w);
     if (n >= 8) {
@@ -170,11 +233,38 @@ struct Quant<VecAvx2> {
       std::memcpy(p, buf, static_cast<size_t>(n));
     }
   }
+  // A whole block from the block buffer: 32 codes per store, packed by two saturating packs
+  // (exact: every code is in [0, 255]) and one permutation back into memory order.
+  template <class C>
+  MP_WRAPPERS_TARGET_AVX2 static inline void encode_block(uint8_t* p, const float* x, V::F enc,
+                                                          bool clamp) {
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t i = 0; i < kBlock; i += 32) {
+      const __m256i c0 = codes<C>(_mm256_load_ps(x + i), enc, clamp);
+      const __m256i c1 = codes<C>(_mm256_load_ps(x + i + 8), enc, clamp);
+      const __m256i c2 = codes<C>(_mm256_load_ps(x + i + 16), enc, clamp);
+      const __m256i c3 = codes<C>(_mm256_load_ps(x + i + 24), enc, clamp);
+      const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i), _mm256_permutevar8x32_epi32(b, order));
+    }
+  }
+  MP_WRAPPERS_TARGET_AVX2 static inline V::F max_abs(V::F acc, V::F x) {
+    return _mm256_max_ps(acc, _mm256_andnot_ps(_mm256_set1_ps(-0.f), x));
+  }
 };
 
 template <>
 struct Quant<VecAvx512> {
   using V = VecAvx512;
+  template <class C>
+  MP_WRAPPERS_TARGET_AVX512 static inline bool all_normal(const uint8_t* p) {
+    const __m512i field = _mm512_set1_epi8(static_cast<char>(kExpField<C>));
+    __mmask64 zero = 0;
+    for (int64_t i = 0; i < kBlock; i += 64) {
+      zero |= _mm512_testn_epi8_mask(_mm512_loadu_si512(p + i), field);
+    }
+    return zero == 0;
+  }
   template <class C>
   MP_WRAPPERS_TARGET_AVX512 static inline V::F decode(const uint8_t* p, int64_t n, float dec) {
     const __m128i raw = n >= 16 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
@@ -197,30 +287,68 @@ struct Quant<VecAvx512> {
     return v;
   }
   template <class C>
-  MP_WRAPPERS_TARGET_AVX512 static inline void encode(uint8_t* p, V::F x, float enc, int64_t n) {
-    const __m512 scaled = _mm512_mul_ps(x, _mm512_set1_ps(enc));
-    const __m512 a = _mm512_min_ps(_mm512_abs_ps(scaled), _mm512_set1_ps(C::kMax));
+  MP_WRAPPERS_TARGET_AVX512 static inline V::F decode_normal(const uint8_t* p, V::F dec) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    __m512i bits;
+    if (C::S) {
+      const __m512i x = _mm512_slli_epi32(_mm512_cvtepi8_epi32(raw), C::kShift);
+      bits = _mm512_add_epi32(_mm512_and_si512(x, _mm512_set1_epi32(kSignedMagMask<C>)),
+                              _mm512_set1_epi32(C::kRebase << C::kShift));
+    } else {
+      bits = _mm512_slli_epi32(
+          _mm512_add_epi32(_mm512_cvtepu8_epi32(raw), _mm512_set1_epi32(C::kRebase)), C::kShift);
+    }
+    return _mm512_mul_ps(_mm512_castsi512_ps(bits), dec);
+  }
+  template <class C>
+  MP_WRAPPERS_TARGET_AVX512 static inline __m512i codes(V::F x, V::F enc, bool clamp) {
+    const __m512 scaled = _mm512_mul_ps(x, enc);
+    __m512 a = C::S || clamp ? _mm512_abs_ps(scaled) : scaled;
+    if (clamp) a = _mm512_min_ps(_mm512_set1_ps(C::kMax), a);  // NaN passes, as in torch.clamp
     const __m512i bits = _mm512_castps_si512(a);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, C::kShift), _mm512_set1_epi32(1));
-    const __m512i round = _mm512_add_epi32(lsb, _mm512_set1_epi32((1 << (C::kShift - 1)) - 1));
-    const __m512i normal = _mm512_sub_epi32(
-        _mm512_srli_epi32(_mm512_add_epi32(bits, round), C::kShift), _mm512_set1_epi32(C::kRebase));
+    const __m512i half = _mm512_set1_epi32((1 << (C::kShift - 1)) - 1 - (C::kRebase << C::kShift));
+    __m512i c = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, half), lsb), C::kShift);
     const __mmask16 is_sub = _mm512_cmp_ps_mask(a, _mm512_set1_ps(C::kMinNormal), _CMP_LT_OQ);
-    __m512i c = normal;
     if (is_sub) {
       c = _mm512_mask_mov_epi32(
-          normal, is_sub, _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(C::kSubEnc))));
+          c, is_sub, _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(C::kSubEnc))));
     }
+    if (clamp) c = _mm512_and_si512(c, _mm512_set1_epi32(0xFF));  // NaN: low byte, unsaturated
     if (C::S) {
       const __mmask16 neg = _mm512_cmp_ps_mask(scaled, _mm512_setzero_ps(), _CMP_LT_OQ);
       c = _mm512_mask_or_epi32(c, neg, c, _mm512_set1_epi32(0x80));
     }
-    const __m128i bytes = _mm512_cvtepi32_epi8(c);
+    return c;
+  }
+  template <class C>
+  MP_WRAPPERS_TARGET_AVX512 static inline void encode(uint8_t* p, V::F x, V::F enc, bool clamp,
+                                                      int64_t n) {
+    const __m128i bytes = _mm512_cvtepi32_epi8(codes<C>(x, enc, clamp));
     if (n >= 16) {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bytes);
     } else {
       _mm_mask_storeu_epi8(p, static_cast<__mmask16>((1u << n) - 1u), bytes);
     }
+  }
+  // A whole block: 64 codes per store, two saturating packs (exact: codes are in [0, 255]) and
+  // one permutation instead of a VPMOVDB (two micro-ops on Zen 4) and a store per 16.
+  template <class C>
+  MP_WRAPPERS_TARGET_AVX512 static inline void encode_block(uint8_t* p, const float* x, V::F enc,
+                                                            bool clamp) {
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    for (int64_t i = 0; i < kBlock; i += 64) {
+      const __m512i c0 = codes<C>(_mm512_load_ps(x + i), enc, clamp);
+      const __m512i c1 = codes<C>(_mm512_load_ps(x + i + 16), enc, clamp);
+      const __m512i c2 = codes<C>(_mm512_load_ps(x + i + 32), enc, clamp);
+      const __m512i c3 = codes<C>(_mm512_load_ps(x + i + 48), enc, clamp);
+      const __m512i b = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
+      _mm512_storeu_si512(p + i, _mm512_permutexvar_epi32(order, b));
+    }
+  }
+  // max(acc, |x|) in one VRANGEPS (imm 0b1011: the larger magnitude, sign cleared).
+  MP_WRAPPERS_TARGET_AVX512 static inline V::F max_abs(V::F acc, V::F x) {
+    return _mm512_range_ps(acc, x, 0x0B);
   }
 };
 #endif  // defined(__x86_64__)
@@ -235,11 +363,29 @@ inline float lane_max(typename V::F a) {
   return r;
 }
 
-struct Adam8bitConsts {
-  float lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, rbc1, rsbc2;
-  bool adam_w_mode, has_weight_decay;
+// op_args.h's AdamHyper (the hyperparameters as every Adam kernel rounds them), plus this step's
+// lr, reciprocal bias corrections and grad unscale.
+struct Adam8bitConsts : AdamHyper {
+  float lr, rbc1, rsbc2;
   optim::Unscale unscale;
 };
+
+// In whole blocks, a prefetch at every 64 bytes of a stream, kPrefetchAhead elements ahead
+// (cpu_optim.h), without prefetch_*_line's test at every vector: the element offsets are fixed
+// (whatever the alignment, consecutive 64-byte steps reach consecutive lines).
+template <class T>
+inline void prefetch_every_line(T* p, int64_t i, int write) {
+  if constexpr (!std::is_same<std::remove_cv_t<T>, optim::NoOut>::value) {
+    constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(T));
+    if (i % kLine == 0) {
+      if (write) __builtin_prefetch(optim::ahead(p + i), 1);
+      else __builtin_prefetch(optim::ahead(p + i), 0);
+    }
+  }
+}
+
+template <class V>
+constexpr bool kPrefetchWholeBlocks = V::kWidth == 16;
 
 // The new moment values of a block stay here between the update and the requantization.
 struct alignas(64) BlockBuffer {
@@ -258,43 +404,74 @@ inline void adam8bit_block(P* p, const G* g, uint8_t* mc, float* ma, uint8_t* vc
   const F omb1 = V::set1(c.one_minus_beta1), omb2 = V::set1(c.one_minus_beta2);
   const F eps = V::set1(c.eps), wd = V::set1(c.weight_decay);
   const F rbc1 = V::set1(c.rbc1), rsbc2 = V::set1(c.rsbc2), us = V::set1(c.unscale.factor);
-  const bool l2 = !c.adam_w_mode && c.has_weight_decay;
-  const bool decoupled = c.adam_w_mode && c.has_weight_decay;
   const float m_dec = *ma / ExpAvgCode::kMax, v_dec = *va / ExpAvgSqCode::kMax;
+  const F m_dec_v = V::set1(m_dec), v_dec_v = V::set1(v_dec);
+  const bool scaled = c.unscale.divide || c.unscale.factor != 1.f;  // g * 1 is exact: skip it
+  const bool normal = n == kBlock && Q::template all_normal<ExpAvgCode>(mc) &&
+                      Q::template all_normal<ExpAvgSqCode>(vc);
   F m_max = V::zero(), v_max = V::zero();
-  for (int64_t i = 0; i < n; i += V::kWidth) {
-    const int64_t k = n - i;  // < kWidth only in the tail: loads pad with 0, stores are partial
-    // The streams of the next blocks (cpu_optim.h: explicit prefetch helped the fp32 update too).
-    optim::prefetch_write_line<V>(p, i);
-    optim::prefetch_read_line<V>(g, i);
-    optim::prefetch_write_line<V>(mc, i);
-    optim::prefetch_write_line<V>(vc, i);
-    optim::prefetch_write_line<V>(out, i);
-    const F p32 = load_n<V>(p + i, k);
-    F g32 = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
-    if (l2) g32 = V::add(g32, V::mul(wd, p32));
-    const F m_old = Q::template decode<ExpAvgCode>(mc + i, k, m_dec);
-    const F v_old = Q::template decode<ExpAvgSqCode>(vc + i, k, v_dec);
-    const F m_new = V::add(V::mul(b1, m_old), V::mul(omb1, g32));
-    const F v_new = V::add(V::mul(b2, v_old), V::mul(V::mul(omb2, g32), g32));
-    F update = V::div(V::mul(m_new, rbc1), V::add(V::mul(V::sqrt(v_new), rsbc2), eps));
-    if (decoupled) update = V::add(update, V::mul(wd, p32));
-    const F p_new = V::sub(p32, V::mul(lr, update));
-    store_n<V>(p + i, p_new, k);
-    optim::store_out<V>(optim::at_offset(out, i), p_new, k);
-    // Padded lanes hold 0 (zero grad, param and codes), so they never raise the absmax.
-    V::store(buf.m + i, m_new);
-    V::store(buf.v + i, v_new);
-    m_max = V::max(m_max, V::abs(m_new));
-    v_max = V::max(v_max, v_new);
-  }
+  // Two copies of the loop: whole blocks of normal codes (no tail, no subnormal lanes), and the rest.
+  const auto update = [&](auto normal_codes) {
+    constexpr bool kNormal = decltype(normal_codes)::value;
+    for (int64_t i = 0; i < n; i += V::kWidth) {
+      const int64_t k = kNormal ? V::kWidth : n - i;  // < kWidth only in a tail: loads pad with 0
+      // The streams of the next blocks (cpu_optim.h: explicit prefetch helped the fp32 update too).
+      if constexpr (!kNormal) {
+        optim::prefetch_write_line<V>(p, i);
+        optim::prefetch_read_line<V>(g, i);
+        optim::prefetch_write_line<V>(mc, i);
+        optim::prefetch_write_line<V>(vc, i);
+        optim::prefetch_write_line<V>(out, i);
+      } else if constexpr (kPrefetchWholeBlocks<V>) {
+        prefetch_every_line(p, i, 1);
+        prefetch_every_line(g, i, 0);
+        prefetch_every_line(mc, i, 1);
+        prefetch_every_line(vc, i, 1);
+        prefetch_every_line(out, i, 1);
+      }
+      const F p32 = load_n<V>(p + i, k);
+      F g32 = load_n<V>(g + i, k);
+      if (scaled) g32 = c.unscale.template apply<V>(g32, us);
+      if (c.l2) g32 = V::add(g32, V::mul(wd, p32));
+      F m_old, v_old;
+      if constexpr (kNormal) {
+        m_old = Q::template decode_normal<ExpAvgCode>(mc + i, m_dec_v);
+        v_old = Q::template decode_normal<ExpAvgSqCode>(vc + i, v_dec_v);
+      } else {
+        m_old = Q::template decode<ExpAvgCode>(mc + i, k, m_dec);
+        v_old = Q::template decode<ExpAvgSqCode>(vc + i, k, v_dec);
+      }
+      const F m_new = V::add(V::mul(b1, m_old), V::mul(omb1, g32));
+      const F v_new = V::add(V::mul(b2, v_old), V::mul(V::mul(omb2, g32), g32));
+      F step = V::div(V::mul(m_new, rbc1), V::add(V::mul(V::sqrt(v_new), rsbc2), eps));
+      if (c.decoupled) step = V::add(step, V::mul(wd, p32));
+      const F p_new = V::sub(p32, V::mul(lr, step));
+      store_n<V>(p + i, p_new, k);
+      optim::store_out<V>(optim::at_offset(out, i), p_new, k);
+      // Padded lanes hold 0 (zero grad, param and codes), so they never raise the absmax.
+      V::store(buf.m + i, m_new);
+      V::store(buf.v + i, v_new);
+      m_max = Q::max_abs(m_max, m_new);
+      v_max = V::max(v_max, v_new);
+    }
+  };
+  if (normal) update(std::true_type{});
+  else update(std::false_type{});
   const float m_abs = lane_max<V>(m_max), v_abs = lane_max<V>(v_max);
   // An all-zero block keeps absmax 0 and codes 0 (reference/quant.py _block_factors).
   const float m_enc = m_abs > 0.f ? ExpAvgCode::kMax / m_abs : 0.f;
   const float v_enc = v_abs > 0.f ? ExpAvgSqCode::kMax / v_abs : 0.f;
-  for (int64_t i = 0; i < n; i += V::kWidth) {
-    Q::template encode<ExpAvgCode>(mc + i, V::load(buf.m + i), m_enc, n - i);
-    Q::template encode<ExpAvgSqCode>(vc + i, V::load(buf.v + i), v_enc, n - i);
+  // A factor overflows only for a subnormal absmax; then the reference's clamp matters.
+  const bool clamp = !(m_enc <= FLT_MAX && v_enc <= FLT_MAX);
+  const F m_enc_v = V::set1(m_enc), v_enc_v = V::set1(v_enc);
+  if (n == kBlock) {
+    Q::template encode_block<ExpAvgCode>(mc, buf.m, m_enc_v, clamp);
+    Q::template encode_block<ExpAvgSqCode>(vc, buf.v, v_enc_v, clamp);
+  } else {
+    for (int64_t i = 0; i < n; i += V::kWidth) {
+      Q::template encode<ExpAvgCode>(mc + i, V::load(buf.m + i), m_enc_v, clamp, n - i);
+      Q::template encode<ExpAvgSqCode>(vc + i, V::load(buf.v + i), v_enc_v, clamp, n - i);
+    }
   }
   *ma = m_abs;
   *va = v_abs;
@@ -379,15 +556,9 @@ void multi_tensor_adam8bit_cpu(at::TensorList params, at::TensorList grads,
 
   const float count = optim::read_count(step);
   Adam8bitConsts c;
+  static_cast<AdamHyper&>(c) =
+      adam_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction);
   c.lr = static_cast<float>(lr);
-  c.beta1 = static_cast<float>(beta1);
-  c.beta2 = static_cast<float>(beta2);
-  c.one_minus_beta1 = static_cast<float>(1.0 - beta1);
-  c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  c.eps = static_cast<float>(eps);
-  c.weight_decay = static_cast<float>(weight_decay);
-  c.has_weight_decay = weight_decay != 0.0;
-  c.adam_w_mode = adam_w_mode;
   // reference/quant.py _reciprocal_bias_corrections: float64, rounded once.
   c.rbc1 = 1.f;
   c.rsbc2 = 1.f;
