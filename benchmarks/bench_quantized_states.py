@@ -4,8 +4,11 @@ test).
 25M parameters in ~200 tensors (``bench_optimizers.shapes``), 1 and 2 threads. Pipelines:
 
 * peers: ``torch AdamW fused, fp32 states`` (``torch.optim.AdamW(fused=True)``), and, when they are
-  importable, bitsandbytes ``AdamW8bit`` and torchao ``AdamW8bit`` (block 256 both; install with
-  ``pip install --no-deps bitsandbytes torchao``, which leaves torch alone);
+  importable, bitsandbytes ``AdamW8bit`` and torchao ``AdamW8bit`` (block 256 both). Install them
+  in a venv of their own, never system-wide (mmengine imports bitsandbytes when it finds it, which
+  changes what the tests see): ``python -m venv --system-site-packages /tmp/peers &&
+  /tmp/peers/bin/pip install --no-deps bitsandbytes torchao`` (no deps: torch stays the system's),
+  then run this script with ``/tmp/peers/bin/python``;
 * ``FusedAdam fp32 states`` and ``FusedAdam int8 states``: ``step()`` on fp32 params;
 * ``O2 bf16, fp32 states`` / ``O2 bf16, int8 states``: ``FusedAdam.fused_master_step`` with bf16
   grads scaled by a loss scale and a bf16 model copy (the ApexOptimWrapper O2 update, its
