@@ -487,21 +487,19 @@ struct Adam8bitArgs {
   const RawTensor* out;
 };
 
+// One chunk with the storage types fixed. The types are resolved before the flavour's flattened
+// entry point (below), not inside it: with all 3 x 3 x 4 type combinations inlined into one
+// flattened function the fp32 path ran ~15% slower (AVX-512, one thread, same loop otherwise).
 struct Adam8bitChunk {
-  template <class V>
-  static void run(const Adam8bitArgs& a, const TensorChunk& ch, const Adam8bitConsts& c) {
+  template <class V, class P, class G, class O>
+  static void run(P* p, const G* g, const Adam8bitArgs& a, O* out, const TensorChunk& ch,
+                  const Adam8bitConsts& c) {
     BlockBuffer buf;
-    optim::with_typed(a.p, [&](auto* pp) {
-      optim::with_typed(a.g, [&](auto* gp) {
-        optim::with_typed_opt(a.out, [&](auto* op) {
-          for (int64_t b = ch.begin; b < ch.end; b += kBlock) {
-            const int64_t blk = b / kBlock;
-            adam8bit_block<V>(pp + b, gp + b, a.mc + b, a.ma + blk, a.vc + b, a.va + blk,
-                              optim::at_offset(op, b), std::min(kBlock, ch.end - b), c, buf);
-          }
-        });
-      });
-    });
+    for (int64_t b = ch.begin; b < ch.end; b += kBlock) {
+      const int64_t blk = b / kBlock;
+      adam8bit_block<V>(p + b, g + b, a.mc + b, a.ma + blk, a.vc + b, a.va + blk,
+                        optim::at_offset(out, b), std::min(kBlock, ch.end - b), c, buf);
+    }
   }
 };
 
@@ -582,7 +580,14 @@ void multi_tensor_adam8bit_cpu(at::TensorList params, at::TensorList grads,
   const ChunkPlan plan(params);
   const CpuIsa isa = cpu_isa();
   plan.parallel_for_each([&](int64_t, const TensorChunk& ch) {
-    run_cpu_kernel<Adam8bitChunk>(isa, args[static_cast<size_t>(ch.tensor)], ch, c);
+    const Adam8bitArgs& a = args[static_cast<size_t>(ch.tensor)];
+    optim::with_typed(a.p, [&](auto* p) {
+      optim::with_typed(a.g, [&](auto* g) {
+        optim::with_typed_opt(a.out, [&](auto* out) {
+          run_cpu_kernel<Adam8bitChunk>(isa, p, g, a, out, ch, c);
+        });
+      });
+    });
   });
   optim::commit_count(step, count);
 }
