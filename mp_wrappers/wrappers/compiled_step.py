@@ -52,7 +52,8 @@ Stages = Tuple[Optional[Tensor], Optional[List[Tensor]]]
 def check_compile_step(value: Any, optimizer: Optional[Optimizer] = None
                        ) -> Optional[Dict[str, Any]]:
     """The ``torch.compile`` keywords ``compile_step`` asks for, or None (eager); refuses a wrong
-    value, an optimizer without the fused master step and a torch without fake kernels."""
+    value, an optimizer without the fused master step and a torch that cannot compile our fused
+    steps (compat ``fake_kernels`` and ``compile_list_ops``)."""
     if value is False or value is None:
         return None
     if value is True:
