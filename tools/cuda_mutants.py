@@ -62,8 +62,8 @@ _TAIL = ('the tail loop runs once more, with i == n: load_one returns 0 for i >=
 EQUIVALENT: Dict[str, str] = {
     'multi_tensor_l2norm.cu:41:rel:35d6d1eb': _TAIL + 'and 0 adds 0 to the sum of squares and is '
                                               'finite (no found_inf)',
-    'multi_tensor_scale.cu:32:rel:70b8d9ee': _TAIL + 'and 0 is finite (no found_inf)',
-    'multi_tensor_scale.cu:76:rel:420d481b': _TAIL + 'and 0 is finite in x and y (no found_inf)',
+    'multi_tensor_scale.cu:37:rel:70b8d9ee': _TAIL + 'and 0 is finite (no found_inf)',
+    'multi_tensor_scale.cu:81:rel:420d481b': _TAIL + 'and 0 is finite in x and y (no found_inf)',
 }
 
 _REL = {'<': '<=', '<=': '<', '>': '>=', '>=': '>', '==': '!=', '!=': '=='}

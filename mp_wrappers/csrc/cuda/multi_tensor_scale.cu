@@ -17,6 +17,10 @@ __device__ __forceinline__ void scale_chunk(const Tin* in, Tout* out, int64_t n,
   int64_t done = 0;
   if (pack_aligned(in) && pack_aligned(out)) {
     const int64_t n_vec = n / kILP;
+    // Not unrolled: to unroll a grid-stride loop the compiler divides the trip count by blockDim.x
+    // in 64 bits, a called routine around which ptxas spilled for sm_121 (8 B stack, 16 B spills).
+    // Each iteration already moves kILP elements; the tail loop below likewise.
+#pragma unroll 1
     for (int64_t i = threadIdx.x; i < n_vec; i += blockDim.x) {
       float x[kILP];
       load_pack(x, in, i * kILP);
@@ -29,6 +33,7 @@ __device__ __forceinline__ void scale_chunk(const Tin* in, Tout* out, int64_t n,
     }
     done = n_vec * kILP;
   }
+#pragma unroll 1
   for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) {  // unaligned data or the tail
     const float x = load_one(in, i, n);
     bad |= not_finite(x);
