@@ -10,6 +10,10 @@ An fp32 AdamW step (weight decay 0.01) over ``--tensors`` params of equal size, 
 * ``AdamW compiled``: ``torch.compile(opt.step)`` of torch's default AdamW, inductor's generated
   kernel (what torch's docs recommend for compiled optimizers; not ``fullgraph``: torch breaks the
   graph on purpose around an optimizer's step).
+* With ``--device cuda`` also ``FusedAdam CUDA graphs``: ``torch.compile(opt.step, fullgraph=True,
+  mode='reduce-overhead')`` of a ``capturable=True`` FusedAdam (the lr on the device), replayed as a
+  CUDA graph; the line after the table says whether inductor skipped the CUDA graphs, and why.
+  Every step is followed by ``torch.cuda.synchronize()`` before the clock is read.
 
 Every pipeline starts from the same params and grads; after its first step its params are compared
 with ``AdamW foreach``'s (max abs difference printed). Then each is timed: ``--iters`` rounds after warm-up, one step of each pipeline per round
@@ -20,7 +24,7 @@ too (the first two calls of a compiled step: the first creates the state, the se
 with it; tracing and code generation). Output is Markdown.
 
 Run: ``python benchmarks/bench_compiled_step.py [--sizes 65536 1048576 8388608] [--tensors 16]
-[--threads 1] [--iters 30]``.
+[--threads 1] [--iters 30] [--device cpu|cuda]``.
 """
 import argparse
 import os
@@ -42,35 +46,52 @@ LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 TORCH_PIPELINES = ('AdamW foreach', 'AdamW fused', 'AdamW compiled')
 
 
-def make_params(total: int, tensors: int, seed: int = 0) -> List[torch.nn.Parameter]:
+def make_params(total: int, tensors: int, device: str, seed: int = 0
+                ) -> List[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
     n = max(1, total // tensors)
     params = []
     for _ in range(tensors):
-        p = torch.nn.Parameter(torch.randn(n, generator=g))
-        p.grad = torch.randn(n, generator=g) * 1e-2
+        p = torch.nn.Parameter(torch.randn(n, generator=g).to(device))
+        p.grad = (torch.randn(n, generator=g) * 1e-2).to(device)
         params.append(p)
     return params
 
 
-def build(total: int, tensors: int) -> Dict[str, Tuple[Callable[[], None], list]]:
+def synchronized(step: Callable[[], None], device: str) -> Callable[[], None]:
+    if device != 'cuda':
+        return step
+
+    def step_and_wait():
+        step()
+        torch.cuda.synchronize()
+    return step_and_wait
+
+
+def build(total: int, tensors: int, device: str
+          ) -> Dict[str, Tuple[Callable[[], None], list]]:
     """name -> (one step, its params); every pipeline starts from the same params and grads."""
     kw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    pipelines = [
+        ('FusedAdam eager', lambda ps: FusedAdam(ps, **kw), None),
+        ('FusedAdam compiled', lambda ps: FusedAdam(ps, **kw), {}),
+        ('AdamW foreach', lambda ps: torch.optim.AdamW(ps, **kw, foreach=True), None),
+        ('AdamW fused', lambda ps: torch.optim.AdamW(ps, **kw, fused=True), None),
+        ('AdamW compiled', lambda ps: torch.optim.AdamW(ps, **kw), {})]
+    if device == 'cuda':
+        pipelines.insert(2, ('FusedAdam CUDA graphs',
+                             lambda ps: FusedAdam(ps, **kw, capturable=True),
+                             dict(mode='reduce-overhead')))
     out = {}
-    for name, make, compiled in (
-            ('FusedAdam eager', lambda ps: FusedAdam(ps, **kw), False),
-            ('FusedAdam compiled', lambda ps: FusedAdam(ps, **kw), True),
-            ('AdamW foreach', lambda ps: torch.optim.AdamW(ps, **kw, foreach=True), False),
-            ('AdamW fused', lambda ps: torch.optim.AdamW(ps, **kw, fused=True), False),
-            ('AdamW compiled', lambda ps: torch.optim.AdamW(ps, **kw), True)):
-        params = make_params(total, tensors)
+    for name, make, compile_kw in pipelines:
+        params = make_params(total, tensors, device)
         opt = make(params)
         step = opt.step
-        if compiled:
+        if compile_kw is not None:
             # torch's optimizers break the graph on purpose around their step (so that AOT sees an
             # inference graph, torch/optim/optimizer.py _use_grad): fullgraph only for ours.
-            step = torch.compile(step, fullgraph=isinstance(opt, FusedAdam))
-        out[name] = (step, params)
+            step = torch.compile(step, fullgraph=isinstance(opt, FusedAdam), **compile_kw)
+        out[name] = (synchronized(step, device), params)
     return out
 
 
@@ -113,16 +134,23 @@ def main() -> None:
     ap.add_argument('--tensors', type=int, default=16)
     ap.add_argument('--threads', type=int, default=1)
     ap.add_argument('--iters', type=int, default=30)
+    ap.add_argument('--device', choices=['cpu', 'cuda'], default='cpu')
     args = ap.parse_args()
+    if args.device == 'cuda' and not torch.cuda.is_available():
+        ap.error('--device cuda: torch sees no CUDA device')
     torch.set_num_threads(args.threads)
-    print(f'torch {torch.__version__}, mp_wrappers kernels {mp_wrappers.ops.backend()["cpu"]}, '
-          f'{platform.processor() or platform.machine()}, {args.threads} thread(s), '
+    if args.device == 'cuda':
+        torch._logging.set_logs(perf_hints=True)  # inductor says why it skips CUDA graphs
+    where = (torch.cuda.get_device_name(0) if args.device == 'cuda'
+             else platform.processor() or platform.machine())
+    print(f'torch {torch.__version__}, mp_wrappers kernels '
+          f'{mp_wrappers.ops.backend()[args.device]}, {where}, {args.threads} thread(s), '
           f'load average {os.getloadavg()[0]:.1f} (start)\n')
     print('| params | tensors | pipeline | compile s | min ms | median ms | ratio to best peer '
           '(min) | max abs diff |')
     print('|---|---|---|---|---|---|---|---|')
     for total in args.sizes:
-        pipes = build(total, args.tensors)
+        pipes = build(total, args.tensors, args.device)
         compile_seconds, diffs = first_steps(pipes)
         times = time_all(pipes, args.iters)
         best_peer = min(min(times[name]) for name in TORCH_PIPELINES)
@@ -133,6 +161,11 @@ def main() -> None:
                   f'{min(ts) * 1e3:.3f} | {statistics.median(ts) * 1e3:.3f} | '
                   f'{min(ts) / best_peer:.2f} | {diffs[name]:.1e} |')
         torch._dynamo.reset()
+    if args.device == 'cuda':
+        from torch._dynamo.utils import counters
+        skips = dict(counters['inductor'].items())
+        print(f"\ninductor counters: {skips}; CUDA graphs skipped: "
+              f"{skips.get('cudagraph_skips', 0)} time(s)")
     print(f'\nload average {os.getloadavg()[0]:.1f} (end)')
 
 

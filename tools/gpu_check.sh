@@ -11,6 +11,9 @@
 #                      skip fails), tests/kernels/test_cuda_paths.py included (split launches, 2^31
 #                      elements, offsets, side stream, graph capture, the fused O2 step under
 #                      torch.cuda.set_sync_debug_mode('error'))
+#   compiled-step      the CUDA cases of the torch.compile tests (MP_WRAPPERS_TEST_REQUIRE_CUDA=1):
+#                      every fused optimizer's step and the wrappers' fused step through inductor,
+#                      and replayed as CUDA graphs (mode='reduce-overhead') with no graph skipped
 #   subnormal-and-norms  tests/kernels/test_subnormal.py and tests/wrappers/test_overflow_nonfinite_norm.py
 #   full-suite         the whole test suite (--maxfail=25: one GPU run sees as many failures as it can)
 #   sanitizer-memcheck, sanitizer-racecheck, sanitizer-initcheck
@@ -20,6 +23,8 @@
 #                      torch fused and foreach; fused O2 step vs the composed torch pipeline; copy
 #                      bandwidth; the summary states issue 13's targets)
 #   bench-multi-tensor benchmarks/bench_multi_tensor.py --device cuda (unscale, L2 norm vs foreach)
+#   bench-compiled     benchmarks/bench_compiled_step.py --device cuda (FusedAdam eager, compiled and
+#                      as CUDA graphs vs torch's AdamW foreach/fused/compiled)
 #   fidelity-digits    tools/compare_precision.py, digits 900 iterations, O0 vs O1/O2 x fp16/bf16,
 #                      bar: accuracy within 1 point of fp32
 #   fidelity-charlm    the same on the char LM, 1000 iterations, bar: val_ce within 2% (its table
@@ -41,9 +46,9 @@ set -f  # step names are words, never globs
 cd "$(dirname "$0")/.."
 START=$(date +%s)
 PY=${PYTHON:-python3}
-ALL_STEPS="build backend cuda-cases subnormal-and-norms full-suite sanitizer-memcheck
-  sanitizer-racecheck sanitizer-initcheck bench-optimizers bench-multi-tensor fidelity-digits
-  fidelity-charlm"
+ALL_STEPS="build backend cuda-cases compiled-step subnormal-and-norms full-suite sanitizer-memcheck
+  sanitizer-racecheck sanitizer-initcheck bench-optimizers bench-multi-tensor bench-compiled
+  fidelity-digits fidelity-charlm"
 STEPS=$(echo "${GPU_CHECK_STEPS:-$ALL_STEPS}" | tr ',' ' ')
 for s in $STEPS; do
   case " $(echo $ALL_STEPS) " in
@@ -144,6 +149,8 @@ step backend "$PY" -c 'import mp_wrappers; b = mp_wrappers.ops.backend(); print(
 export MP_WRAPPERS_TEST_REQUIRE_CUDA=1
 OP_TESTS=(tests/ops/test_multi_tensor.py tests/kernels/test_cpu_kernels.py tests/kernels/test_cuda_paths.py)
 step cuda-cases "$PY" -m pytest -q -rs -k cuda "${OP_TESTS[@]}"
+step compiled-step "$PY" -m pytest -q -rs -k cuda tests/optim/test_fused_optimizers_compile.py \
+  tests/wrappers/test_compiled_step.py
 step subnormal-and-norms "$PY" -m pytest -q -rs tests/kernels/test_subnormal.py tests/wrappers/test_overflow_nonfinite_norm.py
 step full-suite "$PY" -m pytest -q -rs --maxfail=25
 
@@ -165,6 +172,9 @@ step bench-optimizers "$PY" benchmarks/bench_optimizers.py --device cuda --threa
 attach bench-optimizers "$WORK/bench-optimizers.log"
 step bench-multi-tensor "$PY" benchmarks/bench_multi_tensor.py --device cuda
 attach bench-multi-tensor "$WORK/bench-multi-tensor.log"
+step bench-compiled "$PY" benchmarks/bench_compiled_step.py --device cuda --sizes 1048576 33554432 \
+  --iters 30
+attach bench-compiled "$WORK/bench-compiled.log"
 
 step fidelity-digits "$PY" tools/compare_precision.py configs/digits/cnn_fp32.py --iters 900 \
   --levels O0 O1 O2 --dtypes float16 bfloat16 --bar accuracy=1 --no-progress \

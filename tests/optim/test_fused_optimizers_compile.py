@@ -6,6 +6,8 @@ overflow at the third step, and compares params and state bitwise. ``CompileCoun
 compiled frames: two (the first step creates the state, the second finds it), then none.
 Costs on the 2-core dev machine: ~1 s per 'eager'-backend case (dynamo's trace only), ~2 s per
 'aot_eager' case, ~5-40 s for the inductor case (C++ code generation; cached across runs).
+The CUDA cases (skipped without a GPU, tests/conftest.py) compile with inductor, and once more with
+``mode='reduce-overhead'``: the step replayed as a CUDA graph, which must not be skipped.
 """
 import pytest
 import torch
@@ -41,17 +43,18 @@ CASES = {
     'adam-int8': (FusedAdam, dict(lr=1e-2, state_dtype='int8', min_8bit_size=16), F32),
 }
 OVERFLOW_STEP = 2
+CUDA = [pytest.param('cuda', marks=pytest.mark.cuda)]
 
 
-def _params(dtype, seed=0):
+def _params(dtype, seed=0, device='cpu'):
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(shape, generator=g).to(dtype))
+    return [torch.nn.Parameter(torch.randn(shape, generator=g).to(dtype).to(device))
             for shape in ((8, 4), (5,))]
 
 
 def _grads(params, steps=4):
     g = torch.Generator().manual_seed(1)
-    out = [[torch.randn(p.shape, generator=g).to(p.dtype) * 2 for p in params]
+    out = [[(torch.randn(p.shape, generator=g).to(p.dtype) * 2).to(p.device) for p in params]
            for _ in range(steps)]
     out[OVERFLOW_STEP][0][0, 0] = float('inf')
     return out
@@ -65,17 +68,17 @@ def _state_tensors(opt, params):
     return [v for p in params for v in opt.state[p].values() if isinstance(v, torch.Tensor)]
 
 
-def _compare(case, backend):
+def _compare(case, backend, device='cpu', **compile_kw):
     cls, kw, dtype = CASES[case]
-    eager_params, compiled_params = _params(dtype), _params(dtype)
+    eager_params, compiled_params = _params(dtype, device=device), _params(dtype, device=device)
     eager, compiled = cls(eager_params, **kw), cls(compiled_params, **kw)
-    step = torch.compile(_step, fullgraph=True, backend=backend)
+    step = torch.compile(_step, fullgraph=True, backend=backend, **compile_kw)
     for i, grads in enumerate(_grads(eager_params)):
         for p, q, g in zip(eager_params, compiled_params, grads):
             p.grad, q.grad = g.clone(), g.clone()
-        flag = torch.full((1,), float(i == OVERFLOW_STEP))
-        _step(eager, torch.full((1,), 2.0), flag.clone())
-        step(compiled, torch.full((1,), 2.0), flag.clone())
+        flag = torch.full((1,), float(i == OVERFLOW_STEP), device=device)
+        _step(eager, torch.full((1,), 2.0, device=device), flag.clone())
+        step(compiled, torch.full((1,), 2.0, device=device), flag.clone())
     for a, b in zip(eager_params + _state_tensors(eager, eager_params),
                     compiled_params + _state_tensors(compiled, compiled_params)):
         assert a.dtype == b.dtype and torch.equal(a, b)
@@ -141,3 +144,42 @@ def test_lr_schedule_on_a_device_lr_reuses_the_graph(capturable):
             s.step()
     assert counter.frame_count == 2
     assert all(torch.equal(a, b) for a, b in zip(eager_params, compiled_params))
+
+
+CUDA_CASES = ['adam', 'sgd', 'lamb', 'adam-master-weights']
+
+
+@pytest.mark.parametrize('device', CUDA)
+@pytest.mark.parametrize('case', CUDA_CASES)
+def test_inductor_step_on_cuda_matches_eager(case, device):
+    _compare(case, 'inductor', device)
+
+
+@pytest.mark.parametrize('device', CUDA)
+@pytest.mark.parametrize('opt_name', ['adam', 'sgd'])
+def test_step_replays_as_a_cuda_graph_under_an_lr_schedule(opt_name, device):
+    """mode='reduce-overhead': inductor records the compiled step as a CUDA graph and replays it. The
+    lr lives on the device (capturable=True) and torch's scheduler writes it in place, so each replay
+    reads the new value: the params follow eager's bitwise, and no CUDA graph is skipped."""
+    from torch._dynamo.utils import counters
+    cls, kw, dtype = CASES[opt_name]
+    kw = dict(kw, capturable=True)
+    eager_params, compiled_params = _params(dtype, device=device), _params(dtype, device=device)
+    eager, compiled = cls(eager_params, **kw), cls(compiled_params, **kw)
+    counters.clear()
+    step = torch.compile(compiled.step, fullgraph=True, mode='reduce-overhead')
+    schedulers = [torch.optim.lr_scheduler.CosineAnnealingLR(o, 20) for o in (eager, compiled)]
+    for i, grads in enumerate(_grads(eager_params, steps=8)):
+        for p, q, g in zip(eager_params, compiled_params, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        flag = torch.full((1,), float(i == OVERFLOW_STEP), device=device)
+        scale = torch.full((1,), 2.0, device=device)
+        eager.step(grad_scale=scale, found_inf=flag.clone())
+        step(grad_scale=scale, found_inf=flag.clone())
+        for s in schedulers:
+            s.step()
+        for a, b in zip(eager_params, compiled_params):
+            assert torch.equal(a, b), f'step {i}'
+    assert counters['inductor']['cudagraph_skips'] == 0, dict(counters['inductor'])
+    for a, b in zip(_state_tensors(eager, eager_params), _state_tensors(compiled, compiled_params)):
+        assert torch.equal(a, b)
