@@ -82,6 +82,11 @@ def build(total: int, tensors: int, device: str
         pipelines.insert(2, ('FusedAdam CUDA graphs',
                              lambda ps: FusedAdam(ps, **kw, capturable=True),
                              dict(mode='reduce-overhead')))
+    try:
+        mp_wrappers.compat.require('compile_list_ops')
+    except mp_wrappers.compat.FeatureUnavailableError as e:
+        print(f'FusedAdam compiled pipelines left out: {e}\n')
+        pipelines = [p for p in pipelines if not (p[0].startswith('FusedAdam') and p[2] is not None)]
     out = {}
     for name, make, compile_kw in pipelines:
         params = make_params(total, tensors, device)

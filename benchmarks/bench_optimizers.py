@@ -223,11 +223,21 @@ def o2_composed(sizes, device, half) -> Tuple[O2State, Callable[[], None]]:
         m.grad = g
     opt = torch.optim.AdamW(st.masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
 
+    # torch's CUDA unscale op has no bf16 kernel ("not implemented for 'BFloat16'"): there the
+    # composed pipeline copies the half grads to the fp32 master grads first and unscales those
+    # (the same bytes plus one fp32 read+write); elsewhere it unscales the half grads in place.
+    unscale_masters = torch.device(device).type == 'cuda' and half == torch.bfloat16
+
     def step() -> None:
         found_inf = torch.zeros((), device=device)  # torch fused Adam wants a 0-dim flag
-        # GradScaler.unscale_ refuses fp16 grads, but the op itself handles them.
-        torch._amp_foreach_non_finite_check_and_unscale_(st.grads, found_inf, st.inv_scale)
-        torch._foreach_copy_(master_grads, st.grads)
+        if unscale_masters:
+            torch._foreach_copy_(master_grads, st.grads)
+            torch._amp_foreach_non_finite_check_and_unscale_(master_grads, found_inf,
+                                                             st.inv_scale)
+        else:
+            # GradScaler.unscale_ refuses fp16 grads, but the op itself handles them.
+            torch._amp_foreach_non_finite_check_and_unscale_(st.grads, found_inf, st.inv_scale)
+            torch._foreach_copy_(master_grads, st.grads)
         opt.found_inf = found_inf  # torch's fused Adam skips on the device through this attribute
         opt.step()
         del opt.found_inf

@@ -83,19 +83,22 @@ def _functionalizes_list_mutation() -> bool:
         return False
 
 
-def _bucket_by_tensor_id(x: torch.Tensor) -> torch.Tensor:
+def _bucket_by_step_identity(x: torch.Tensor) -> torch.Tensor:
     step = torch.zeros(1)  # a tensor made inside the graph, like a first step's counter
-    buckets = {id(step): step}
-    return x + buckets[id(step)]
+    seen = []
+    for t in (step, step):
+        if not any(s is t for s in seen):
+            seen.append(t)
+    return x + len(seen)
 
 
 @functools.lru_cache(maxsize=None)
 def _dynamo_traces_fused_steps() -> bool:
-    # Behaviour, not an API: the fused optimizers group their tensors by the identity of their step
-    # counter, id(tensor), which torch 2.6's dynamo cannot trace ("call_id not supported for
-    # sourceless TensorVariable"); 2.13's can. One tiny compile (no code generated), once.
+    # Behaviour, not an API: the fused optimizers group their tensors by which step counter they
+    # share, found with `is` (mp_wrappers.optim.base._identity; id() of a tensor made in the graph
+    # does not trace before torch 2.13). One tiny compile (no code generated), once.
     try:
-        compiled = torch.compile(_bucket_by_tensor_id, fullgraph=True, backend='eager')
+        compiled = torch.compile(_bucket_by_step_identity, fullgraph=True, backend='eager')
         compiled(torch.ones(1))
     except Exception:  # dynamo's Unsupported and friends; any failure means no
         return False
@@ -139,9 +142,9 @@ FEATURES: Dict[str, Feature] = {
     # torch.compile of a fused step (FusedAdam & co. under torch.compile, compile_step=...): our ops
     # update lists of tensors in place, which the compiler must functionalize.
     'compile_list_ops': Feature(
-        'torch.compile of the fused steps (ops that update lists of tensors in place)', '2.13',
-        'auto_functionalize of custom ops mutating a Tensor[] (torch 2.4.1 lacks it) and dynamo '
-        'tracing id() of a tensor made in the graph (2.6.0 lacks it; 2.7-2.12 not tried)',
+        'torch.compile of the fused steps (ops that update lists of tensors in place)', '2.6',
+        'auto_functionalize of custom ops mutating a Tensor[] (torch 2.4.1 lacks it; 2.6.0 has '
+        'it) and dynamo tracing the grouping of params by their step counters',
         'eager fused steps work on any torch', _compiles_fused_steps),
     # FSDP2: per-parameter sharding with DTensors (public in torch.distributed.fsdp since 2.6).
     'fsdp2': Feature(

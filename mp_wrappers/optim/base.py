@@ -284,6 +284,7 @@ class FusedOptimizer(Optimizer):
                  writebacks: List[Tuple[Tensor, Tensor]]) -> List[_Bucket]:
         name = type(self).__name__
         buckets: Dict[tuple, _Bucket] = {}
+        steps: List[Tensor] = []  # the step counters seen, keyed by position (_identity)
         for gi, group in enumerate(self.param_groups):
             keys = self._tensor_state_keys(group)
             new_steps: Dict[torch.device, Tensor] = {}
@@ -312,7 +313,7 @@ class FusedOptimizer(Optimizer):
                                                             slot_keys)
                 self._check_slot(gi, pi, target, grad, model)
                 key = (gi, target.device, target.dtype, grad.dtype,
-                       None if model is None else model.dtype, id(state['step']))
+                       None if model is None else model.dtype, _identity(steps, state['step']))
                 bucket = buckets.get(key)
                 if bucket is None:
                     bucket = buckets[key] = _Bucket(group, target.device, state['step'],
@@ -396,11 +397,16 @@ class FusedOptimizer(Optimizer):
             return
         # A step counter shared by several buckets (a group mixing dtypes) must advance once: each
         # of those buckets advances a copy, and one copy is written back (they all agree).
-        users: Dict[int, int] = defaultdict(int)
+        # (Lists, not a defaultdict keyed by id(): both trace under dynamo on torch 2.6+, Note on
+        # _identity.)
+        steps: List[Tensor] = []
+        users: List[int] = []
         for bucket in buckets:
-            users[id(bucket.step)] += 1
+            i = _identity(steps, bucket.step)
+            users += [0] * (len(steps) - len(users))
+            users[i] += 1
         for bucket in buckets:
-            if users[id(bucket.step)] > 1:
+            if users[_identity(steps, bucket.step)] > 1:
                 shared = bucket.step
                 bucket.step = shared.clone()
                 writebacks.append((shared, bucket.step))
@@ -458,6 +464,20 @@ class FusedOptimizer(Optimizer):
 def _index_of(group: Dict[str, Any], groups: List[Dict[str, Any]]) -> int:
     # By identity: list.index would compare other groups' dicts, tensors included, by value.
     return next(i for i, g in enumerate(groups) if g is group)
+
+
+def _identity(seen: List[Tensor], t: Tensor) -> int:
+    """The position of ``t`` in ``seen`` by identity, appending it the first time.
+
+    Buckets are keyed by which step counter their params share. ``id(tensor)`` would say it, but
+    dynamo before torch 2.13 cannot trace id() of a tensor made in the graph (a first step's
+    counter): 2.6 and 2.11 break the graph there. ``is`` traces on every torch we support.
+    """
+    for i, s in enumerate(seen):
+        if s is t:
+            return i
+    seen.append(t)
+    return len(seen) - 1
 
 
 def _capturing(device: torch.device) -> bool:

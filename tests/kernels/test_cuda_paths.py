@@ -85,7 +85,8 @@ def test_more_than_one_launch_per_list(device):
     assert all(torch.equal(a, b) for a, b in zip(outs, refs)) and flag.item() == 0
     total, per = ops.multi_tensor_l2norm(xs, per_tensor=True)
     assert total.item() == pytest.approx(_norm_oracle(xs), rel=1e-6)
-    want = torch.tensor([torch.linalg.vector_norm(t.double()).item() for t in xs])
+    want = torch.tensor([torch.linalg.vector_norm(t.double()).item() for t in xs],
+                        dtype=torch.float64)
     torch.testing.assert_close(per.cpu().double(), want, rtol=1e-6, atol=0)
     xs[-1].view(-1)[-1] = float('nan')  # the last element of the last tensor of the last launch
     _, _, flag, _ = _scale_both(xs, 1.0)

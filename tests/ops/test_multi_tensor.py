@@ -239,7 +239,7 @@ def _l2norm(impl, tensors, per_tensor, inv_scale=None, found_inf=None):
 
 def _oracle_norms(tensors, inv_scale=1.0):
     s = torch.tensor(inv_scale, dtype=torch.float32).double()
-    per = torch.stack([(t.double() * s).pow(2).sum().sqrt() for t in tensors])
+    per = torch.stack([(t.cpu().double() * s).pow(2).sum().sqrt() for t in tensors])  # on the CPU
     return per.pow(2).sum().sqrt(), per
 
 
