@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from .. import compat
 from ..sharding import is_dtensor, local_slot
 from ..ops._dispatch import implementation
 from ..ops._extension import extension
@@ -481,8 +482,11 @@ def _identity(seen: List[Tensor], t: Tensor) -> int:
 
 
 def _capturing(device: torch.device) -> bool:
-    """Whether ``device``'s current stream is capturing a CUDA graph."""
-    if device.type != 'cuda':
+    """Whether ``device``'s current stream is capturing a CUDA graph (never while torch.compile
+    traces: the query returns a bool dynamo cannot put in a graph, a break found on an H100, and
+    inductor's CUDA graphs record the compiled code later, where this Python no longer runs; a
+    float lr is a constant of a compiled graph, Note [compiled step])."""
+    if device.type != 'cuda' or compat.is_compiling():
         return False
     with torch.cuda.device(device):
         return torch.cuda.is_current_stream_capturing()

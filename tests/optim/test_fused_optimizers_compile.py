@@ -197,3 +197,15 @@ def test_step_replays_as_a_cuda_graph_under_an_lr_schedule(opt_name, device):
     assert counters['inductor']['cudagraph_skips'] == 0, dict(counters['inductor'])
     for a, b in zip(_state_tensors(eager, eager_params), _state_tensors(compiled, compiled_params)):
         assert torch.equal(a, b)
+
+
+def test_the_capture_query_stays_out_of_the_graph():
+    """The float-lr refusal asks whether a CUDA graph is being captured; under torch.compile that
+    query (a bool from torch.cuda) broke the graph of every CUDA step (found on an H100). Traced, the
+    question is not asked: inductor records its CUDA graphs after tracing."""
+    from mp_wrappers.optim import base
+
+    def step(x):
+        return x + float(base._capturing(torch.device('cuda')))
+    assert torch.equal(torch.compile(step, fullgraph=True, backend='eager')(torch.zeros(1)),
+                       torch.zeros(1))
