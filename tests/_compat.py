@@ -9,7 +9,8 @@ import torch
 
 from mp_wrappers import compat
 
-__all__ = ['requires', 'needs_cpu_grad_scaler', 'needs_opcheck', 'opcheck']
+__all__ = ['requires', 'needs_cpu_grad_scaler', 'needs_opcheck', 'needs_schedulers_writing_1_element_lr',
+           'opcheck']
 
 
 def requires(feature: str):
@@ -28,6 +29,25 @@ needs_cpu_grad_scaler = pytest.mark.skipif(
 needs_opcheck = pytest.mark.skipif(
     not hasattr(torch.library, 'opcheck') or not compat.has('fake_kernels'),
     reason=f'torch.library.opcheck and register_fake need torch >= 2.4 (found {torch.__version__})')
+
+
+
+def _torch_schedulers_write_a_1_element_lr() -> bool:
+    # torch 2.6's schedulers write a tensor lr with fill_(new lr), which takes 0-dim values only, and
+    # the new lr of a 1-element lr is a 1-element tensor; torch 2.13's convert it to a number first.
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=torch.tensor([0.1]))
+    try:
+        torch.optim.lr_scheduler.CosineAnnealingLR(opt, 20)
+    except RuntimeError:
+        return False
+    return True
+
+
+# Our device lrs have one element (Note [capturable] in mp_wrappers/optim/base.py).
+needs_schedulers_writing_1_element_lr = pytest.mark.skipif(
+    not _torch_schedulers_write_a_1_element_lr(),
+    reason=f"torch {torch.__version__}'s LR schedulers cannot update a 1-element tensor lr (fill_ "
+           "takes 0-dim values); a 0-dim lr, and mmengine's schedulers (which assign), work")
 
 
 def opcheck(packet, args) -> None:

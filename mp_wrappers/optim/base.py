@@ -18,7 +18,6 @@ Note [step cohorts]
     momentum buffer, Adam starts its bias correction, on that param's own first update). Loading a
     state dict merges counters of equal value again.
 """
-from collections import defaultdict
 from typing import (Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple,
                     Union)
 
@@ -398,9 +397,7 @@ class FusedOptimizer(Optimizer):
             return
         # A step counter shared by several buckets (a group mixing dtypes) must advance once: each
         # of those buckets advances a copy, and one copy is written back (they all agree).
-        # (Lists, not a defaultdict keyed by id(): both trace under dynamo on torch 2.6+, Note on
-        # _identity.)
-        steps: List[Tensor] = []
+        steps: List[Tensor] = []  # lists, not dicts keyed by id(): they trace (_identity)
         users: List[int] = []
         for bucket in buckets:
             i = _identity(steps, bucket.step)

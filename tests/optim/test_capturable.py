@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import mp_wrappers.optim.base as optim_base
+from _compat import needs_schedulers_writing_1_element_lr
 from _workflow import RecordHook, make_runner, train
 from mp_wrappers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 
@@ -67,10 +68,12 @@ def test_capturable_follows_the_schedule_bit_for_bit(opt_name):
         assert torch.equal(a, b)
 
 
-def test_a_tensor_lr_works_without_capturable():
+@pytest.mark.parametrize('shape', [
+    (), pytest.param((1,), marks=needs_schedulers_writing_1_element_lr)])
+def test_a_tensor_lr_works_without_capturable(shape):
     plain, _, _ = _train('FusedAdam')
     model = _model()
-    opt = FusedAdam(model.parameters(), lr=torch.tensor([1e-2]), weight_decay=0.01)
+    opt = FusedAdam(model.parameters(), lr=torch.full(shape, 1e-2), weight_decay=0.01)
     _run_schedule(model, opt, 6)
     for a, b in zip(plain.parameters(), model.parameters()):
         assert torch.equal(a, b)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
-from _compat import requires
+from _compat import needs_schedulers_writing_1_element_lr, requires
 from mp_wrappers.ops import _extension
 from mp_wrappers.optim import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 
@@ -125,20 +125,7 @@ def test_skipped_step_leaves_everything_bitwise():
     assert all(torch.equal(a, b) for a, b in zip(before, params + _state_tensors(opt, params)))
 
 
-def _torch_schedulers_write_a_1_element_lr():
-    # torch 2.6's schedulers write a tensor lr with fill_(new lr), which takes 0-dim values only;
-    # our device lrs have one element (Note [capturable]). 2.13's convert the value first.
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=torch.tensor([0.1]))
-    try:
-        torch.optim.lr_scheduler.CosineAnnealingLR(opt, 20)
-    except RuntimeError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _torch_schedulers_write_a_1_element_lr(),
-                    reason="this torch's LR schedulers cannot update a 1-element tensor lr "
-                           "(fill_ takes 0-dim values): mmengine's schedulers, which assign, can")
+@needs_schedulers_writing_1_element_lr
 @pytest.mark.parametrize('capturable', [True, False])
 def test_lr_schedule_on_a_device_lr_reuses_the_graph(capturable):
     """torch's scheduler writes a tensor lr in place: the step compiles twice, whatever the lr."""

@@ -233,7 +233,7 @@ def test_compile_step_refuses_fsdp_at_the_first_step():
 def test_compile_step_needs_list_functionalization(monkeypatch):
     monkeypatch.setattr(compat, 'has', lambda feature: feature != 'compile_list_ops')
     with pytest.raises(FeatureUnavailableError, match=r'torch.compile of the fused steps .* needs '
-                                                      r'torch >= 2\.13'):
+                                                      r'torch >= 2\.6'):
         check_compile_step(True)
 
 
