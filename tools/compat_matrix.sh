@@ -10,6 +10,8 @@
 #   SUBSET=all tools/compat_matrix.sh t26   # the whole suite
 #   tools/compat_matrix.sh --list           # the stacks and their pins
 #   BUILD=0 tools/compat_matrix.sh newest   # test the previous run's build of a stack again
+#   PHASE=install tools/compat_matrix.sh oldest   # only make the venv and install the pins (CI does
+#                                           # this in the background, then runs the stack with REUSE=1)
 #
 # MATRIX_DIR=dir holds one venv and one source copy per stack (default /tmp/mp_wrappers_matrix); a
 # venv that already exists is reused (REUSE=0 rebuilds it). The exit status is 1 when a stack failed
@@ -33,7 +35,7 @@ STACKS=(
   "mmpretrain|2.1.2|mmengine==0.10.4|numpy<2 torchvision==0.16.2 mmpretrain==1.2.0 mmcv-lite==2.1.0|an OpenMMLab toolbox on the oldest stack"
 )
 
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
 stack_line() { local s; for s in "${STACKS[@]}"; do [ "${s%%|*}" = "$1" ] && { echo "$s"; return 0; }; done; return 1; }
 
 if [ "${1:-}" = --list ]; then
@@ -43,6 +45,7 @@ if [ "${1:-}" = --list ]; then
 fi
 case "${1:-}" in -h|--help) usage; exit 0 ;; esac
 case "$SUBSET" in compat|all) ;; *) echo "compat_matrix: SUBSET=$SUBSET: expected compat or all" >&2; exit 2 ;; esac
+case "${PHASE:=all}" in install|all) ;; *) echo "compat_matrix: PHASE=$PHASE: expected install or all" >&2; exit 2 ;; esac
 NAMES=("$@")
 if [ ${#NAMES[@]} -eq 0 ]; then for s in "${STACKS[@]}"; do NAMES+=("${s%%|*}"); done; fi
 for n in "${NAMES[@]}"; do
@@ -86,6 +89,11 @@ run_stack() {  # name: installs, builds, tests; appends one row to ROWS
   # In a reused venv that already has them pip only checks them.
   # shellcheck disable=SC2086
   "$py" -m pip install -q "torch==$torch" "$mm" $extra >>"$log" 2>&1 || { ok=0; note='pip install of the stack failed'; }
+  if [ "$PHASE" = install ]; then
+    [ $ok = 1 ] || { status=1; echo "   $name: pip install of the stack failed (see $log)"; }
+    echo "   $name: installed in $(( $(date +%s) - start )) s"
+    return
+  fi
   if [ "${BUILD:-1}" = 0 ] && [ -d "$src/mp_wrappers" ]; then
     # BUILD=0: test what the previous run of this stack installed (its copy of the tree, built
     # with the README's install command); the row says so.
@@ -138,6 +146,7 @@ PYEOF
 }
 
 for n in "${NAMES[@]}"; do run_stack "$n"; done
+[ "$PHASE" = install ] && exit $status
 
 echo
 echo "| stack | python | torch | mmengine | numpy | build | passed | failed | skipped | wall | gated features | note |"
