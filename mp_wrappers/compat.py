@@ -95,7 +95,7 @@ def _bucket_by_step_identity(x: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def _dynamo_traces_fused_steps() -> bool:
     # Behaviour, not an API: the fused optimizers group their tensors by which step counter they
-    # share, found with `is` (mp_wrappers.optim.base._identity; id() of a tensor made in the graph
+    # share, found with `is` (mp_wrappers.optim.buckets.identity; id() of a tensor made in the graph
     # does not trace before torch 2.13). One tiny compile (no code generated), once.
     try:
         compiled = torch.compile(_bucket_by_step_identity, fullgraph=True, backend='eager')

@@ -45,18 +45,24 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ['Sharding', 'sharding_of', 'is_dtensor', 'local_tensor', 'local_tensors',
+__all__ = ['Sharding', 'sharding_of', 'dtensor_type', 'is_dtensor', 'local_tensor', 'local_tensors',
            'is_sharded', 'global_norm', 'clip_grad_norm_sharded', 'no_sync_for_backward',
            'check_elementwise_optimizer']
 
 
-def is_dtensor(t: object) -> bool:
-    """Whether ``t`` is a ``torch.distributed.tensor.DTensor``."""
+def dtensor_type() -> Optional[type]:
+    """``torch.distributed.tensor.DTensor``, or None where torch has none."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(t, DTensor)
+        return None
+    return DTensor
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor``."""
+    dtensor = dtensor_type()
+    return dtensor is not None and isinstance(t, dtensor)
 
 
 def _check_placements(t: Tensor, what: str) -> None:

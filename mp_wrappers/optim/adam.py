@@ -8,7 +8,8 @@ from ..casting import HALF_DTYPES
 from ..ops._checks import _check_betas, _check_lr, _check_nonnegative
 from ..registry import OPTIMIZERS
 from . import layout
-from .base import FusedOptimizer, ParamsT, _Bucket
+from .base import FusedOptimizer, ParamsT
+from .buckets import _Bucket
 from .lean import LeanStorageMixin
 from .quantized_state import DEFAULT_MIN_8BIT_SIZE, QuantizedStateMixin
 

@@ -26,30 +26,15 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .. import compat
-from ..sharding import is_dtensor, local_slot
+from ..sharding import dtensor_type, local_slot
 from ..ops._dispatch import implementation
 from ..ops._extension import extension
 from . import layout, saved_state
+from .buckets import SlotSpec, _Bucket, add_contiguous, add_strided, identity
 
 __all__ = ['FusedOptimizer']
 
 ParamsT = Union[Iterable[Tensor], Iterable[Dict[str, Any]]]
-
-
-class _Bucket:
-    """The lists of one op call: one group, device, set of dtypes and step counter."""
-
-    __slots__ = ('group', 'device', 'step', 'params', 'grads', 'model_params', 'states')
-
-    def __init__(self, group: Dict[str, Any], device: torch.device, step: Tensor,
-                 state_keys: Sequence[str]) -> None:
-        self.group = group
-        self.device = device
-        self.step = step
-        self.params: List[Tensor] = []
-        self.grads: List[Tensor] = []
-        self.model_params: List[Tensor] = []
-        self.states: Dict[str, List[Tensor]] = {k: [] for k in state_keys}
 
 
 class FusedOptimizer(Optimizer):
@@ -143,12 +128,15 @@ class FusedOptimizer(Optimizer):
 
     def _state_dtype(self, key: str, param: Tensor) -> torch.dtype:
         """The dtype of tensor state ``key`` of ``param`` (float32; the lean bf16 storages of
-        :mod:`mp_wrappers.optim.lean` keep some in bf16 or uint16)."""
+        :mod:`mp_wrappers.optim.lean` keep some in bf16 or uint16). It may depend on the param's
+        dtype and its own state (8-bit codes stay uint8), not on anything else of the tensor: a
+        step asks once per group and dtype (Note [collect fast path] in :mod:`.buckets`)."""
         return torch.float32
 
     def _slot_state_keys(self, group: Dict[str, Any], target: Tensor) -> Tuple[str, ...]:
         """The tensor-state keys whose lists the op gets for ``target`` (``_tensor_state_keys``
-        plus per-param extras such as a lean storage's aux state)."""
+        plus per-param extras such as a lean storage's aux state). It may depend on the group and
+        ``target``'s dtype only: a step asks once per group and dtype."""
         return self._tensor_state_keys(group)
 
     def _prepare(self, buckets: List[_Bucket], grad_scale: Optional[Tensor]) -> Any:
@@ -269,57 +257,72 @@ class FusedOptimizer(Optimizer):
         self._init_extra_state(param, state)
         return state
 
-    def _ensure_layout(self, state: Dict[str, Any], key: str, ref: Tensor) -> Tensor:
-        """The state tensor ``key`` in ``ref``'s memory order, re-laid out once if needed."""
-        value = state.get(key)
-        dtype = self._state_dtype(key, ref)
-        if value is None:  # e.g. SGD momentum switched on after the first steps
-            value = state[key] = layout.like(ref, dtype).zero_()
-        elif not layout.same_order(value, ref) or value.dtype != dtype:
-            value = state[key] = layout.like(ref, dtype).copy_(value.reshape(ref.shape))
-        return value
-
     def _collect(self, grads: Optional[Sequence[Sequence[Optional[Tensor]]]],
                  model_params: Optional[Sequence[Sequence[Optional[Tensor]]]],
                  writebacks: List[Tuple[Tensor, Tensor]]) -> List[_Bucket]:
-        name = type(self).__name__
-        buckets: Dict[tuple, _Bucket] = {}
-        steps: List[Tensor] = []  # the step counters seen, keyed by position (_identity)
+        buckets: List[_Bucket] = []
+        steps: List[Tensor] = []  # the step counters seen, keyed by position (buckets.identity)
+        dtensor = dtensor_type()  # looked up once a step: the import costs more than isinstance
         for gi, group in enumerate(self.param_groups):
-            keys = self._tensor_state_keys(group)
-            new_steps: Dict[torch.device, Tensor] = {}
-            for pi, param in enumerate(group['params']):
-                grad = grads[gi][pi] if grads is not None else None
-                if grad is None:
-                    grad = param.grad
+            buckets += self._collect_group(gi, group, None if grads is None else grads[gi],
+                                           None if model_params is None else model_params[gi],
+                                           steps, dtensor, writebacks)
+        return buckets
+
+    def _collect_group(self, gi: int, group: Dict[str, Any], grads: Optional[Sequence[Any]],
+                       models: Optional[Sequence[Any]], steps: List[Tensor],
+                       dtensor: Optional[type], writebacks: List[Tuple[Tensor, Tensor]]
+                       ) -> List[_Bucket]:
+        """The buckets of param group ``gi`` (Note [collect fast path] in :mod:`.buckets`)."""
+        buckets: Dict[tuple, _Bucket] = {}
+        specs: Dict[torch.dtype, SlotSpec] = {}  # by target dtype, for this step only
+        new_steps: Dict[torch.device, Tensor] = {}
+        all_state, state_dtype, scalar_keys = self.state, self._state_dtype, self._scalar_state
+        for pi, param in enumerate(group['params']):
+            grad = None if grads is None else grads[pi]
+            if grad is None:
+                grad = param.grad
                 if grad is None:
                     continue
-                if grad.is_sparse:
-                    raise RuntimeError(f'{name} does not support sparse gradients (param {pi} of '
-                                       f'group {gi}); use torch.optim.SparseAdam for sparse ones')
-                model = model_params[gi][pi] if model_params is not None else None
-                state = self.state[param]
-                if 'step' not in state:
-                    step = new_steps.get(param.device)
-                    if step is None:
-                        step = new_steps[param.device] = torch.zeros(
-                            1, dtype=torch.float32, device=param.device)
-                    state = self._init_state(param, group, step)
-                target, model = self._update_target(param, state, model)
-                slot_keys = self._slot_state_keys(group, target) if self._has_slot_keys else keys
-                if is_dtensor(target):  # FSDP2: update the local shards (mp_wrappers.distributed)
-                    # (every slot key: a lean storage's extra state is a DTensor too)
-                    target, grad, model, state = local_slot(self, target, grad, model, state,
-                                                            slot_keys)
+            if grad.is_sparse:
+                raise RuntimeError(f'{type(self).__name__} does not support sparse gradients '
+                                   f'(param {pi} of group {gi}); use torch.optim.SparseAdam for '
+                                   'sparse ones')
+            model = None if models is None else models[pi]
+            state = all_state[param]
+            if 'step' not in state:
+                state = self._init_state(param, group, _new_step(new_steps, param.device))
+            target, model = self._update_target(param, state, model)
+            spec = specs.get(target.dtype)
+            if spec is None:
+                spec = specs[target.dtype] = self._slot_spec(group, target)
+            if dtensor is not None and isinstance(target, dtensor):
+                # FSDP2: update the local shards (mp_wrappers.distributed); every slot key: a lean
+                # storage's extra state is a DTensor too.
+                target, grad, model, state = local_slot(self, target, grad, model, state,
+                                                        spec.keys)
+            # The key holds every device and dtype _check_slot looks at: checked once per bucket.
+            key = (target.device, target.dtype, grad.device, grad.dtype,
+                   None if model is None else (model.device, model.dtype),
+                   identity(steps, state['step']))
+            bucket = buckets.get(key)
+            if bucket is None:
                 self._check_slot(gi, pi, target, grad, model)
-                key = (gi, target.device, target.dtype, grad.dtype,
-                       None if model is None else model.dtype, _identity(steps, state['step']))
-                bucket = buckets.get(key)
-                if bucket is None:
-                    bucket = buckets[key] = _Bucket(group, target.device, state['step'],
-                                                    slot_keys + self._scalar_state)
-                self._add_slot(bucket, target, grad, model, state, slot_keys, writebacks)
+                bucket = buckets[key] = _Bucket(group, target.device, state['step'],
+                                                spec.keys + scalar_keys)
+            if not add_contiguous(bucket, spec, target, grad, model, state, state_dtype):
+                self._check_slot(gi, pi, target, grad, model)  # the key vouched for all but sizes
+                add_strided(bucket, spec.keys, target, grad, model, state, state_dtype,
+                            writebacks)
+            for k in scalar_keys:
+                bucket.states[k].append(state[k])
         return list(buckets.values())
+
+    def _slot_spec(self, group: Dict[str, Any], target: Tensor) -> SlotSpec:
+        """The state keys and dtypes of the slots of ``group`` whose updated tensor has
+        ``target``'s dtype, for this step (the hooks' contract: see their docstrings)."""
+        keys = self._slot_state_keys(group, target)
+        return SlotSpec(keys, tuple((k, self._state_dtype(k, target)) for k in keys))
 
     def _check_slot(self, gi: int, pi: int, target: Tensor, grad: Tensor,
                     model: Optional[Tensor]) -> None:
@@ -337,57 +340,6 @@ class FusedOptimizer(Optimizer):
                                  f'{tuple(t.shape)} on {t.device}, but the param is '
                                  f'{tuple(target.shape)} on {target.device}')
 
-    def _add_slot(self, bucket: _Bucket, target: Tensor, grad: Tensor, model: Optional[Tensor],
-                  state: Dict[str, Any], keys: Sequence[str],
-                  writebacks: List[Tuple[Tensor, Tensor]]) -> None:
-        """Add one param's tensors to ``bucket``: as they are when all are contiguous and shaped
-        alike, else through :meth:`_add_strided`."""
-        states = [state.get(k) for k in keys]
-        shape = target.shape
-        if (target.is_contiguous() and grad.is_contiguous() and grad.shape == shape
-                and (model is None or (model.is_contiguous() and model.shape == shape))
-                and all(t is not None and t.dtype == self._state_dtype(k, target)
-                        and t.is_contiguous() and t.shape == shape
-                        for k, t in zip(keys, states))):
-            # The common case, kept cheap: this runs for every param every step.
-            bucket.params.append(target)
-            bucket.grads.append(grad)
-            if model is not None:
-                bucket.model_params.append(model)
-            for k, t in zip(keys, states):
-                bucket.states[k].append(t)
-        else:
-            self._add_strided(bucket, target, grad, model, state, keys, writebacks)
-        for k in self._scalar_state:
-            bucket.states[k].append(state[k])
-
-    def _add_strided(self, bucket: _Bucket, target: Tensor, grad: Tensor, model: Optional[Tensor],
-                     state: Dict[str, Any], keys: Sequence[str],
-                     writebacks: List[Tuple[Tensor, Tensor]]) -> None:
-        """Add a slot some of whose tensors are not contiguous (e.g. channels_last params).
-
-        Every tensor of the slot is passed as a flat view in the target's memory order; tensors in
-        another order are copied, and the written ones copied back after the op (a skipped step
-        copies back the same bits). State is re-laid out once, in place in the state dict.
-        """
-        if layout.is_dense(target):
-            order = target
-        else:  # e.g. a strided view: update a contiguous copy of the same shape
-            order = target.clone(memory_format=torch.contiguous_format)
-            writebacks.append((target, order))
-        bucket.params.append(layout.flat(order))
-        if not layout.same_order(grad, order):
-            grad = layout.like(order, grad.dtype).copy_(grad.reshape(order.shape))
-        bucket.grads.append(layout.flat(grad))
-        if model is not None:
-            if not layout.same_order(model, order):
-                staged = layout.like(order, model.dtype).copy_(model.reshape(order.shape))
-                writebacks.append((model, staged))  # the shaped copy: its flat view is permuted
-                model = staged
-            bucket.model_params.append(layout.flat(model))
-        for k in keys:
-            bucket.states[k].append(layout.flat(self._ensure_layout(state, k, order)))
-
     def _update(self, grads: Optional[Sequence[Sequence[Optional[Tensor]]]],
                 model_params: Optional[Sequence[Sequence[Optional[Tensor]]]],
                 grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
@@ -397,14 +349,14 @@ class FusedOptimizer(Optimizer):
             return
         # A step counter shared by several buckets (a group mixing dtypes) must advance once: each
         # of those buckets advances a copy, and one copy is written back (they all agree).
-        steps: List[Tensor] = []  # lists, not dicts keyed by id(): they trace (_identity)
+        steps: List[Tensor] = []  # lists, not dicts keyed by id(): they trace (buckets.identity)
         users: List[int] = []
         for bucket in buckets:
-            i = _identity(steps, bucket.step)
+            i = identity(steps, bucket.step)
             users += [0] * (len(steps) - len(users))
             users[i] += 1
         for bucket in buckets:
-            if users[_identity(steps, bucket.step)] > 1:
+            if users[identity(steps, bucket.step)] > 1:
                 shared = bucket.step
                 bucket.step = shared.clone()
                 writebacks.append((shared, bucket.step))
@@ -453,29 +405,19 @@ class FusedOptimizer(Optimizer):
     def _call_op(self, bucket: _Bucket, *args: Any, op: Optional[str] = None) -> None:
         implementation(op or self._op, bucket.device)(*args)
 
-    @property
-    def _has_slot_keys(self) -> bool:
-        # Only subclasses that override _slot_state_keys pay for a per-param call in _collect.
-        return type(self)._slot_state_keys is not FusedOptimizer._slot_state_keys
-
 
 def _index_of(group: Dict[str, Any], groups: List[Dict[str, Any]]) -> int:
     # By identity: list.index would compare other groups' dicts, tensors included, by value.
     return next(i for i, g in enumerate(groups) if g is group)
 
 
-def _identity(seen: List[Tensor], t: Tensor) -> int:
-    """The position of ``t`` in ``seen`` by identity, appending it the first time.
-
-    Buckets are keyed by which step counter their params share. ``id(tensor)`` would say it, but
-    dynamo before torch 2.13 cannot trace id() of a tensor made in the graph (a first step's
-    counter): 2.6 and 2.11 break the graph there. ``is`` traces on every torch we support.
-    """
-    for i, s in enumerate(seen):
-        if s is t:
-            return i
-    seen.append(t)
-    return len(seen) - 1
+def _new_step(new_steps: Dict[torch.device, Tensor], device: torch.device) -> Tensor:
+    """The step counter of the params of one group starting on ``device`` at this step, shared by
+    all of them (Note [step cohorts])."""
+    step = new_steps.get(device)
+    if step is None:
+        step = new_steps[device] = torch.zeros(1, dtype=torch.float32, device=device)
+    return step
 
 
 def _capturing(device: torch.device) -> bool:

@@ -7,7 +7,8 @@ from torch import Tensor
 from ..ops.multi_tensor import multi_tensor_l2norm, multi_tensor_unscale_l2norm
 from ..ops._checks import _check_betas, _check_lr, _check_nonnegative
 from ..registry import OPTIMIZERS
-from .base import FusedOptimizer, ParamsT, _Bucket
+from .base import FusedOptimizer, ParamsT
+from .buckets import _Bucket
 
 __all__ = ['FusedLAMB']
 

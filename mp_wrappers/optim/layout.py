@@ -4,7 +4,7 @@ laid out like their param.
 The multi-tensor ops walk flat lists of elements. A param and its grad, model copy and state pair
 up element by element when their memory orders agree, which holds for contiguous tensors and for
 dense ones with the same strides (channels_last params and their grads); anything else is copied
-into the param's order first (``FusedOptimizer._add_strided``).
+into the param's order first (:func:`mp_wrappers.optim.buckets.add_strided`).
 """
 import torch
 from torch import Tensor

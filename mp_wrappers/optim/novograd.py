@@ -6,7 +6,8 @@ from torch import Tensor
 
 from ..ops._checks import _check_betas, _check_lr, _check_nonnegative, _check_norm_type
 from ..registry import OPTIMIZERS
-from .base import FusedOptimizer, ParamsT, _Bucket
+from .base import FusedOptimizer, ParamsT
+from .buckets import _Bucket
 
 __all__ = ['FusedNovoGrad']
 

@@ -40,7 +40,7 @@ from ..ops.quantized_states import check_quantized_device
 from ..ops.reference.quant import (EXP_AVG_CODE, EXP_AVG_SQ_CODE, dequantize_blockwise,
                                    quantize_blockwise)
 from . import layout
-from .base import _Bucket
+from .buckets import _Bucket
 
 __all__ = ['QuantizedStateMixin', 'STATE_DTYPES', 'DEFAULT_MIN_8BIT_SIZE', 'ABSMAX_KEYS',
            'check_not_sharded']

@@ -5,7 +5,8 @@ from torch import Tensor
 
 from ..ops._checks import _check_lr, _check_nonnegative
 from ..registry import OPTIMIZERS
-from .base import FusedOptimizer, ParamsT, _Bucket
+from .base import FusedOptimizer, ParamsT
+from .buckets import _Bucket
 from .lean import LeanStorageMixin
 
 __all__ = ['FusedSGD']

@@ -1,0 +1,134 @@
+"""The lists one fused-optimizer op call takes (a bucket), and how one param's tensors join them.
+
+:meth:`FusedOptimizer._collect <mp_wrappers.optim.FusedOptimizer>` decides which bucket a param
+goes to; this module adds the param's tensors: as they are when all of them are contiguous, shaped
+alike and of the state dtypes the optimizer keeps (:func:`add_contiguous`, the case of nearly every
+param), else as flat views in the param's memory order, re-laying out state once
+(:func:`add_strided`, e.g. channels_last params).
+
+Note [collect fast path]
+    ``_collect`` runs for every param at every step, so its per-param Python is the host time of a
+    fused step for models of many small tensors (on the CPU and on a GPU alike: a step of 222 tiny
+    tensors was ~6 us of Python per param before this path). What depends only on the group and the
+    dtype of the updated tensor (the state keys a slot needs and their dtypes, :class:`SlotSpec`) is
+    worked out once per group, dtype and step, never carried across steps: hyperparameters, storage
+    options (``set_bf16_storage``) and the state itself may change between steps. Per param the
+    path reads each tensor's attributes once and checks errors once per bucket where the bucket key
+    already implies them (a grad's dtype and device; ``_check_slot``).
+"""
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import layout
+
+__all__ = ['SlotSpec', 'identity', 'add_contiguous', 'add_strided']
+
+#: ``state_dtype(key, target)``: the dtype state ``key`` of the tensor ``target`` is kept in.
+StateDtype = Callable[[str, Tensor], torch.dtype]
+
+
+class _Bucket:
+    """The lists of one op call: one group, device, set of dtypes and step counter."""
+
+    __slots__ = ('group', 'device', 'step', 'params', 'grads', 'model_params', 'states')
+
+    def __init__(self, group: Dict[str, Any], device: torch.device, step: Tensor,
+                 state_keys: Sequence[str]) -> None:
+        self.group = group
+        self.device = device
+        self.step = step
+        self.params: List[Tensor] = []
+        self.grads: List[Tensor] = []
+        self.model_params: List[Tensor] = []
+        self.states: Dict[str, List[Tensor]] = {k: [] for k in state_keys}
+
+
+class SlotSpec(NamedTuple):
+    """The tensor state of the slots of one group and target dtype, for one step."""
+
+    #: The state keys whose lists the op gets (``FusedOptimizer._slot_state_keys``).
+    keys: Tuple[str, ...]
+    #: ``(key, dtype)`` for each key: the dtype ``_state_dtype`` gives a target of this dtype.
+    dtypes: Tuple[Tuple[str, torch.dtype], ...]
+
+
+def identity(seen: List[Tensor], t: Tensor) -> int:
+    """The position of ``t`` in ``seen`` by identity, appending it the first time.
+
+    Buckets are keyed by which step counter their params share. ``id(tensor)`` would say it, but
+    dynamo before torch 2.13 cannot trace id() of a tensor made in the graph (a first step's
+    counter): 2.6 and 2.11 break the graph there. ``is`` traces on every torch we support.
+    """
+    for i, s in enumerate(seen):
+        if s is t:
+            return i
+    seen.append(t)
+    return len(seen) - 1
+
+
+def add_contiguous(bucket: _Bucket, spec: SlotSpec, target: Tensor, grad: Tensor,
+                   model: Optional[Tensor], state: Dict[str, Any], state_dtype: StateDtype) -> bool:
+    """Add one param's tensors to ``bucket`` as they are, when all are contiguous, shaped alike
+    and every state tensor has the dtype the optimizer keeps; else add nothing and return False."""
+    shape = target.shape
+    if not (target.is_contiguous() and grad.is_contiguous() and grad.shape == shape):
+        return False
+    if model is not None and not (model.is_contiguous() and model.shape == shape):
+        return False
+    states = []
+    for key, dtype in spec.dtypes:
+        t = state.get(key)
+        # spec's dtype holds for every target of this dtype; _state_dtype may also look at the
+        # param's own state (8-bit codes stay uint8), so another dtype is asked about exactly.
+        if (t is None or not t.is_contiguous() or t.shape != shape
+                or (t.dtype != dtype and t.dtype != state_dtype(key, target))):
+            return False
+        states.append(t)
+    bucket.params.append(target)
+    bucket.grads.append(grad)
+    if model is not None:
+        bucket.model_params.append(model)
+    for key, t in zip(spec.keys, states):
+        bucket.states[key].append(t)
+    return True
+
+
+def add_strided(bucket: _Bucket, keys: Sequence[str], target: Tensor, grad: Tensor,
+                model: Optional[Tensor], state: Dict[str, Any], state_dtype: StateDtype,
+                writebacks: List[Tuple[Tensor, Tensor]]) -> None:
+    """Add a slot some of whose tensors are not contiguous (e.g. channels_last params).
+
+    Every tensor of the slot is passed as a flat view in the target's memory order; tensors in
+    another order are copied, and the written ones copied back after the op (a skipped step
+    copies back the same bits). State is re-laid out once, in place in the state dict.
+    """
+    if layout.is_dense(target):
+        order = target
+    else:  # e.g. a strided view: update a contiguous copy of the same shape
+        order = target.clone(memory_format=torch.contiguous_format)
+        writebacks.append((target, order))
+    bucket.params.append(layout.flat(order))
+    if not layout.same_order(grad, order):
+        grad = layout.like(order, grad.dtype).copy_(grad.reshape(order.shape))
+    bucket.grads.append(layout.flat(grad))
+    if model is not None:
+        if not layout.same_order(model, order):
+            staged = layout.like(order, model.dtype).copy_(model.reshape(order.shape))
+            writebacks.append((model, staged))  # the shaped copy: its flat view is permuted
+            model = staged
+        bucket.model_params.append(layout.flat(model))
+    for k in keys:
+        bucket.states[k].append(layout.flat(_ensure_layout(state, k, order, state_dtype)))
+
+
+def _ensure_layout(state: Dict[str, Any], key: str, ref: Tensor, state_dtype: StateDtype) -> Tensor:
+    """The state tensor ``key`` in ``ref``'s memory order, re-laid out once if needed."""
+    value = state.get(key)
+    dtype = state_dtype(key, ref)
+    if value is None:  # e.g. SGD momentum switched on after the first steps
+        value = state[key] = layout.like(ref, dtype).zero_()
+    elif not layout.same_order(value, ref) or value.dtype != dtype:
+        value = state[key] = layout.like(ref, dtype).copy_(value.reshape(ref.shape))
+    return value
