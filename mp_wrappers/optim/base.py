@@ -278,6 +278,7 @@ class FusedOptimizer(Optimizer):
         specs: Dict[torch.dtype, SlotSpec] = {}  # by target dtype, for this step only
         new_steps: Dict[torch.device, Tensor] = {}
         all_state, state_dtype, scalar_keys = self.state, self._state_dtype, self._scalar_state
+        last_step, cohort = None, 0
         for pi, param in enumerate(group['params']):
             grad = None if grads is None else grads[pi]
             if grad is None:
@@ -301,14 +302,16 @@ class FusedOptimizer(Optimizer):
                 # storage's extra state is a DTensor too.
                 target, grad, model, state = local_slot(self, target, grad, model, state,
                                                         spec.keys)
+            step = state['step']
+            if step is not last_step:  # a group's params mostly share one (Note [step cohorts])
+                last_step, cohort = step, identity(steps, step)
             # The key holds every device and dtype _check_slot looks at: checked once per bucket.
             key = (target.device, target.dtype, grad.device, grad.dtype,
-                   None if model is None else (model.device, model.dtype),
-                   identity(steps, state['step']))
+                   None if model is None else (model.device, model.dtype), cohort)
             bucket = buckets.get(key)
             if bucket is None:
                 self._check_slot(gi, pi, target, grad, model)
-                bucket = buckets[key] = _Bucket(group, target.device, state['step'],
+                bucket = buckets[key] = _Bucket(group, target.device, step,
                                                 spec.keys + scalar_keys)
             if not add_contiguous(bucket, spec, target, grad, model, state, state_dtype):
                 self._check_slot(gi, pi, target, grad, model)  # the key vouched for all but sizes

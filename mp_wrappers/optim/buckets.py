@@ -1,20 +1,25 @@
 """The lists one fused-optimizer op call takes (a bucket), and how one param's tensors join them.
 
 :meth:`FusedOptimizer._collect <mp_wrappers.optim.FusedOptimizer>` decides which bucket a param
-goes to; this module adds the param's tensors: as they are when all of them are contiguous, shaped
-alike and of the state dtypes the optimizer keeps (:func:`add_contiguous`, the case of nearly every
+goes to; this module adds the param's tensors: as they are when all of them are contiguous, of one
+size and of the state dtypes the optimizer keeps (:func:`add_contiguous`, the case of nearly every
 param), else as flat views in the param's memory order, re-laying out state once
 (:func:`add_strided`, e.g. channels_last params).
 
 Note [collect fast path]
     ``_collect`` runs for every param at every step, so its per-param Python is the host time of a
-    fused step for models of many small tensors (on the CPU and on a GPU alike: a step of 222 tiny
-    tensors was ~6 us of Python per param before this path). What depends only on the group and the
-    dtype of the updated tensor (the state keys a slot needs and their dtypes, :class:`SlotSpec`) is
-    worked out once per group, dtype and step, never carried across steps: hyperparameters, storage
-    options (``set_bf16_storage``) and the state itself may change between steps. Per param the
-    path reads each tensor's attributes once and checks errors once per bucket where the bucket key
-    already implies them (a grad's dtype and device; ``_check_slot``).
+    fused step, which bounds the step of a model of many small tensors on a GPU as on the CPU
+    (``benchmarks/bench_host_overhead.py``). So per param it reads each tensor's attributes about
+    once, and what it can settle once per bucket or per dtype it settles there:
+
+    * What depends only on the group and the dtype of the updated tensor (the state keys of a slot
+      and their dtypes, :class:`SlotSpec`) is worked out once per group, dtype and step. Nothing is
+      carried across steps: hyperparameters, storage options (``set_bf16_storage``), the state
+      and the params themselves (``param.data = ...``) may all change between steps.
+    * The bucket key holds the devices and dtypes ``_check_slot`` checks, so it runs once per
+      bucket, and again only for a slot whose sizes or layouts differ (the same errors, naming the
+      same param, as checking every slot).
+    * Consecutive params mostly share their step counter: its position is looked up on a change.
 """
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -70,19 +75,23 @@ def identity(seen: List[Tensor], t: Tensor) -> int:
 
 def add_contiguous(bucket: _Bucket, spec: SlotSpec, target: Tensor, grad: Tensor,
                    model: Optional[Tensor], state: Dict[str, Any], state_dtype: StateDtype) -> bool:
-    """Add one param's tensors to ``bucket`` as they are, when all are contiguous, shaped alike
-    and every state tensor has the dtype the optimizer keeps; else add nothing and return False."""
-    shape = target.shape
-    if not (target.is_contiguous() and grad.is_contiguous() and grad.shape == shape):
+    """Add one param's tensors to ``bucket`` as they are, when all are contiguous and of one size
+    and every state tensor has the dtype the optimizer keeps; else add nothing and return False.
+
+    Sizes, not shapes: the ops pair contiguous tensors element by element, and :func:`add_strided`
+    would pass such tensors on unchanged too (as flat views); ``numel()`` is the cheaper read.
+    """
+    n = target.numel()
+    if not (target.is_contiguous() and grad.is_contiguous() and grad.numel() == n):
         return False
-    if model is not None and not (model.is_contiguous() and model.shape == shape):
+    if model is not None and not (model.is_contiguous() and model.numel() == n):
         return False
     states = []
     for key, dtype in spec.dtypes:
         t = state.get(key)
         # spec's dtype holds for every target of this dtype; _state_dtype may also look at the
         # param's own state (8-bit codes stay uint8), so another dtype is asked about exactly.
-        if (t is None or not t.is_contiguous() or t.shape != shape
+        if (t is None or not t.is_contiguous() or t.numel() != n
                 or (t.dtype != dtype and t.dtype != state_dtype(key, target))):
             return False
         states.append(t)

@@ -154,3 +154,18 @@ def test_slot_errors_name_the_param(position):
     with pytest.raises(ValueError, match=f'the model param of {where} is \\(2, 3\\) on cpu'):
         opt.fused_master_step(with_bad(torch.randn(4), torch.randn(4)),
                               with_bad(torch.randn(4).bfloat16(), torch.randn(2, 3).bfloat16()))
+
+
+def test_a_grad_of_another_shape_and_the_same_size_steps_as_it_is(strided_calls):
+    """The ops pair contiguous tensors element by element: a (2, 6) grad for a (3, 4) master is
+    stepped without a copy, as the (3, 4) grad would be."""
+    masters = [torch.randn(3, 4, requires_grad=True) for _ in range(2)]
+    twins = [m.detach().clone().requires_grad_() for m in masters]
+    opt, twin = FusedAdam(masters, lr=1e-2), FusedAdam(twins, lr=1e-2)
+    for t in range(2):
+        grads = _grads(masters, t)
+        opt.fused_master_step([[g.reshape(2, 6) for g in grads]], None)
+        twin.fused_master_step([grads], None)
+    assert strided_calls == []
+    for m, q in zip(masters, twins):
+        assert torch.equal(m, q)
