@@ -1,8 +1,8 @@
 """The lists one fused-optimizer op call takes (a bucket), and how one param's tensors join them.
 
 :meth:`FusedOptimizer._collect <mp_wrappers.optim.FusedOptimizer>` decides which bucket a param
-goes to; this module adds the param's tensors: as they are when all of them are contiguous, of one
-size and of the state dtypes the optimizer keeps (:func:`add_contiguous`, the case of nearly every
+goes to; this module adds the param's tensors: as they are when all of them are contiguous, shaped
+alike and of the state dtypes the optimizer keeps (:func:`add_contiguous`, the case of nearly every
 param), else as flat views in the param's memory order, re-laying out state once
 (:func:`add_strided`, e.g. channels_last params).
 
@@ -75,23 +75,23 @@ def identity(seen: List[Tensor], t: Tensor) -> int:
 
 def add_contiguous(bucket: _Bucket, spec: SlotSpec, target: Tensor, grad: Tensor,
                    model: Optional[Tensor], state: Dict[str, Any], state_dtype: StateDtype) -> bool:
-    """Add one param's tensors to ``bucket`` as they are, when all are contiguous and of one size
+    """Add one param's tensors to ``bucket`` as they are, when all are contiguous, shaped alike
     and every state tensor has the dtype the optimizer keeps; else add nothing and return False.
 
-    Sizes, not shapes: the ops pair contiguous tensors element by element, and :func:`add_strided`
-    would pass such tensors on unchanged too (as flat views); ``numel()`` is the cheaper read.
+    Shapes, not just sizes: the kernels pair contiguous tensors element by element, but the
+    pure-PyTorch references (ops/reference) broadcast, so tensors of other shapes go as flat views.
     """
-    n = target.numel()
-    if not (target.is_contiguous() and grad.is_contiguous() and grad.numel() == n):
+    shape = target.shape
+    if not (target.is_contiguous() and grad.is_contiguous() and grad.shape == shape):
         return False
-    if model is not None and not (model.is_contiguous() and model.numel() == n):
+    if model is not None and not (model.is_contiguous() and model.shape == shape):
         return False
     states = []
     for key, dtype in spec.dtypes:
         t = state.get(key)
         # spec's dtype holds for every target of this dtype; _state_dtype may also look at the
         # param's own state (8-bit codes stay uint8), so another dtype is asked about exactly.
-        if (t is None or not t.is_contiguous() or t.numel() != n
+        if (t is None or not t.is_contiguous() or t.shape != shape
                 or (t.dtype != dtype and t.dtype != state_dtype(key, target))):
             return False
         states.append(t)

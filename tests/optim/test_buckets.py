@@ -8,7 +8,12 @@ from torch import nn
 
 from _tolerances import TOL
 from mp_wrappers import compat
+from mp_wrappers.ops import reference
 from mp_wrappers.optim import FusedAdam, FusedSGD, base
+
+
+def _reference(op, device):
+    return getattr(reference, op)
 
 
 @pytest.fixture
@@ -156,9 +161,12 @@ def test_slot_errors_name_the_param(position):
                               with_bad(torch.randn(4).bfloat16(), torch.randn(2, 3).bfloat16()))
 
 
-def test_a_grad_of_another_shape_and_the_same_size_steps_as_it_is(strided_calls):
-    """The ops pair contiguous tensors element by element: a (2, 6) grad for a (3, 4) master is
-    stepped without a copy, as the (3, 4) grad would be."""
+@pytest.mark.parametrize('kernels', [True, False], ids=['kernels', 'references'])
+def test_a_grad_of_another_shape_and_the_same_size(kernels, strided_calls, monkeypatch):
+    """A (2, 6) grad for a (3, 4) master steps as the (3, 4) grad would, with the kernels and with
+    the pure-PyTorch references (which broadcast: such a slot goes as flat views)."""
+    if not kernels:
+        monkeypatch.setattr(base, 'implementation', _reference)
     masters = [torch.randn(3, 4, requires_grad=True) for _ in range(2)]
     twins = [m.detach().clone().requires_grad_() for m in masters]
     opt, twin = FusedAdam(masters, lr=1e-2), FusedAdam(twins, lr=1e-2)
@@ -166,6 +174,6 @@ def test_a_grad_of_another_shape_and_the_same_size_steps_as_it_is(strided_calls)
         grads = _grads(masters, t)
         opt.fused_master_step([[g.reshape(2, 6) for g in grads]], None)
         twin.fused_master_step([grads], None)
-    assert strided_calls == []
+    assert strided_calls == [(3, 4)] * 4
     for m, q in zip(masters, twins):
         assert torch.equal(m, q)
