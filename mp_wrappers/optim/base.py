@@ -294,9 +294,10 @@ class FusedOptimizer(Optimizer):
             if 'step' not in state:
                 state = self._init_state(param, group, _new_step(new_steps, param.device))
             target, model = self._update_target(param, state, model)
-            spec = specs.get(target.dtype)
+            dtype = target.dtype  # a DTensor's is its local tensor's
+            spec = specs.get(dtype)
             if spec is None:
-                spec = specs[target.dtype] = self._slot_spec(group, target)
+                spec = specs[dtype] = self._slot_spec(group, target)
             if dtensor is not None and isinstance(target, dtensor):
                 # FSDP2: update the local shards (mp_wrappers.distributed); every slot key: a lean
                 # storage's extra state is a DTensor too.
@@ -306,7 +307,7 @@ class FusedOptimizer(Optimizer):
             if step is not last_step:  # a group's params mostly share one (Note [step cohorts])
                 last_step, cohort = step, identity(steps, step)
             # The key holds every device and dtype _check_slot looks at: checked once per bucket.
-            key = (target.device, target.dtype, grad.device, grad.dtype,
+            key = (target.device, dtype, grad.device, grad.dtype,
                    None if model is None else (model.device, model.dtype), cohort)
             bucket = buckets.get(key)
             if bucket is None:
