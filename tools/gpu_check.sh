@@ -25,6 +25,8 @@
 #   bench-multi-tensor benchmarks/bench_multi_tensor.py --device cuda (unscale, L2 norm vs foreach)
 #   bench-compiled     benchmarks/bench_compiled_step.py --device cuda (FusedAdam eager, compiled and
 #                      as CUDA graphs vs torch's AdamW foreach/fused/compiled)
+#   bench-host         benchmarks/bench_host_overhead.py --device cuda (the host time of a step on
+#                      222 tiny tensors: FusedAdam/SGD/LAMB vs torch's fused and foreach)
 #   fidelity-digits    tools/compare_precision.py, digits 900 iterations, O0 vs O1/O2 x fp16/bf16,
 #                      bar: accuracy within 1 point of fp32
 #   fidelity-charlm    the same on the char LM, 1000 iterations, bar: val_ce within 2% (its table
@@ -48,7 +50,7 @@ START=$(date +%s)
 PY=${PYTHON:-python3}
 ALL_STEPS="build backend cuda-cases compiled-step subnormal-and-norms full-suite sanitizer-memcheck
   sanitizer-racecheck sanitizer-initcheck bench-optimizers bench-multi-tensor bench-compiled
-  fidelity-digits fidelity-charlm"
+  bench-host fidelity-digits fidelity-charlm"
 STEPS=$(echo "${GPU_CHECK_STEPS:-$ALL_STEPS}" | tr ',' ' ')
 for s in $STEPS; do
   case " $(echo $ALL_STEPS) " in
@@ -175,6 +177,8 @@ attach bench-multi-tensor "$WORK/bench-multi-tensor.log"
 step bench-compiled "$PY" benchmarks/bench_compiled_step.py --device cuda --sizes 1048576 33554432 \
   --iters 30
 attach bench-compiled "$WORK/bench-compiled.log"
+step bench-host "$PY" benchmarks/bench_host_overhead.py --device cuda --rounds 300
+attach bench-host "$WORK/bench-host.log"
 
 step fidelity-digits "$PY" tools/compare_precision.py configs/digits/cnn_fp32.py --iters 900 \
   --levels O0 O1 O2 --dtypes float16 bfloat16 --bar accuracy=1 --no-progress \
