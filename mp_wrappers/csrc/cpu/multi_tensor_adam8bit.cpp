@@ -38,38 +38,18 @@
 #include "mp_wrappers/cpu_multi_tensor.h"
 #include "mp_wrappers/cpu_optim.h"
 #include "mp_wrappers/cpu_vec.h"
+#include "mp_wrappers/minifloat.h"
 #include "mp_wrappers/op_args.h"
 
 namespace mp_wrappers {
 namespace cpu {
 namespace {
 
-constexpr int64_t kBlock = 256;  // reference/quant.py: BLOCK_SIZE
+constexpr int64_t kBlock = quant::kBlock;
 static_assert(kChunkElems % kBlock == 0, "chunks must hold whole quantization blocks");
 
-constexpr float pow2(int e) {
-  float r = 1.f;
-  for (; e > 0; --e) r *= 2.f;
-  for (; e < 0; ++e) r *= 0.5f;
-  return r;
-}
-
-// A minifloat code (reference/quant.py Minifloat): kExp exponent bits, kMan mantissa bits.
-template <int kExp, int kMan, bool kSigned>
-struct Code {
-  static constexpr int E = kExp, M = kMan;
-  static constexpr bool S = kSigned;
-  static constexpr int kBias = (1 << kExp) - 1;
-  static constexpr int kShift = 23 - kMan;
-  static constexpr int32_t kRebase = (127 - kBias) << kMan;  // fp32 exponent field -> code field
-  static constexpr int32_t kFirstNormal = 1 << kMan;
-  static constexpr float kMax = 2.f - pow2(-kMan);
-  static constexpr float kMinNormal = pow2(1 - kBias);
-  static constexpr float kSubEnc = pow2(kBias - 1 + kMan);
-  static constexpr float kSubDec = pow2(1 - kBias - kMan);
-};
-using ExpAvgCode = Code<4, 3, true>;     // reference/quant.py EXP_AVG_CODE
-using ExpAvgSqCode = Code<5, 3, false>;  // reference/quant.py EXP_AVG_SQ_CODE
+using quant::ExpAvgCode;
+using quant::ExpAvgSqCode;
 
 // ---- scalar forms: the baseline flavour, and the meaning of the vector forms ------------------
 template <class C>
@@ -503,33 +483,6 @@ struct Adam8bitChunk {
   }
 };
 
-void check_codes(const char* op, const char* name, at::TensorList codes, at::TensorList params,
-                 const at::Device& device) {
-  TORCH_CHECK(codes.size() == params.size(), op, ": ", name, " has ", codes.size(),
-              " tensors but params has ", params.size(), "; the lists must be parallel");
-  for (size_t i = 0; i < codes.size(); ++i) {
-    const at::Tensor& t = codes[i];
-    TORCH_CHECK(t.defined() && t.scalar_type() == at::kByte && t.is_contiguous() &&
-                    t.device() == device && t.numel() == params[i].numel(),
-                op, ": ", name, "[", i, "] must be a contiguous uint8 tensor on ", device,
-                " with ", params[i].numel(), " elements");
-  }
-}
-
-void check_absmax(const char* op, const char* name, at::TensorList absmax, at::TensorList params,
-                  const at::Device& device) {
-  TORCH_CHECK(absmax.size() == params.size(), op, ": ", name, " has ", absmax.size(),
-              " tensors but params has ", params.size(), "; the lists must be parallel");
-  for (size_t i = 0; i < absmax.size(); ++i) {
-    const at::Tensor& t = absmax[i];
-    const int64_t blocks = (params[i].numel() + kBlock - 1) / kBlock;
-    TORCH_CHECK(t.defined() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
-                    t.device() == device && t.numel() == blocks,
-                op, ": ", name, "[", i, "] must be a contiguous float32 tensor on ", device,
-                " with ", blocks, " elements (one per block of ", kBlock, ")");
-  }
-}
-
 void multi_tensor_adam8bit_cpu(at::TensorList params, at::TensorList grads,
                                at::TensorList exp_avgs, at::TensorList exp_avg_absmaxes,
                                at::TensorList exp_avg_sqs, at::TensorList exp_avg_sq_absmaxes,
@@ -538,25 +491,17 @@ void multi_tensor_adam8bit_cpu(at::TensorList params, at::TensorList grads,
                                bool adam_w_mode, bool bias_correction,
                                const c10::optional<at::Tensor>& grad_scale,
                                const c10::optional<at::Tensor>& found_inf) {
-  constexpr const char* op = "multi_tensor_adam8bit_";
-  const at::Device device = check_tensor_lists(
-      op, {{"params", params}, {"grads", grads}, {"model_params", model_params}},
-      {"model_params"});
-  check_codes(op, "exp_avgs", exp_avgs, params, device);
-  check_codes(op, "exp_avg_sqs", exp_avg_sqs, params, device);
-  check_absmax(op, "exp_avg_absmaxes", exp_avg_absmaxes, params, device);
-  check_absmax(op, "exp_avg_sq_absmaxes", exp_avg_sq_absmaxes, params, device);
-  check_step(op, step, device);
-  const float* grad_scale_ptr = optional_scalar(op, "grad_scale", grad_scale, device);
-  const float* found_inf_ptr = optional_scalar(op, "found_inf", found_inf, device);
+  const UpdateArgs<AdamHyper> set_up = multi_tensor_adam8bit_args(
+      Backend::kCpu, params, grads, exp_avgs, exp_avg_absmaxes, exp_avg_sqs, exp_avg_sq_absmaxes,
+      model_params, step, lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction,
+      grad_scale, found_inf);
   // A skipped step returns before touching anything: codes and absmax keep their bits.
-  if (optim::should_skip(found_inf_ptr)) return;
+  if (optim::should_skip(set_up.scalars.found_inf)) return;
 
   const float count = optim::read_count(step);
   Adam8bitConsts c;
-  static_cast<AdamHyper&>(c) =
-      adam_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction);
-  c.lr = static_cast<float>(lr);
+  static_cast<AdamHyper&>(c) = set_up.hyper;
+  c.lr = set_up.scalars.lr;
   // reference/quant.py _reciprocal_bias_corrections: float64, rounded once.
   c.rbc1 = 1.f;
   c.rsbc2 = 1.f;
@@ -565,7 +510,7 @@ void multi_tensor_adam8bit_cpu(at::TensorList params, at::TensorList grads,
     c.rbc1 = static_cast<float>(1.0 / (1.0 - std::pow(beta1, n)));
     c.rsbc2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2, n)));
   }
-  c.unscale = optim::Unscale::from(grad_scale_ptr);
+  c.unscale = optim::Unscale::from(set_up.scalars.grad_scale);
 
   const std::vector<RawTensor> ps = raw_tensors(params), gs = raw_tensors(grads),
                                os = raw_tensors(model_params);

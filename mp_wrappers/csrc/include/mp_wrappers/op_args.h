@@ -28,6 +28,7 @@
 #include <string>
 
 #include "mp_wrappers/checks.h"
+#include "mp_wrappers/minifloat.h"
 #include "mp_wrappers/scale_update.h"
 #include "mp_wrappers/torch_compat.h"
 
@@ -379,6 +380,61 @@ inline UpdateArgs<NovoHyper> multi_tensor_novograd_args(
   h.l2_norm = norm_type == 2;
   h.init_zero = init_zero;
   return {device, update_scalars(op, device, lr, grad_scale, found_inf, lr_tensor), h};
+}
+
+// ---- block-wise 8-bit states (Note [8-bit optimizer states] in mp_wrappers/ops/reference/quant.py)
+
+// uint8 codes, one per element of the parallel param.
+inline void check_codes(const char* op, const char* name, at::TensorList codes,
+                        at::TensorList params, const at::Device& device) {
+  TORCH_CHECK(codes.size() == params.size(), op, ": ", name, " has ", codes.size(),
+              " tensors but params has ", params.size(), "; the lists must be parallel");
+  for (size_t i = 0; i < codes.size(); ++i) {
+    const at::Tensor& t = codes[i];
+    TORCH_CHECK(t.defined() && t.scalar_type() == at::kByte && t.is_contiguous() &&
+                    t.device() == device && t.numel() == params[i].numel(),
+                op, ": ", name, "[", i, "] must be a contiguous uint8 tensor on ", device,
+                " with ", params[i].numel(), " elements");
+  }
+}
+
+// float32 absmaxes, one per quantization block of the parallel param.
+inline void check_absmax(const char* op, const char* name, at::TensorList absmax,
+                         at::TensorList params, const at::Device& device) {
+  TORCH_CHECK(absmax.size() == params.size(), op, ": ", name, " has ", absmax.size(),
+              " tensors but params has ", params.size(), "; the lists must be parallel");
+  for (size_t i = 0; i < absmax.size(); ++i) {
+    const at::Tensor& t = absmax[i];
+    const int64_t blocks = quant::num_blocks(params[i].numel());
+    TORCH_CHECK(t.defined() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                    t.device() == device && t.numel() == blocks,
+                op, ": ", name, "[", i, "] must be a contiguous float32 tensor on ", device,
+                " with ", blocks, " elements (one per block of ", quant::kBlock, ")");
+  }
+}
+
+// lr is a float (no lr_tensor: scalars.lr_tensor is nullptr).
+inline UpdateArgs<AdamHyper> multi_tensor_adam8bit_args(
+    Backend backend, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+    at::TensorList exp_avg_absmaxes, at::TensorList exp_avg_sqs,
+    at::TensorList exp_avg_sq_absmaxes, at::TensorList model_params, const at::Tensor& step,
+    double lr, double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
+    bool bias_correction, const c10::optional<at::Tensor>& grad_scale,
+    const c10::optional<at::Tensor>& found_inf) {
+  constexpr const char* op = "multi_tensor_adam8bit_";
+  const at::Device device = call_device(
+      check_tensor_lists(op, {{"params", params}, {"grads", grads}, {"model_params", model_params}},
+                         {"model_params"}),
+      params.empty(), step);
+  check_codes(op, "exp_avgs", exp_avgs, params, device);
+  check_codes(op, "exp_avg_sqs", exp_avg_sqs, params, device);
+  check_absmax(op, "exp_avg_absmaxes", exp_avg_absmaxes, params, device);
+  check_absmax(op, "exp_avg_sq_absmaxes", exp_avg_sq_absmaxes, params, device);
+  check_one_dtype(backend, op,
+                  {{"params", params}, {"grads", grads}, {"model_params", model_params}});
+  check_step(op, step, device);
+  return {device, update_scalars(op, device, lr, grad_scale, found_inf, c10::nullopt),
+          adam_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction)};
 }
 
 // ---- lean bf16 storage (Note [lean bf16 storage] in mp_wrappers/ops/reference/lean.py) ----------
