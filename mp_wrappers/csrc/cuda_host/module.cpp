@@ -24,12 +24,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::dict g;
   g["name"] = MPW_STR(MP_WRAPPERS_CUDA_GEOMETRY);
   g["chunk_size"] = mc::kChunkSize;
+  g["quant_chunk_size"] = mc::kQuantChunkSize;
   g["block_size"] = mc::kBlockSize;
   g["max_blocks"] = mc::kMaxBlocks;
   g["per_tensor_threads"] = mc::kPerTensorThreads;
   std::vector<int> max_tensors;
-  for (int depth = 1; depth <= 5; ++depth) max_tensors.push_back(mc::Geometry::max_tensors(depth));
-  g["max_tensors"] = max_tensors;  // by list depth 1..5
+  for (int depth = 1; depth <= 7; ++depth) max_tensors.push_back(mc::Geometry::max_tensors(depth));
+  g["max_tensors"] = max_tensors;  // by list depth 1..7
   m.attr("geometry") = g;
   m.def("traffic_reset", &host::traffic_reset, "Forget the recorded launches.");
   m.def(

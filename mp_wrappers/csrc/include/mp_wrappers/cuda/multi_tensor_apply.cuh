@@ -30,7 +30,8 @@
 namespace mp_wrappers {
 namespace cuda {
 
-template <int kDepth>
+// kChunk: elements per chunk (kChunkSize; the quantized kernels use kQuantChunkSize).
+template <int kDepth, int64_t kChunk = kChunkSize>
 struct TensorListMeta {
   static constexpr int kMaxTensors = Geometry::max_tensors(kDepth);
   void* addresses[kDepth][kMaxTensors];  // nullptr for an absent optional list (model_params)
@@ -52,15 +53,17 @@ struct TensorListMeta {
   __device__ __forceinline__ Chunk chunk_of_block() const {
     const int slot = block_to_slot[blockIdx.x];
     const int64_t chunk = block_to_chunk[blockIdx.x];
-    const int64_t begin = chunk * kChunkSize;
+    const int64_t begin = chunk * kChunk;
     const int64_t left = numel[slot] - begin;
-    return {slot, tensor_index[slot], chunk, begin, left < kChunkSize ? left : kChunkSize,
+    return {slot, tensor_index[slot], chunk, begin, left < kChunk ? left : kChunk,
             first_block + static_cast<int64_t>(blockIdx.x)};
   }
 };
 static_assert(Geometry::max_tensors(5) < 256, "block_to_slot is a uint8_t");
 
-inline int64_t chunks_of(int64_t numel) { return (numel + kChunkSize - 1) / kChunkSize; }
+inline int64_t chunks_of(int64_t numel, int64_t chunk = kChunkSize) {
+  return (numel + chunk - 1) / chunk;
+}
 
 // Chunks of a whole list (the number of blocks of a call over it, and of its partials).
 inline int64_t total_chunks(at::TensorList list) {
@@ -72,9 +75,9 @@ inline int64_t total_chunks(at::TensorList list) {
 // Calls launch(blocks, meta) once per launch over the parallel `lists` (validated by the caller:
 // same length and numel, contiguous). An empty list in `lists` (an optional list such as
 // model_params) gets nullptr addresses. Empty tensors get no block; an all-empty list no launch.
-template <int kDepth, class Launch>
+template <int kDepth, int64_t kChunk = kChunkSize, class Launch>
 void for_each_launch(const std::array<at::TensorList, kDepth>& lists, const Launch& launch) {
-  using Meta = TensorListMeta<kDepth>;
+  using Meta = TensorListMeta<kDepth, kChunk>;
   const int64_t n_tensors = static_cast<int64_t>(lists[0].size());
   Meta meta;
   meta.first_block = 0;
@@ -91,7 +94,7 @@ void for_each_launch(const std::array<at::TensorList, kDepth>& lists, const Laun
     meta.numel[slots] = numel;
     meta.tensor_index[slots] = static_cast<int32_t>(t);
     ++slots;
-    const int64_t chunks = chunks_of(numel);
+    const int64_t chunks = chunks_of(numel, kChunk);
     for (int64_t c = 0; c < chunks; ++c) {
       meta.block_to_slot[blocks] = static_cast<uint8_t>(slots - 1);
       meta.block_to_chunk[blocks] = static_cast<int32_t>(c);
@@ -135,6 +138,12 @@ __device__ __forceinline__ void st(T* p, T v) {
 template <class T>
 __device__ __forceinline__ T ld_uniform(const T* p) {
   if (threadIdx.x == 0) count_load(sizeof(T));
+  return *p;
+}
+// A value every lane of a warp reads (a quantization block's absmax): one transaction per warp.
+template <class T>
+__device__ __forceinline__ T ld_warp_uniform(const T* p) {
+  if (threadIdx.x % kWarp == 0) count_load(sizeof(T));
   return *p;
 }
 

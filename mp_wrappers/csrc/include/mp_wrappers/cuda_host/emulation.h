@@ -359,6 +359,8 @@ inline int __float_as_int(float f) {
   std::memcpy(&i, &f, sizeof i);
   return i;
 }
+// Round to nearest even: the host's default rounding mode, as cvt.rni.
+inline int __float2int_rn(float f) { return static_cast<int>(nearbyintf(f)); }
 
 // Atomics on the same host addresses (compare-and-swap on the bits for floating types).
 template <class T>

@@ -1,0 +1,245 @@
+"""The 8-bit Adam CUDA kernel (cuda/multi_tensor_adam8bit.cu) executed on the CPU (host-execution
+build; see tests/kernels/test_cuda_host.py for how the module is built and run).
+
+Same pattern as the other host tests: the real entry point of multi_tensor_adam8bit_ (checks, the
+launch planner with chunks of whole quantization blocks, dtype dispatch, launches with real warp
+shuffles) in both geometries, on lists with several tensors, sizes that are not multiples of the
+256-element block, tensors over several chunks and (tiny geometry) several launches, aligned and
+misaligned storage, every param x grad x model-copy dtype. Compared bit for bit with the CPU kernel
+and with ops/reference/quant.py: the arithmetic is per element in the same IEEE fp32 operations and
+order, the square root is correctly rounded in all three, the bias corrections are the same float64
+expressions rounded once, and the absmax is a max (exact in any order). A found_inf step must
+change no bit and write no byte; every written tensor lies between guard canaries.
+"""
+import pytest
+import torch
+
+from _guards import flat, guarded
+from mp_wrappers.ops import reference
+from mp_wrappers.ops.reference.quant import EXP_AVG_CODE, EXP_AVG_SQ_CODE, quantize_blockwise
+from test_cuda_host import _bits_equal, host, representative  # noqa: F401 (host is a fixture)
+from test_cuda_host_planner import planned_launches
+from test_quantized_states import ADAM, ADAM_L2, EdgeCase
+
+pytestmark = pytest.mark.skipif(not hasattr(torch.ops.mp_wrappers, 'multi_tensor_adam8bit_'),
+                                reason='the C++ extension mp_wrappers._C is not built')
+
+OP = 'multi_tensor_adam8bit_'
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+# (param dtype, grad dtype, model-copy dtype or None, grad_scale or None)
+SETUPS = {
+    'fp32': (F32, F32, None, None),
+    'o2-bf16': (F32, BF16, BF16, 1.0),
+    'o2-fp16-scaled': (F32, F16, F16, 1024.0),
+    'fp32-odd-scale': (F32, F32, F32, 3.0),  # a real divide by the scale; an fp32 model copy
+    'bf16-params': (BF16, BF16, None, None),
+    'fp16-params': (F16, F32, BF16, 2048.0),
+}
+HP = {'adamw': ADAM, 'l2': ADAM_L2}
+# Kernel launches that are not the update (the step counter).
+_UPDATE = 'adam8bit'
+
+
+def sizes_of(host):
+    """Around quantization blocks and chunks: a single element, a short block, whole blocks, a
+    chunk and one more, an empty tensor, a tensor over several chunks with a short last block;
+    (tiny geometry) a tensor longer than one launch."""
+    q = host.geometry['quant_chunk_size']
+    sizes = [1, 255, 256, 257, q, 0, q + 1, 3 * q + 300, 7]
+    if host.geometry['name'] == 'TinyGeometry':
+        sizes.append(host.geometry['max_blocks'] * q + 5)
+    return sizes
+
+
+class State:
+    """One call's tensors: params, grads and moments from a few fp32 Adam steps, as codes."""
+
+    def __init__(self, setup, sizes, seed=0, shift=0):
+        pdt, self.gdt, mdt, scale = SETUPS[setup]
+        g = torch.Generator().manual_seed(seed)
+        self.gen, self.sizes = g, sizes
+        self.scale = None if scale is None else guarded(torch.full((1,), scale))
+        self.params = [guarded(torch.randn(n, generator=g).to(pdt), shift) for n in sizes]
+        self.model = [guarded(p.to(mdt), shift) for p in self.params] if mdt else []
+        self.mc, self.ma, self.vc, self.va = [], [], [], []
+        for n in sizes:
+            m = torch.randn(n, generator=g) * 0.1 * torch.exp(torch.randn(n, generator=g))
+            v = torch.rand(n, generator=g) * 0.01 * torch.exp(2 * torch.randn(n, generator=g))
+            for codes, absmax, x, code in ((self.mc, self.ma, m, EXP_AVG_CODE),
+                                           (self.vc, self.va, v, EXP_AVG_SQ_CODE)):
+                c, a = quantize_blockwise(x, code)
+                codes.append(guarded(c, shift))
+                absmax.append(guarded(a))
+        self.step = guarded(torch.full((1,), 2.0))
+
+    def grads(self, shift=0):
+        s = 1.0 if self.scale is None else float(self.scale)
+        return [guarded((torch.randn(n, generator=self.gen) * s).to(self.gdt), shift)
+                for n in self.sizes]
+
+    def tensors(self):
+        return self.params + self.model + self.mc + self.ma + self.vc + self.va + [self.step]
+
+    def clone(self, as_flat=False, shift=0):
+        c = State.__new__(State)
+        c.__dict__.update(self.__dict__)
+        for k in ('params', 'model', 'mc', 'ma', 'vc', 'va'):
+            lst = getattr(self, k)
+            setattr(c, k, (flat(lst, shift) if as_flat else [guarded(t) for t in lst])
+                    if lst else [])
+        c.step = guarded(self.step)
+        return c
+
+    def run(self, fn, grads, hp, found_inf=None):
+        fn(self.params, grads, self.mc, self.ma, self.vc, self.va, self.model, self.step,
+           *hp.values(), self.scale, found_inf)
+
+
+def _assert_equal(got, want, what):
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert _bits_equal(a, b) if a.is_floating_point() else torch.equal(a, b), \
+            f'{what}: tensor {i} differs'
+
+
+def _update_launches(host):
+    return [r for r in host.launches() if r[0] == _UPDATE]
+
+
+def _step_and_compare(host, st, hp, steps, what, found_inf=None):
+    """`steps` steps of the host kernel, each against the CPU kernel and the reference from the
+    same state, bit for bit."""
+    for i in range(steps):
+        grads = st.grads()
+        cpu, ref = st.clone(), st.clone()
+        st.run(host.ops.multi_tensor_adam8bit_, grads, hp, found_inf)
+        cpu.run(torch.ops.mp_wrappers.multi_tensor_adam8bit_, grads, hp, found_inf)
+        ref.run(reference.multi_tensor_adam8bit_, grads, hp, found_inf)
+        _assert_equal(st.tensors(), cpu.tensors(), f'{what} step {i + 1} (CPU kernel)')
+        _assert_equal(st.tensors(), ref.tensors(), f'{what} step {i + 1} (reference)')
+
+
+@pytest.mark.parametrize('shift', [0, 1])
+@pytest.mark.parametrize('hp', list(HP), ids=list(HP))
+@pytest.mark.parametrize('setup', list(SETUPS))
+def test_adam8bit_matches_cpu_kernel_and_reference(host, setup, hp, shift):
+    """Three steps bit for bit against the CPU kernel and the reference (shift 1: misaligned
+    storage, the guarded path); then a found_inf step that changes no bit and stores no byte."""
+    representative(host, setup == 'o2-bf16' and hp == 'adamw' and shift == 0)
+    st = State(setup, sizes_of(host), seed=31, shift=shift)
+    host.module.traffic_reset()
+    _step_and_compare(host, st, HP[hp], 3, f'{setup} {hp} shift {shift}',
+                      found_inf=guarded(torch.zeros(1)))
+    assert st.step.item() == 5.0
+    if host.geometry['name'] == 'TinyGeometry':
+        assert len(_update_launches(host)) > 3, 'the tiny geometry must need several launches'
+    before = [t.clone() for t in st.tensors()]
+    host.module.traffic_reset()
+    st.run(host.ops.multi_tensor_adam8bit_, st.grads(), HP[hp], guarded(torch.ones(1)))
+    _assert_equal(st.tensors(), before, f'{setup} {hp}: a skipped step')
+    # The decision is on the device: the kernels still launch, but write nothing.
+    assert len(_update_launches(host)) > 0
+    assert sum(r[4] for r in host.launches()) == 0
+
+
+@pytest.mark.parametrize('hp', list(HP), ids=list(HP))
+@pytest.mark.parametrize('setup', ['fp32', 'o2-bf16', 'fp32-odd-scale', 'fp16-params'])
+def test_adam8bit_edge_blocks(host, setup, hp):
+    """Blocks down every path of the codes (tests/ops/test_quantized_states.py EdgeCase: subnormal
+    codes, normal codes only, zero and negative-zero blocks, a subnormal absmax whose encode factor
+    overflows, a short tail), bit for bit against the CPU kernel and the reference."""
+    representative(host, setup == 'fp32' and hp == 'adamw')
+    e = EdgeCase('fp32')
+    st = State(setup, e.sizes, seed=32)
+    st.mc, st.ma, st.vc, st.va = e.mc, e.ma, e.vc, e.va
+    grads = st.grads
+
+    def edge_grads():
+        (g,) = grads()
+        (edge,) = EdgeCase.grads(e)
+        B = 256
+        g[2 * B:4 * B] = edge[2 * B:4 * B].to(g.dtype)  # zero and negative-zero grads
+        return [g]
+    st.grads = edge_grads
+    _step_and_compare(host, st, HP[hp], 3, f'edge {setup} {hp}')
+
+
+def test_adam8bit_without_scale_and_flag(host):
+    """grad_scale and found_inf absent (None): the grads used as they are, the update applied."""
+    st = State('fp32', sizes_of(host)[:5], seed=33)
+    _step_and_compare(host, st, ADAM, 1, 'no scale, no flag')
+    assert st.step.item() == 3.0
+
+
+@pytest.mark.parametrize('shift', [0, 1])
+def test_adam8bit_on_flat_buffers(host, shift):
+    """Every list as adjacent views of one flat buffer (no gap): a write past a tensor's end lands
+    in its neighbour before the neighbour reads it; two steps against separate tensors."""
+    representative(host, shift == 1)
+    st = State('o2-bf16', sizes_of(host), seed=34)
+    got = st.clone(as_flat=True, shift=shift)
+    for i in range(2):
+        grads = st.grads()
+        got.run(host.ops.multi_tensor_adam8bit_, grads, ADAM)
+        st.run(torch.ops.mp_wrappers.multi_tensor_adam8bit_, grads, ADAM)
+        _assert_equal(got.tensors(), st.tensors(), f'flat buffers step {i + 1}')
+
+
+def test_adam8bit_launches_follow_the_planner(host):
+    """Chunks of quant_chunk_size elements (whole quantization blocks), 7 lists per launch: the
+    launches are those of the planner's rules (tests/kernels/test_cuda_host_planner.py)."""
+    sizes = sizes_of(host)
+    st = State('fp32', sizes, seed=35)
+    st.run(host.ops.multi_tensor_adam8bit_, st.grads(), ADAM)
+    geometry = dict(host.geometry, chunk_size=host.geometry['quant_chunk_size'])
+    assert [r[1] for r in _update_launches(host)] == planned_launches(sizes, 7, geometry)
+    assert all(r[2] == host.geometry['block_size'] for r in _update_launches(host))
+
+
+@pytest.mark.parametrize('model', [False, True])
+def test_adam8bit_traffic(host, model):
+    """Each element is read and written once: fp32 p (4 + 4), g (4), one byte per moment code read
+    and written; each block's two absmaxes read and written once (4 bytes each); per CUDA block,
+    thread 0 reads found_inf, step and grad_scale. A bf16 model copy adds 2 bytes stored."""
+    representative(host, not model)
+    q = host.geometry['quant_chunk_size']
+    sizes = [q + 512, 256]
+    st = State('o2-bf16' if model else 'fp32', sizes, seed=36)
+    if not model:
+        st.scale = guarded(torch.full((1,), 4.0))
+    st.run(host.ops.multi_tensor_adam8bit_, st.grads(), ADAM, guarded(torch.zeros(1)))
+    n, qblocks, cuda_blocks = sum(sizes), sum(sizes) // 256, 3
+    launches = _update_launches(host)
+    gbytes = 2 if model else 4
+    assert sum(r[3] for r in launches) == n * (4 + gbytes + 2) + qblocks * 8 + cuda_blocks * 12
+    assert sum(r[4] for r in launches) == n * (4 + 2 + (2 if model else 0)) + qblocks * 8
+
+
+def test_adam8bit_empty_lists_and_tensors(host):
+    """Empty lists: only the step counter moves (one launch). Only empty tensors: no update launch,
+    the step still counted, as the CPU kernel does."""
+    st = State('fp32', [], seed=37)
+    st.run(host.ops.multi_tensor_adam8bit_, [], ADAM)
+    assert st.step.item() == 3.0
+    assert [r[0] for r in host.launches()] == ['increment_step']
+    st, cpu = State('o2-bf16', [0, 0], seed=38), State('o2-bf16', [0, 0], seed=38)
+    st.run(host.ops.multi_tensor_adam8bit_, st.grads(), ADAM)
+    cpu.run(torch.ops.mp_wrappers.multi_tensor_adam8bit_, cpu.grads(), ADAM)
+    _assert_equal(st.tensors(), cpu.tensors(), 'empty tensors')
+    assert _update_launches(host) == []
+
+
+def test_adam8bit_rejects_mixed_dtype_lists_and_bad_states(host):
+    """A launch dispatches on a list's first dtype: a mixed list is refused with its index (CUDA
+    only; the CPU kernel dispatches per tensor). The state checks are the CPU kernel's (op_args.h)."""
+    st = State('fp32', [5, 300], seed=39)
+    grads = st.grads()
+    grads[1] = grads[1].half()
+    with pytest.raises(RuntimeError, match=r'grads mixes dtypes Float and Half \(index 1\)'):
+        st.run(host.ops.multi_tensor_adam8bit_, grads, ADAM)
+    st.ma[1] = torch.zeros(1)
+    with pytest.raises(RuntimeError, match=r'exp_avg_absmaxes\[1\] must be a contiguous float32 '
+                                           r'tensor on cpu with 2 elements \(one per block of 256\)'):
+        st.run(host.ops.multi_tensor_adam8bit_, st.grads(), ADAM)
+    st.vc[0] = torch.zeros(5)
+    with pytest.raises(RuntimeError, match=r'exp_avg_sqs\[0\] must be a contiguous uint8'):
+        st.run(host.ops.multi_tensor_adam8bit_, st.grads(), ADAM)
