@@ -41,6 +41,7 @@ constexpr int64_t kQBlock = quant::kBlock;
 constexpr int kPerLane = static_cast<int>(kQBlock / kWarp);  // 8
 static_assert(kPerLane == 2 * kILP, "a lane holds two vector packs of its block");
 static_assert(kQuantChunkSize % kQBlock == 0, "chunks hold whole quantization blocks");
+static_assert(kQuantChunkSize <= (1 << 30), "in-chunk offsets are int");
 
 // ---- the codes: cpu/multi_tensor_adam8bit.cpp's scalar forms, with the IEEE intrinsics ---------
 
@@ -122,6 +123,9 @@ constexpr int kLists = 7;  // params, grads, exp_avgs, their absmaxes, exp_avg_s
 using Meta = TensorListMeta<kLists, kQuantChunkSize>;
 
 // One quantization block's pointers (at the block's first element) and size.
+// A chunk's pointers (at its first element, or its first block's absmax) and one quantization block
+// in it: `b0` its first element, `n` its size (at most kQBlock). Offsets are 32-bit (chunks are at
+// most 64K elements): fewer registers than a pointer per list and block.
 template <class P, class G, class M>
 struct QBlock {
   P* p;
@@ -131,73 +135,72 @@ struct QBlock {
   uint8_t* vc;
   float* va;
   M* out;  // nullptr: no model copy
-  int64_t n;
+  int b0, n;
 };
 
-// Element k (0..7) of the lane: vector layout (two packs) or guarded layout (strided by the warp).
-__device__ __forceinline__ int64_t lane_element(bool vector, int lane, int k) {
-  return vector ? (k / kILP) * (kQBlock / 2) + lane * kILP + k % kILP
-                : static_cast<int64_t>(k) * kWarp + lane;
+// Element j (0..3) of the lane's group h (0, 1): vector layout (a pack) or guarded layout (strided
+// by the warp, so that neighbouring lanes still touch neighbouring elements).
+__device__ __forceinline__ int lane_element(bool vector, int lane, int h, int j) {
+  return vector ? h * static_cast<int>(kQBlock / 2) + lane * kILP + j : (h * kILP + j) * kWarp + lane;
 }
 
+// The lane's two groups of kILP elements are loaded, updated and stored one after the other (fewer
+// values live at once); only the new moments stay in registers for the encode.
 template <class P, class G, class M>
 __device__ __forceinline__ void adam8bit_block(const Adam8bitOp& op, const Adam8bitOp::Ctx& ctx,
                                                const QBlock<P, G, M>& b, bool vector, int lane) {
-  const float m_dec = fdiv(ld_warp_uniform(b.ma), ExpAvgCode::kMax);
-  const float v_dec = fdiv(ld_warp_uniform(b.va), ExpAvgSqCode::kMax);
-  float rp[kPerLane], rg[kPerLane], m[kPerLane], v[kPerLane];
-  if (vector) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t i0 = h * (kQBlock / 2) + lane * kILP;
-      float pp[kILP], gg[kILP];
-      load_pack(pp, b.p, i0);
-      load_pack(gg, b.g, i0);
-      const Pack<uint8_t> mk = ld(reinterpret_cast<const Pack<uint8_t>*>(b.mc + i0));
-      const Pack<uint8_t> vk = ld(reinterpret_cast<const Pack<uint8_t>*>(b.vc + i0));
-#pragma unroll
-      for (int j = 0; j < kILP; ++j) {
-        rp[h * kILP + j] = pp[j];
-        rg[h * kILP + j] = gg[j];
-        m[h * kILP + j] = decode<ExpAvgCode>(mk.v[j], m_dec);
-        v[h * kILP + j] = decode<ExpAvgSqCode>(vk.v[j], v_dec);
-      }
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < kPerLane; ++k) {
-      const int64_t i = lane_element(false, lane, k);
-      rp[k] = load_one(b.p, i, b.n);
-      rg[k] = load_one(b.g, i, b.n);
-      m[k] = decode<ExpAvgCode>(i < b.n ? ld(b.mc + i) : 0u, m_dec);
-      v[k] = decode<ExpAvgSqCode>(i < b.n ? ld(b.vc + i) : 0u, v_dec);
-    }
-  }
+  const float m_dec = fdiv(ld_warp_uniform(b.ma + b.b0 / kQBlock), ExpAvgCode::kMax);
+  const float v_dec = fdiv(ld_warp_uniform(b.va + b.b0 / kQBlock), ExpAvgSqCode::kMax);
+  float m[kPerLane], v[kPerLane];
   float m_abs = 0.f, v_abs = 0.f;
 #pragma unroll
-  for (int k = 0; k < kPerLane; ++k) {
-    rp[k] = op.update(ctx, rp[k], ctx.unscale(rg[k]), m[k], v[k]);
-    if (lane_element(vector, lane, k) < b.n) {  // elements past a short block do not count
-      m_abs = max_nan(m_abs, fabsf(m[k]));
-      v_abs = max_nan(v_abs, v[k]);
+  for (int h = 0; h < 2; ++h) {
+    float rp[kILP], rg[kILP];
+    uint32_t mk[kILP], vk[kILP];
+    if (vector) {
+      const int i0 = b.b0 + lane_element(true, lane, h, 0);
+      load_pack(rp, b.p, i0);
+      load_pack(rg, b.g, i0);
+      const Pack<uint8_t> mpk = ld(reinterpret_cast<const Pack<uint8_t>*>(b.mc + i0));
+      const Pack<uint8_t> vpk = ld(reinterpret_cast<const Pack<uint8_t>*>(b.vc + i0));
+#pragma unroll
+      for (int j = 0; j < kILP; ++j) {
+        mk[j] = mpk.v[j];
+        vk[j] = vpk.v[j];
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kILP; ++j) {
+        const int i = lane_element(false, lane, h, j);
+        rp[j] = load_one(b.p + b.b0, i, b.n);
+        rg[j] = load_one(b.g + b.b0, i, b.n);
+        mk[j] = i < b.n ? ld(b.mc + b.b0 + i) : 0u;
+        vk[j] = i < b.n ? ld(b.vc + b.b0 + i) : 0u;
+      }
     }
-  }
-  if (vector) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t i0 = h * (kQBlock / 2) + lane * kILP;
-      float pp[kILP];
-#pragma unroll
-      for (int j = 0; j < kILP; ++j) pp[j] = rp[h * kILP + j];
-      store_pack(b.p, i0, pp);
-      if (b.out != nullptr) store_pack(b.out, i0, pp);
+    for (int j = 0; j < kILP; ++j) {
+      float& mj = m[h * kILP + j];
+      float& vj = v[h * kILP + j];
+      mj = decode<ExpAvgCode>(mk[j], m_dec);
+      vj = decode<ExpAvgSqCode>(vk[j], v_dec);
+      rp[j] = op.update(ctx, rp[j], ctx.unscale(rg[j]), mj, vj);
+      if (lane_element(vector, lane, h, j) < b.n) {  // elements past a short block do not count
+        m_abs = max_nan(m_abs, fabsf(mj));
+        v_abs = max_nan(v_abs, vj);
+      }
     }
-  } else {
+    if (vector) {
+      const int i0 = b.b0 + lane_element(true, lane, h, 0);
+      store_pack(b.p, i0, rp);
+      if (b.out != nullptr) store_pack(b.out, i0, rp);
+    } else {
 #pragma unroll
-    for (int k = 0; k < kPerLane; ++k) {
-      const int64_t i = lane_element(false, lane, k);
-      store_one(b.p, i, b.n, rp[k]);
-      if (b.out != nullptr) store_one(b.out, i, b.n, rp[k]);
+      for (int j = 0; j < kILP; ++j) {
+        const int i = lane_element(false, lane, h, j);
+        store_one(b.p + b.b0, i, b.n, rp[j]);
+        if (b.out != nullptr) store_one(b.out + b.b0, i, b.n, rp[j]);
+      }
     }
   }
   m_abs = warp_max(m_abs);
@@ -205,32 +208,32 @@ __device__ __forceinline__ void adam8bit_block(const Adam8bitOp& op, const Adam8
   // An all-zero block keeps absmax 0 and codes 0 (reference/quant.py _block_factors).
   const float m_enc = m_abs > 0.f ? fdiv(ExpAvgCode::kMax, m_abs) : 0.f;
   const float v_enc = v_abs > 0.f ? fdiv(ExpAvgSqCode::kMax, v_abs) : 0.f;
-  if (vector) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t i0 = h * (kQBlock / 2) + lane * kILP;
-      Pack<uint8_t> mk, vk;
+  for (int h = 0; h < 2; ++h) {
+    if (vector) {
+      Pack<uint8_t> mpk, vpk;
 #pragma unroll
       for (int j = 0; j < kILP; ++j) {
-        mk.v[j] = static_cast<uint8_t>(encode<ExpAvgCode>(m[h * kILP + j], m_enc));
-        vk.v[j] = static_cast<uint8_t>(encode<ExpAvgSqCode>(v[h * kILP + j], v_enc));
+        mpk.v[j] = static_cast<uint8_t>(encode<ExpAvgCode>(m[h * kILP + j], m_enc));
+        vpk.v[j] = static_cast<uint8_t>(encode<ExpAvgSqCode>(v[h * kILP + j], v_enc));
       }
-      st(reinterpret_cast<Pack<uint8_t>*>(b.mc + i0), mk);
-      st(reinterpret_cast<Pack<uint8_t>*>(b.vc + i0), vk);
-    }
-  } else {
+      const int i0 = b.b0 + lane_element(true, lane, h, 0);
+      st(reinterpret_cast<Pack<uint8_t>*>(b.mc + i0), mpk);
+      st(reinterpret_cast<Pack<uint8_t>*>(b.vc + i0), vpk);
+    } else {
 #pragma unroll
-    for (int k = 0; k < kPerLane; ++k) {
-      const int64_t i = lane_element(false, lane, k);
-      if (i < b.n) {
-        st(b.mc + i, static_cast<uint8_t>(encode<ExpAvgCode>(m[k], m_enc)));
-        st(b.vc + i, static_cast<uint8_t>(encode<ExpAvgSqCode>(v[k], v_enc)));
+      for (int j = 0; j < kILP; ++j) {
+        const int i = lane_element(false, lane, h, j);
+        if (i < b.n) {
+          st(b.mc + b.b0 + i, static_cast<uint8_t>(encode<ExpAvgCode>(m[h * kILP + j], m_enc)));
+          st(b.vc + b.b0 + i, static_cast<uint8_t>(encode<ExpAvgSqCode>(v[h * kILP + j], v_enc)));
+        }
       }
     }
   }
   if (lane == 0) {
-    st(b.ma, m_abs);
-    st(b.va, v_abs);
+    st(b.ma + b.b0 / kQBlock, m_abs);
+    st(b.va + b.b0 / kQBlock, v_abs);
   }
 }
 
@@ -239,8 +242,16 @@ __device__ __forceinline__ T* at_element(void* base, int64_t off) {
   return base == nullptr ? nullptr : offset_ptr<T>(base, off);
 }
 
+// Blocks per SM the registers are budgeted for: two (at most 64 registers a thread at 512 threads,
+// twice the resident warps of one). Half params with an fp32 model copy, a combination no wrapper
+// makes, spilled 4 bytes within 64 registers (nvcc 13.0, sm_90): one block, no spill.
+template <class P, class M>
+constexpr int kMinBlocksPerSm =
+    !std::is_same<P, float>::value && std::is_same<M, float>::value ? 1 : 2;
+
 template <class P, class G, class M>
-__global__ void __launch_bounds__(kBlockSize) adam8bit_kernel(Meta meta, Adam8bitOp op) {
+__global__ void __launch_bounds__(kBlockSize, (kMinBlocksPerSm<P, M>))
+    adam8bit_kernel(Meta meta, Adam8bitOp op) {
   const auto ch = meta.chunk_of_block();
   __shared__ Adam8bitOp::Ctx shared_ctx;
   __shared__ bool shared_skip;
@@ -263,15 +274,12 @@ __global__ void __launch_bounds__(kBlockSize) adam8bit_kernel(Meta meta, Adam8bi
   const bool aligned = pack_aligned(p) && pack_aligned(g) && pack_aligned(mc) &&
                        pack_aligned(vc) && (out == nullptr || pack_aligned(out));
   const int lane = static_cast<int>(threadIdx.x) % kWarp;
-  const int64_t warps = static_cast<int64_t>(blockDim.x) / kWarp;
-  for (int64_t q = static_cast<int64_t>(threadIdx.x) / kWarp; q * kQBlock < ch.size; q += warps) {
-    const int64_t b0 = q * kQBlock;
-    const int64_t left = ch.size - b0;
-    const QBlock<P, G, M> b{p + b0,  g + b0,
-                            mc + b0, ma + q,
-                            vc + b0, va + q,
-                            out == nullptr ? nullptr : out + b0,
-                            left < kQBlock ? left : kQBlock};
+  const int warps = static_cast<int>(blockDim.x) / kWarp;
+  const int size = static_cast<int>(ch.size);  // at most kQuantChunkSize
+  QBlock<P, G, M> b{p, g, mc, ma, vc, va, out, 0, 0};
+  for (int q = static_cast<int>(threadIdx.x) / kWarp; q * kQBlock < size; q += warps) {
+    b.b0 = q * static_cast<int>(kQBlock);
+    b.n = size - b.b0 < kQBlock ? size - b.b0 : static_cast<int>(kQBlock);
     adam8bit_block(op, ctx, b, aligned && b.n == kQBlock, lane);
   }
 }
