@@ -127,11 +127,13 @@ void for_each_launch(const std::array<at::TensorList, kDepth>& lists, const Laun
 template <class T>
 __device__ __forceinline__ T ld(const T* p) {
   count_load(sizeof(T));
+  check_aligned(p, alignof(T));
   return *p;
 }
 template <class T>
 __device__ __forceinline__ void st(T* p, T v) {
   count_store(sizeof(T));
+  check_aligned(p, alignof(T));
   *p = v;
 }
 // A value every thread of the block reads (a flag, a scale, a step): one transaction per block.

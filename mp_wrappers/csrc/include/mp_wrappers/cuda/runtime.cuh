@@ -57,9 +57,12 @@ inline void launch(const char* name, void (*kernel)(KArgs...), unsigned int grid
   cuda_host::launch(name, kernel, dim3(grid), dim3(block), std::forward<Args>(args)...);
 }
 
-// Traffic counting hooks of the load/store helpers (multi_tensor_apply.cuh).
+// Traffic counting and alignment hooks of the load/store helpers (multi_tensor_apply.cuh).
 __device__ __forceinline__ void count_load(uint64_t bytes) { cuda_host::count_load(bytes); }
 __device__ __forceinline__ void count_store(uint64_t bytes) { cuda_host::count_store(bytes); }
+__device__ __forceinline__ void check_aligned(const void* p, uint64_t align) {
+  cuda_host::check_aligned(p, align);
+}
 
 #define MP_WRAPPERS_CUDA_OPS(m) TORCH_LIBRARY_IMPL(MP_WRAPPERS_CUDA_HOST_NS, CPU, m)
 
@@ -80,6 +83,7 @@ inline void launch(const char*, void (*kernel)(KArgs...), unsigned int grid, uns
 
 __device__ __forceinline__ void count_load(uint64_t) {}
 __device__ __forceinline__ void count_store(uint64_t) {}
+__device__ __forceinline__ void check_aligned(const void*, uint64_t) {}
 
 #define MP_WRAPPERS_CUDA_OPS(m) TORCH_LIBRARY_IMPL(mp_wrappers, CUDA, m)
 

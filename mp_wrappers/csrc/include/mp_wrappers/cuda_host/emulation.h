@@ -144,6 +144,13 @@ inline thread_local ThreadState t_state;
 inline dim3 g_block_dim, g_grid_dim;
 
 inline void count_load(uint64_t bytes) { t_state.bytes_read += bytes; }
+// A global access at an address that is not a multiple of its size faults on the GPU ("misaligned
+// address"); host loads would just work, so the emulation reports it instead.
+inline void check_aligned(const void* p, uint64_t align) {
+  if (reinterpret_cast<uintptr_t>(p) % align != 0 && t_state.block != nullptr)
+    t_state.block->report("misaligned global access: " + std::to_string(align) +
+                          "-byte access at an address that is not a multiple of it");
+}
 inline void count_store(uint64_t bytes) { t_state.bytes_written += bytes; }
 
 // ---- traffic log ----------------------------------------------------------------------------------
