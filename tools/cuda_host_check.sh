@@ -13,7 +13,8 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 export MAX_JOBS=${MAX_JOBS:-2}
 MIN=${CUDA_HOST_MIN_COVERAGE:-95}
-TESTS=(tests/kernels/test_cuda_host.py tests/kernels/test_cuda_host_planner.py tests/kernels/test_cuda_host_lean.py)
+TESTS=(tests/kernels/test_cuda_host.py tests/kernels/test_cuda_host_planner.py tests/kernels/test_cuda_host_lean.py
+       tests/kernels/test_cuda_host_adam8bit.py)
 
 echo "== cuda host: building real, tiny (gcov)"
 python - <<'PY'

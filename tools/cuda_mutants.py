@@ -54,7 +54,7 @@ CSRC = os.path.join(ROOT, 'mp_wrappers', 'csrc')
 KERNEL_DIR = os.path.join(CSRC, 'cuda')
 HEADER_DIR = os.path.join(CSRC, 'include', 'mp_wrappers', 'cuda')
 TESTS = ['tests/kernels/test_cuda_host.py', 'tests/kernels/test_cuda_host_lean.py',
-         'tests/kernels/test_cuda_host_planner.py']
+         'tests/kernels/test_cuda_host_planner.py', 'tests/kernels/test_cuda_host_adam8bit.py']
 
 # Mutants that cannot change what the kernels compute, by id, with the reason.
 _TAIL = ('the tail loop runs once more, with i == n: load_one returns 0 for i >= n and store_one '
