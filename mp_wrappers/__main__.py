@@ -66,12 +66,14 @@ def _extension_lines(info: dict) -> List[str]:
 
 
 def _quantized_lines(info: dict) -> List[str]:
-    """``FusedAdam(state_dtype='int8')``: the kernel that runs it, CUDA's refusal, bytes per param."""
+    """``FusedAdam(state_dtype='int8')``: the kernels that run it (or CUDA's refusal), bytes per
+    param."""
     cpu = info['cpu']
     lines = [f'cpu          {cpu} kernel' if cpu != 'reference' else
              'cpu          no compiled kernel: the pure-PyTorch reference runs (same bits, slower)',
-             'cuda         not implemented yet: CUDA params with state_dtype=\'int8\' are refused '
-             "(NotImplementedError) at the first step, before any update; set "
+             'cuda         cuda kernel' if info['cuda'] else
+             'cuda         this build has no CUDA kernels: CUDA params with state_dtype=\'int8\' are '
+             "refused (NotImplementedError) at the first step, before any update; set "
              "optim_wrapper.optimizer.state_dtype='float32' there"]
     lines.append(f'bytes/param  (fp32 moments -> int8 moments, blocks of {info["block_size"]}; '
                  'grads not counted)')

@@ -44,19 +44,21 @@ def quantized_states_info() -> Dict[str, object]:
 
     ``cpu``: the kernel flavour that runs the 8-bit update (``'cpp-avx512'``, ``'cpp-avx2'``,
     ``'cpp-baseline'``), or ``'reference'`` (the pure-PyTorch update: same bits, much slower) when the
-    extension or its 8-bit kernel is missing. ``cuda``: None, there is no CUDA kernel yet (the
-    optimizer refuses CUDA params before the first step). ``bytes_per_param``: the expected
-    persistent bytes, fp32 against int8 moments (docs/quantized_states.md).
+    extension or its 8-bit kernel is missing. ``cuda``: ``'cuda'`` when the loaded build has the CUDA
+    kernel, else None (the optimizer then refuses CUDA params before the first step).
+    ``bytes_per_param``: the expected persistent bytes, fp32 against int8 moments
+    (docs/quantized_states.md).
     """
     from ..ops import _extension
     from ..ops._dispatch import _op_has_kernel
     from ..ops.quantized_states import BLOCK_SIZE
     ext = _extension.extension()
     kernel = ext is not None and _op_has_kernel('multi_tensor_adam8bit_', 'cpu')
+    cuda_kernel = ext is not None and _op_has_kernel('multi_tensor_adam8bit_', 'cuda')
     moments = 2 + 2 * 4 / BLOCK_SIZE  # a byte per element per moment, an fp32 absmax per block
     return dict(
         cpu=f'cpp-{ext.cpu_isa()}' if kernel else 'reference',
-        cuda=None,
+        cuda='cuda' if cuda_kernel else None,
         block_size=BLOCK_SIZE,
         bytes_per_param={
             'Adam moments': (8.0, moments),

@@ -3,9 +3,13 @@
 See Note [8-bit optimizer states] in :mod:`mp_wrappers.ops.reference.quant` for the codes and the
 per-block absmax. :func:`multi_tensor_adam8bit` validates its arguments the way
 :mod:`mp_wrappers.ops.optimizers` does and calls the implementation chosen by
-:func:`~mp_wrappers.ops._dispatch.implementation` (the CPU kernel or the reference); the argument
-order follows the op schema in ``csrc/bindings.cpp``. There is no CUDA kernel yet: CUDA tensors are
-refused. :class:`mp_wrappers.optim.FusedAdam` with ``state_dtype='int8'`` builds these lists for you.
+:func:`~mp_wrappers.ops._dispatch.implementation`: on the CPU the CPU kernel (or the reference when
+the extension is not built), on CUDA the CUDA kernel (``csrc/cuda/multi_tensor_adam8bit.cu``, one
+warp per quantization block). CUDA tensors are accepted only where the loaded build has that CUDA
+kernel; elsewhere (a CPU-only build, any other device type) :func:`check_quantized_device` refuses
+them before any work, naming the fix, rather than running the pure-PyTorch reference on the GPU.
+The argument order follows the op schema in ``csrc/bindings.cpp``.
+:class:`mp_wrappers.optim.FusedAdam` with ``state_dtype='int8'`` builds these lists for you.
 """
 from typing import List, Optional, Sequence
 
@@ -14,18 +18,32 @@ from torch import Tensor
 
 from ._checks import (_check_betas, _check_lists, _check_lr, _check_nonnegative, _check_scalar,
                       _check_step)
-from ._dispatch import run
+from ._dispatch import _op_has_kernel, run
 from .reference.quant import BLOCK_SIZE, num_blocks
 
-__all__ = ['multi_tensor_adam8bit', 'BLOCK_SIZE', 'num_blocks', 'check_quantized_device']
+__all__ = ['multi_tensor_adam8bit', 'BLOCK_SIZE', 'num_blocks', 'check_quantized_device',
+           'has_quantized_kernel']
+
+
+def has_quantized_kernel(device_type: str) -> bool:
+    """Whether 8-bit optimizer states run on ``device_type``: always on the CPU (the kernel, or the
+    reference without the extension); on CUDA when the loaded build has the CUDA kernel."""
+    if device_type == 'cpu':
+        return True
+    return device_type == 'cuda' and _op_has_kernel('multi_tensor_adam8bit_', 'cuda')
 
 
 def check_quantized_device(owner: str, device: torch.device) -> None:
-    """Refuse a device without 8-bit state kernels (everything but the CPU, for now)."""
-    if device.type != 'cpu':
-        raise NotImplementedError(
-            f"{owner}: 8-bit optimizer states (state_dtype='int8') are implemented for CPU tensors "
-            f"only; got tensors on {device}. Use state_dtype='float32' on {device.type}")
+    """Refuse a device without 8-bit state kernels (:func:`has_quantized_kernel`)."""
+    if has_quantized_kernel(device.type):
+        return
+    why = ('this mp_wrappers build has no CUDA kernels (rebuild it with MP_WRAPPERS_CUDA=1 '
+           'against a CUDA torch, docs/cuda.md)' if device.type == 'cuda' else
+           f'there is no {device.type} kernel')
+    raise NotImplementedError(
+        f"{owner}: 8-bit optimizer states (state_dtype='int8') run on CPU tensors, and on CUDA "
+        f"tensors with a build that has CUDA kernels; got tensors on {device} and {why}. Use "
+        f"state_dtype='float32' on {device.type}")
 
 
 def _check_state(op: str, name: str, tensors: List[Tensor], params: List[Tensor],

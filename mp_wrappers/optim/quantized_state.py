@@ -14,8 +14,9 @@ checkpoint loaded into an int8-state optimizer is quantized, an int8 one loaded 
 optimizer (or a param that now wants float32 moments) is dequantized.
 
 Refused with ``state_dtype='int8'``: ``bf16_storage`` (the lean storages), ``master_weights=True``,
-``capturable=True`` (a tensor lr), params that are not on the CPU (no CUDA kernel yet) and params
-that are neither dense nor plain tensors (e.g. FSDP2 DTensors), and a model sharded by FSDP1 or FSDP2
+``capturable=True`` (a tensor lr), params on a device without the 8-bit kernel (CUDA params with a
+build that has no CUDA kernels, :func:`~mp_wrappers.ops.quantized_states.check_quantized_device`)
+and params that are neither dense nor plain tensors (e.g. FSDP2 DTensors), and a model sharded by FSDP1 or FSDP2
 (:func:`check_not_sharded`, Note [8-bit states under FSDP]).
 
 Note [8-bit states under FSDP]

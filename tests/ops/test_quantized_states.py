@@ -277,9 +277,27 @@ def test_errors_name_the_argument(change, err, match):
         multi_tensor_adam8bit(**_args(**change))
 
 
-def test_non_cpu_tensors_are_refused():
+def test_cuda_tensors_need_a_build_with_the_cuda_kernel(monkeypatch):
+    """CUDA tensors run where the loaded build has the CUDA kernel; a CPU-only build refuses them
+    before any work, saying how to get the kernel (not the reference on the GPU)."""
+    from mp_wrappers.ops import quantized_states
+    with pytest.raises(NotImplementedError, match=r"FusedAdam: 8-bit optimizer states "
+                       r"\(state_dtype='int8'\) run on CPU tensors, and on CUDA tensors with a build "
+                       r"that has CUDA kernels; got tensors on cuda:0 and this mp_wrappers build has "
+                       r"no CUDA kernels \(rebuild it with MP_WRAPPERS_CUDA=1"):
+        quantized_states.check_quantized_device('FusedAdam', torch.device('cuda:0'))
+    monkeypatch.setattr(quantized_states, '_op_has_kernel',
+                        lambda name, device_type: (name, device_type) == ('multi_tensor_adam8bit_',
+                                                                          'cuda'))
+    assert quantized_states.has_quantized_kernel('cuda')
+    quantized_states.check_quantized_device('FusedAdam', torch.device('cuda:0'))
+    assert quantized_states.has_quantized_kernel('cpu')
+
+
+def test_other_devices_are_refused():
     p = torch.zeros(300, device='meta')
-    with pytest.raises(NotImplementedError, match="state_dtype='int8'.*CPU tensors only.*meta"):
+    with pytest.raises(NotImplementedError, match="state_dtype='int8'.*run on CPU tensors.*got "
+                                                  "tensors on meta and there is no meta kernel"):
         multi_tensor_adam8bit([p], [p], [torch.zeros(300, dtype=torch.uint8, device='meta')],
                               [torch.zeros(2, device='meta')],
                               [torch.zeros(300, dtype=torch.uint8, device='meta')],
