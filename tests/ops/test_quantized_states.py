@@ -197,6 +197,31 @@ def test_kernel_matches_reference_bitwise(setup, hp):
     assert k.step.item() == 5.0
 
 
+@needs_kernel
+@pytest.mark.parametrize('setup', ['fp32', 'o2-bf16', 'o2-fp16-scaled', 'bf16-params'])
+@pytest.mark.parametrize('device', ['cuda'])
+def test_cuda_kernel_matches_the_cpu_kernel(device, setup):
+    """The CUDA kernel through the public op (a build with CUDA kernels, on a GPU; skipped
+    otherwise): bit for bit with the CPU kernel without bias correction (ADAM_L2: no float64 pow on
+    the device), edge blocks included; then a found_inf step changes nothing."""
+    for case in (Case(setup), EdgeCase(setup)):
+        cuda = [[t.to(device) for t in lst] for lst in (case.params, case.model, case.mc, case.ma,
+                                                         case.vc, case.va)]
+        step, scale = case.step.to(device), None if case.scale is None else case.scale.to(device)
+        for _ in range(2):
+            grads = case.grads()
+            case.run(_kernel(), grads, ADAM_L2)
+            multi_tensor_adam8bit(cuda[0], [g.to(device) for g in grads], cuda[2], cuda[3],
+                                  cuda[4], cuda[5], cuda[1], step, **ADAM_L2, grad_scale=scale)
+        got = [t.cpu() for lst in cuda for t in lst] + [step.cpu()]
+        want = case.params + case.model + case.mc + case.ma + case.vc + case.va + [case.step]
+        _assert_equal(got, want, setup)
+        multi_tensor_adam8bit(cuda[0], [g.to(device) for g in case.grads()], cuda[2], cuda[3],
+                              cuda[4], cuda[5], cuda[1], step, **ADAM_L2, grad_scale=scale,
+                              found_inf=torch.ones(1, device=device))
+        _assert_equal([t.cpu() for lst in cuda for t in lst] + [step.cpu()], want, setup)
+
+
 @pytest.mark.parametrize('use_kernel', [pytest.param(True, marks=needs_kernel), False],
                          ids=['kernel', 'reference'])
 def test_found_inf_leaves_everything_bit_identical(use_kernel):

@@ -223,12 +223,41 @@ def test_other_optimizers_refuse_int8_naming_allowed_values():
         FusedSGD(_mlp().parameters(), lr=0.1, state_dtype='int8')
 
 
-def test_non_cpu_params_are_refused():
+def test_params_without_an_8bit_kernel_are_refused():
     p = nn.Parameter(torch.zeros(64, 128, device='meta'))
     p.grad = torch.zeros_like(p)
     opt = FusedAdam([p], state_dtype='int8')
-    with pytest.raises(NotImplementedError, match="CPU tensors only; got tensors on meta"):
+    with pytest.raises(NotImplementedError, match="run on CPU tensors, and on CUDA tensors with a "
+                                                  "build that has CUDA kernels; got tensors on meta"):
         opt.step()
+
+
+@pytest.mark.parametrize('device', ['cuda'])
+def test_cuda_params_step_like_the_cpu(device):
+    """The CUDA kernel (a build with CUDA kernels, on a GPU; skipped otherwise): FusedAdam's int8
+    steps on CUDA params give the CPU's states and params, bit for bit without bias correction (no
+    float64 pow on the device); with it, within an ulp-level tolerance (CUDA's pow,
+    docs/quantized_states.md), codes at most one step apart. The grads are the CPU model's."""
+    for bias_correction in (False, True):
+        models = [_mlp(), _mlp().to(device)]
+        opts = [FusedAdam(m.parameters(), state_dtype='int8', bias_correction=bias_correction,
+                          **ADAMW) for m in models]
+        for x, y in _batches(3):
+            F.mse_loss(models[0](x), y).backward()  # the same grads for both (CPU matmuls)
+            for a, b in zip(models[0].parameters(), models[1].parameters()):
+                b.grad = a.grad.to(device)
+            for o in opts:
+                o.step()
+                o.zero_grad()
+        for (ka, a), (kb, b) in zip(_states(opts[0]), _states(opts[1])):
+            assert ka == kb and a.dtype == b.dtype
+            b = b.cpu()
+            if not bias_correction:
+                assert torch.equal(a, b), ka
+            elif a.dtype == torch.uint8:
+                assert (a.int() - b.int()).abs().max().item() <= 1, ka
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=ka)
 
 
 def test_sharded_models_are_refused_naming_the_config_line():
