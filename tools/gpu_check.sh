@@ -149,7 +149,8 @@ step build env MP_WRAPPERS_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}" "$PY" setup.py buil
 step backend "$PY" -c 'import mp_wrappers; b = mp_wrappers.ops.backend(); print(b); assert b["cuda"] == "cuda", b'
 
 export MP_WRAPPERS_TEST_REQUIRE_CUDA=1
-OP_TESTS=(tests/ops/test_multi_tensor.py tests/kernels/test_cpu_kernels.py tests/kernels/test_cuda_paths.py)
+OP_TESTS=(tests/ops/test_multi_tensor.py tests/kernels/test_cpu_kernels.py tests/kernels/test_cuda_paths.py
+          tests/ops/test_quantized_states.py tests/optim/test_quantized_state.py)
 step cuda-cases "$PY" -m pytest -q -rs -k cuda "${OP_TESTS[@]}"
 step compiled-step "$PY" -m pytest -q -rs -k cuda tests/optim/test_fused_optimizers_compile.py \
   tests/wrappers/test_compiled_step.py

@@ -163,6 +163,30 @@ def test_adam8bit_edge_blocks(host, setup, hp):
     _step_and_compare(host, st, HP[hp], 3, f'edge {setup} {hp}')
 
 
+def test_adam8bit_rounds_ties_to_even(host):
+    """New moments exactly halfway between two codes (random data almost never is): beta1 = 0.5
+    and an absmax that stays MAX make m_new = (code + g) / 2 exact, and the encode must round to the
+    even mantissa as the reference does, up or down, positive and negative."""
+    n = 256 + 40  # a whole block (the vector path) and a short one (the guarded path)
+    st = State('fp32', [n], seed=40)
+    mc = torch.full((n,), 0x78, dtype=torch.uint8)  # 1.0: E4M3, bias 15
+    mc[1::4] = 0x79  # 1.125
+    mc[2::4] = 0xF8  # -1.0
+    mc[[0, 256]] = 0x7F  # MAX = 1.875: the absmax, decode factor 1
+    g = torch.full((n,), 1.125)  # m_new = 1.0625, between 1.0 (even) and 1.125: down
+    g[1::4] = 1.25  # 1.1875, between 1.125 and 1.25 (even): up
+    g[2::4] = -1.125  # -1.0625: down in magnitude
+    g[[0, 256]] = 1.875  # the absmax stays MAX
+    st.mc[0].copy_(mc)
+    st.ma[0].fill_(1.875)
+    st.grads = lambda: [guarded(g.clone())]
+    hp = dict(ADAM, beta1=0.5)
+    _step_and_compare(host, st, hp, 1, 'ties')
+    want = torch.full((n,), 0x78, dtype=torch.uint8)
+    want[1::4], want[2::4], want[[0, 256]] = 0x7A, 0xF8, 0x7F
+    assert torch.equal(st.mc[0], want) and st.ma[0].tolist() == [1.875, 1.875]
+
+
 def test_adam8bit_without_scale_and_flag(host):
     """grad_scale and found_inf absent (None): the grads used as they are, the update applied."""
     st = State('fp32', sizes_of(host)[:5], seed=33)
