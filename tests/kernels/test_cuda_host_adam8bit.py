@@ -187,6 +187,21 @@ def test_adam8bit_rounds_ties_to_even(host):
     assert torch.equal(st.mc[0], want) and st.ma[0].tolist() == [1.875, 1.875]
 
 
+@pytest.mark.parametrize('misaligned', ['params', 'grads', 'exp_avgs', 'exp_avg_sqs', 'model'])
+def test_adam8bit_one_misaligned_list(host, misaligned):
+    """Only one list misaligned: its storage alone must send the chunk down the guarded path (a
+    vector access there is a misaligned-address fault, which host execution reports)."""
+    representative(host, misaligned == 'exp_avgs')
+    st = State('o2-bf16', sizes_of(host)[:5], seed=41)
+    attr = {'params': 'params', 'exp_avgs': 'mc', 'exp_avg_sqs': 'vc', 'model': 'model'}
+    if misaligned in attr:
+        setattr(st, attr[misaligned], [guarded(t, 1) for t in getattr(st, attr[misaligned])])
+    if misaligned == 'grads':
+        grads = st.grads
+        st.grads = lambda: [guarded(g, 1) for g in grads()]
+    _step_and_compare(host, st, ADAM, 2, f'{misaligned} misaligned')
+
+
 def test_adam8bit_without_scale_and_flag(host):
     """grad_scale and found_inf absent (None): the grads used as they are, the update applied."""
     st = State('fp32', sizes_of(host)[:5], seed=33)
