@@ -43,7 +43,8 @@ def test_known_off_by_ones_are_generated(mutants):
     descs = {m.describe() for m in mutants}
     assert '`if (i < n) st(p + i, from_float<T>(x));` -> `if (i <= n) st(p + i, from_float<T>(x));`' \
         in descs
-    assert any('chunks_of' in d and '(numel - kChunkSize - 1)' in d for d in descs)
+    assert any('(numel + chunk - 1) / chunk' in d and '(numel - chunk - 1) / chunk' in d
+               for d in descs)  # chunks_of, the planner's chunk count
     assert any(m.op == 'skip' and 'optim_apply.cuh' in m.path for m in mutants)
 
 
