@@ -1,4 +1,5 @@
-"""Launching ``torch.distributed.run`` from the tests, with the one retry torch's gloo teardown needs.
+"""Launching ``torch.distributed.run`` (``run``) or ``torch.multiprocessing.spawn`` (``spawn``) from the
+tests, with the one retry torch's gloo teardown needs.
 
 Now and then (about once in a hundred launches on a loaded 2-core machine) a rank that finished its
 work, wrote its results and left the process group aborts at interpreter exit with "terminate called
@@ -37,3 +38,21 @@ def aborted_at_exit(proc: subprocess.CompletedProcess) -> bool:
 def files_exist(paths: Sequence[os.PathLike]) -> Callable[[subprocess.CompletedProcess], bool]:
     """A ``finished`` check: every rank wrote its result file."""
     return lambda proc: all(os.path.exists(p) for p in paths)
+
+
+def spawn(worker: Callable, make_args: Callable[[], tuple], nprocs: int,
+          results: Sequence[os.PathLike]) -> None:
+    """``torch.multiprocessing.spawn(worker, make_args(), nprocs)`` with the same one retry: when a
+    rank dies of SIGABRT (the abort at exit above; its message goes to the terminal, not to us) after
+    every rank wrote its ``results`` file, spawn once more with fresh ``make_args()`` (a new port)."""
+    import torch.multiprocessing as mp
+    try:
+        mp.spawn(worker, args=make_args(), nprocs=nprocs, join=True)
+    except mp.ProcessExitedException as exc:
+        if exc.signal_name != 'SIGABRT' or not all(os.path.exists(p) for p in results):
+            raise
+        warnings.warn(f'a rank aborted at exit after finishing (SIGABRT, {EXIT_ABORT!r}); '
+                      'spawning once more')
+        for p in results:
+            os.remove(p)
+        mp.spawn(worker, args=make_args(), nprocs=nprocs, join=True)

@@ -1,6 +1,7 @@
 """tests/torchrun.py relaunches once, and only for a rank's abort at exit after every rank finished."""
 import os
 import sys
+import warnings
 
 import pytest
 
@@ -37,3 +38,44 @@ def test_other_failures_and_a_second_abort_are_not_retried(tmp_path):
     with pytest.warns(UserWarning):
         proc = _run(tmp_path, always, finished=lambda p: True)
     assert proc.returncode == 1
+
+
+def _aborting_spawn(monkeypatch, signals):
+    """mp.spawn that dies with the next of ``signals`` (None: succeeds); records its calls."""
+    import torch.multiprocessing as mp
+    calls = []
+
+    def fake(worker, args, nprocs, join):
+        calls.append(args)
+        sig = signals[len(calls) - 1]
+        if sig is not None:
+            raise mp.ProcessExitedException(f'process 1 terminated with signal {sig}',
+                                             error_index=1, error_pid=1, exit_code=-6,
+                                             signal_name=sig)
+    monkeypatch.setattr(mp, 'spawn', fake)
+    return calls
+
+
+def test_spawn_retries_an_abort_after_every_rank_finished(tmp_path, monkeypatch):
+    results = [tmp_path / 'rank0.pt', tmp_path / 'rank1.pt']
+    for p in results:
+        p.write_text('done')
+    ports = iter([1, 2])
+    calls = _aborting_spawn(monkeypatch, ['SIGABRT', None])
+    with pytest.warns(UserWarning, match='aborted at exit after finishing'):
+        torchrun.spawn(None, lambda: (next(ports),), 2, results)
+    assert calls == [(1,), (2,)]  # fresh args (a new port) for the second launch
+    assert not any(p.exists() for p in results)  # the first launch's files were removed
+
+
+@pytest.mark.parametrize('signals, files', [(['SIGABRT'], False), (['SIGSEGV'], True),
+                                            (['SIGABRT', 'SIGABRT'], True)])
+def test_spawn_does_not_retry_other_failures(tmp_path, monkeypatch, signals, files):
+    import torch.multiprocessing as mp
+    results = [tmp_path / 'rank0.pt']
+    if files:
+        results[0].write_text('done')
+    _aborting_spawn(monkeypatch, signals)
+    with pytest.raises(mp.ProcessExitedException), warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        torchrun.spawn(None, lambda: (), 1, results)

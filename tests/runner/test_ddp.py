@@ -5,9 +5,10 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+
+import torchrun
 
 
 def _free_port() -> int:
@@ -82,7 +83,8 @@ def _worker(rank, world, port, out_dir):
 @pytest.fixture(scope='module')
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp('ddp')
-    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    torchrun.spawn(_worker, lambda: (2, _free_port(), str(out)), 2,
+                   [out / f'rank{r}.pt' for r in range(2)])
     return [torch.load(out / f'rank{r}.pt', weights_only=True) for r in range(2)]
 
 

@@ -21,10 +21,10 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+import torchrun
 from _compat import requires
 from mp_wrappers import compat
 
@@ -341,7 +341,8 @@ def _worker(rank, world, port, out_dir):
 def ranks(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f'fsdp2_{world}')
-    mp.spawn(_worker, args=(world, _free_port(), str(out)), nprocs=world, join=True)
+    torchrun.spawn(_worker, lambda: (world, _free_port(), str(out)), world,
+                   [out / f'rank{r}.pt' for r in range(world)])
     return [torch.load(out / f'rank{r}.pt', weights_only=False) for r in range(world)]
 
 

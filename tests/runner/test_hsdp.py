@@ -17,8 +17,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+import torchrun
 from test_fsdp import _batches, _close, _free_port, _full, _model, _run
 
 WORLD = 4
@@ -135,7 +135,8 @@ def _worker(rank, port, out_dir):
 @pytest.fixture(scope='module')
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp('hsdp')
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    torchrun.spawn(_worker, lambda: (_free_port(), str(out)), WORLD,
+                   [out / f'rank{r}.pt' for r in range(WORLD)])
     return [torch.load(out / f'rank{r}.pt', weights_only=False) for r in range(WORLD)]
 
 
