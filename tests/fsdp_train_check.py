@@ -68,6 +68,18 @@ def _build_runner(config, argv, train, first):
     return runner
 
 
+def _ema_weights(runner):
+    """An EMAHook's averaged weights, gathered (FSDP2: DTensor shards), with its step count."""
+    from mmengine.hooks import EMAHook
+    hooks = [h for h in runner.hooks if isinstance(h, EMAHook)]
+    if not hooks:
+        return None
+    ema = hooks[0].ema_model
+    weights = [p.full_tensor() if hasattr(p, 'full_tensor') else p
+               for p in ema.module.parameters()]
+    return dict(steps=int(ema.steps), params=[p.detach().float().clone() for p in weights])
+
+
 def _train_and_save(runner, result) -> None:
     runner.train()
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -93,8 +105,9 @@ def _train_and_save(runner, result) -> None:
             params = [p.detach().float().clone() for p in model.parameters()]
     else:  # FSDP2 (mp_wrappers.FullyShardedModel): DTensor parameters
         params = [p.full_tensor().detach().float().clone() for p in model.parameters()]
+    ema = _ema_weights(runner)
     if dist.get_rank() == 0:
-        torch.save(dict(params=params, iters=runner.iter, world_size=dist.get_world_size(),
+        torch.save(dict(params=params, ema=ema, iters=runner.iter, world_size=dist.get_world_size(),
                         scale=wrapper.loss_scale,
                         skipped=sum(s.skipped_steps for s in wrapper.loss_scalers),
                         opt_numel=[int(g) for g in gathered], val=accuracies,

@@ -13,6 +13,8 @@ shards of DTensors, global norms, ``no_sync`` while accumulating) sits below the
   ``torch.distributed.checkpoint`` with our wrapper state.
 * :mod:`.runner_checkpoint`: mmengine Runner checkpoints of an FSDP2 model, saved and loaded by
   every rank, in the DCP directory format of :mod:`.dcp_format`.
+* :mod:`.sharded_ema`: the copy mmengine's ``EMAHook`` averages into under FSDP2, sharded like the
+  model.
 
 See docs/distributed.md.
 """

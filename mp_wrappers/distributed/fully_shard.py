@@ -26,6 +26,7 @@ from mmengine.runner import Runner
 from ..launch import init_gloo
 from ..registry import MODEL_WRAPPERS, RUNNERS
 from . import runner_checkpoint
+from .sharded_ema import install_sharded_deepcopy
 
 __all__ = ['FullyShardedModel', 'FullyShardedRunner', 'hsdp_mesh']
 
@@ -82,6 +83,7 @@ class FullyShardedModel(nn.Module):
                         reshard_after_forward=reshard_after_forward)
         fully_shard(module, mesh=mesh, mp_policy=policy,
                     reshard_after_forward=reshard_after_forward)
+        install_sharded_deepcopy(module)  # for EMAHook's averaged model (Note [EMA of a sharded model])
         self.module = module
 
     # ---- mmengine's model-wrapper contract (as MMDistributedDataParallel) ------------------------

@@ -28,7 +28,7 @@ The interface for whatever attaches to a runner (see docs/distributed.md):
 * :func:`attach` (``runner``): call once the runner is built, before ``runner.train()`` saves or
   loads anything. It refuses a runner whose model is FSDP2-sharded but whose ``save_checkpoint``
   is mmengine's rank-0-only one, naming the config line to change, so that no path writes a
-  partial checkpoint (and an EMAHook under FSDP1 or FSDP2, which would save a partial EMA or
+  partial checkpoint (and an EMAHook under FSDP1, which would save a partial EMA or
   fail later otherwise).
 * :func:`save_checkpoint`, :func:`load_checkpoint`: the collective versions of the ``Runner``
   methods of the same names (all ranks call them, with the runner as first argument).
@@ -73,13 +73,13 @@ def attach(runner: Any) -> None:
     Under FSDP2 only a runner whose ``save_checkpoint`` is collective (this module's, as
     :class:`~mp_wrappers.distributed.fully_shard.FullyShardedRunner` has) may save; mmengine's own
     would write rank 0's shards only (Note [runner checkpoints under FSDP2]). mmengine's ``EMAHook``
-    (and every subclass, ours included) is refused under FSDP1 and FSDP2 (Note [EMA of a sharded
+    (and every subclass, ours included) is refused under FSDP1 (Note [EMA of a sharded
     model]). Idempotent; does nothing for models that are not sharded.
 
     Raises:
         RuntimeError: the model is FSDP2-sharded and the runner's ``save_checkpoint`` is
             mmengine's rank-0-only one.
-        NotImplementedError: the model is FSDP1- or FSDP2-sharded and an ``EMAHook`` is
+        NotImplementedError: the model is FSDP1-sharded and an ``EMAHook`` is
             registered.
     """
     refuse_sharded_ema(runner)
@@ -103,35 +103,30 @@ def _sharding(model: Any) -> Optional[str]:
 
 
 def refuse_sharded_ema(runner: Any) -> None:
-    """Refuse mmengine's ``EMAHook`` (any subclass) over a sharded model, before it copies it.
+    """Refuse mmengine's ``EMAHook`` (any subclass) over an FSDP1 model, before it copies it.
 
-    Note [EMA of a sharded model]
-        ``EMAHook`` deep-copies the model in ``before_run`` and swaps the copy into the checkpoint
-        in ``before_save_checkpoint``. Under FSDP2 torch refuses the deepcopy (``FSDP does not
-        support deepcopy``); under FSDP1 (torch 2.13, mmengine's FSDP wrapper) it fails on the
-        wrapper's state (``cannot pickle 'module' object``). Were it made, the copy would hold each
-        rank's *local shard views* (flat pieces, empty on some ranks): the elementwise average
-        would be right rank by rank, but mmengine swaps it into a ``'full'`` checkpoint in place of
-        the gathered weights, so the file would hold rank 0's EMA pieces only (a partial EMA that
-        resumes wrong). Both are refused before the first step, with the config lines to change.
-        An EMA of a sharded model needs its own sharded state (DTensor shards saved through DCP,
-        gathered for ``'full'``): not built.
+    Under FSDP2 the hook's averaged model is sharded like the model (Note [EMA of a sharded
+    model] in :mod:`.sharded_ema`). Under FSDP1 (torch 2.13, mmengine's FSDP wrapper) the
+    hook's deepcopy fails on the wrapper's state (``cannot pickle 'module' object``); were it
+    made, it would hold each rank's *local flat views* of the parameters, and mmengine would swap
+    them into a ``'full'`` checkpoint in place of the gathered weights: a file with rank 0's EMA
+    pieces only, which resumes wrong. Refused before the first step, with the config lines to
+    change.
     """
     from mmengine.hooks import EMAHook
     kind = _sharding(getattr(runner, 'model', None))
     ema = [type(h).__name__ for h in getattr(runner, 'hooks', []) if isinstance(h, EMAHook)]
-    if kind is None or not ema:
+    if kind != 'FSDP1' or not ema:
         return
-    why = ("torch refuses to deepcopy fully_shard modules ('FSDP does not support deepcopy')"
-           if kind == 'FSDP2' else
-           "torch cannot copy an FSDP1 model, and a copy would hold each rank's local shard "
-           "views, of which a checkpoint would keep rank 0's only")
     raise NotImplementedError(
-        f'{ema[0]} under {kind}: its averaged model is a deepcopy of the model, and {why} '
-        '(Note [EMA of a sharded model]). Remove the '
-        f"dict(type='{ema[0]}', ...) entry from custom_hooks, or train with DDP for EMA: in place "
-        "of runner_type, strategy and model_wrapper_cfg, set model_wrapper_cfg = "
-        "dict(type='mp_wrappers.MixedPrecisionDistributedDataParallel')")
+        f'{ema[0]} under FSDP1: its averaged model is a deepcopy of the model, which torch cannot '
+        "make of an FSDP1 model, and a copy would hold each rank's local shard views, of which a "
+        "checkpoint would keep rank 0's only (Note [EMA of a sharded model] in "
+        'mp_wrappers/distributed/sharded_ema.py). Train with FSDP2, whose EMA is sharded: '
+        "runner_type = 'mp_wrappers.FullyShardedRunner' and model_wrapper_cfg = "
+        "dict(type='mp_wrappers.FullyShardedModel'); or with DDP: model_wrapper_cfg = "
+        "dict(type='mp_wrappers.MixedPrecisionDistributedDataParallel') in place of runner_type "
+        f"and strategy; or remove the dict(type='{ema[0]}', ...) entry from custom_hooks")
 
 
 def _collective(fn):

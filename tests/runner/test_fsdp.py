@@ -311,6 +311,38 @@ def _lean_cases(rank, world):
     return out
 
 
+def _ema_case(rank, world):
+    """mmengine's ExponentialMovingAverage of a sharded model (Note [EMA of a sharded model])
+    against the same average of the unsharded model in this process."""
+    from mmengine.model import ExponentialMovingAverage
+
+    from mp_wrappers.distributed.sharded_ema import ShardedShadow, install_sharded_deepcopy
+    model, ref = _model(), _model()
+    _shard(model, param_dtype=None)
+    install_sharded_deepcopy(model)
+    ema, ref_ema = (ExponentialMovingAverage(m, momentum=0.1) for m in (model, ref))
+    for step in range(3):  # the weights move (as the optimizer moves them), the EMA follows
+        with torch.no_grad():
+            for i, (p, q) in enumerate(zip(model.parameters(), ref.parameters())):
+                p.mul_(0.5 + 0.1 * step).add_(0.01 * i)
+                q.mul_(0.5 + 0.1 * step).add_(0.01 * i)
+        ema.update_parameters(model)
+        ref_ema.update_parameters(ref)
+    out = dict(shadow=type(ema.module) is ShardedShadow,
+               types=sorted({type(p).__name__ for p in ema.module.parameters()}),
+               ema=_full(ema.module), ref=[p.detach().clone() for p in ref_ema.module.parameters()])
+    # loading: DTensors (a DCP checkpoint) and full tensors (an ordinary file, every rank reads it)
+    for name, state in (('dtensor', ema.state_dict()), ('full', ref_ema.state_dict())):
+        again = ExponentialMovingAverage(model, momentum=0.1)
+        again.load_state_dict(state)
+        out[name] = _full(again.module)
+    try:
+        ema(torch.zeros(1, 6))
+    except RuntimeError as e:
+        out['forward'] = str(e)
+    return out
+
+
 def _worker(rank, world, port, out_dir):
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -331,7 +363,8 @@ def _worker(rank, world, port, out_dir):
             resume=_resume(rank, world, out_dir),
             errors=_errors(rank, world),
             fsdp1=_fsdp1_cases(rank, world),
-            lean=_lean_cases(rank, world))
+            lean=_lean_cases(rank, world),
+            ema=_ema_case(rank, world))
         torch.save(result, os.path.join(out_dir, f'rank{rank}.pt'))
     finally:
         dist.destroy_process_group()
@@ -507,3 +540,14 @@ def test_lean_master_modes_on_shards_match_single_process(ranks, mode):
     assert sum(r['lean'][(mode, True)]['opt_numel'] for r in ranks) == \
         ranks[0]['lean'][(mode, False)]['opt_numel']
     assert world > 1
+
+
+@requires('fsdp2')
+@requires('fsdp2_cpu')
+def test_ema_of_sharded_model_is_sharded_and_matches_single_process(ranks):
+    for r in ranks:
+        got = r['ema']
+        assert got['shadow'] and got['types'] == ['DTensor']  # sharded like the model's
+        for name in ('ema', 'dtensor', 'full'):
+            assert all(torch.equal(a, b) for a, b in zip(got[name], got['ref'], strict=True)), name
+        assert 'swaps its weights into the sharded model' in got['forward']

@@ -1,24 +1,29 @@
 """FSDP2 checkpoints through mmengine's CheckpointHook, as users run them: torchrun + a train script.
 
 ``configs/digits/cnn_fsdp2_apex_O2_bf16.py`` (mp_wrappers.FullyShardedRunner, FullyShardedModel,
-ApexOptimWrapper O2 bf16, FusedAdam, clip_grad, evaluation) with a dynamic loss scale that grows
-every 10 steps, a checkpoint every epoch, ``max_keep_ckpts=2`` and ``save_best='accuracy'``, and inf
+ApexOptimWrapper O2 bf16, FusedAdam, clip_grad, evaluation, mmengine's EMAHook) with a dynamic loss
+scale that grows every 10 steps, a checkpoint every epoch, ``max_keep_ckpts=2`` and ``save_best='accuracy'``, and inf
 planted into rank 1's local gradient shard at iterations 6, 50 and 70 (tests/configs/
 fsdp2_shard_fault.py): rank 0 skips those steps too, at 2 and 3 ranks, with and without
 accumulation. Runs of one rank count share a launch (tests/fsdp_train_check.py ``--then``): 4
 launches for the 8 runs below.
 
 * 2 ranks train 3 epochs; each checkpoint is a DCP directory whose metadata covers every element of
-  every tensor, written by both ranks (never rank 0's shards alone); the oldest is removed.
-* ``--resume`` of epoch 2 on 2 ranks ends bitwise equal to the uninterrupted run (weights, loss
+  every tensor, written by both ranks (never rank 0's shards alone), the EMA's shards included; the
+  oldest is removed.
+* ``--resume`` of epoch 2 on 2 ranks ends bitwise equal to the uninterrupted run (weights, EMA, loss
   scale, skip count).
+* The EMA (Note [EMA of a sharded model]): sharded like the weights, updated every iteration,
+  swapped in for evaluation (the logged accuracy is the EMA's) and into the checkpoints'
+  ``state_dict`` (mmengine's convention), with the raw weights under ``ema_state_dict``.
 * Another rank count (2 -> 3 and 3 -> 2): the continued run equals, bitwise, the same number of
   ranks continued from the consolidated checkpoint (``tools/consolidate_checkpoint.py
   --resumable``). Bitwise and not "close": both runs hand the same fp32 values to the same sharding
   and then compute identically (same reduction order). A single-process reference would differ by
   more than reduction order: BatchNorm's batch statistics depend on the per-rank batch.
 * ``load_from`` a DCP directory and the same weights consolidated into one ordinary file (each rank
-  reads it whole and keeps its shards) train alike, bitwise.
+  reads it whole and keeps its shards) train alike, bitwise, EMA included. The consolidated file
+  resumes the EMA from full tensors (each rank keeps its shards), the DCP directory re-sliced.
 * The consolidated best checkpoint loads with ``torch.load(weights_only=True)`` and, evaluated by a
   single process (the same O2 bf16 model without FSDP), gives the accuracy logged by the sharded
   run for that epoch.
@@ -28,8 +33,7 @@ launches for the 8 runs below.
   checkpoints.
 * Refused before training, naming the config line, through a toolbox's train script (one launch
   for all, tests/refusal_check.py): mmengine's plain ``Runner`` with an FSDP2 model (it would save
-  rank 0's shards only), and mmengine's ``EMAHook`` under FSDP2 and under FSDP1 (Note [EMA of a
-  sharded model]).
+  rank 0's shards only), and mmengine's ``EMAHook`` under FSDP1 (Note [EMA of a sharded model]).
 """
 import os
 import shutil
@@ -111,6 +115,9 @@ def _equal(x, y):
     assert x['scale'] == y['scale'] and x['skipped'] == y['skipped']
     for p, q in zip(x['params'], y['params']):
         assert torch.equal(p, q)
+    assert x['ema']['steps'] == y['ema']['steps'] == x['iters']
+    for p, q in zip(x['ema']['params'], y['ema']['params'], strict=True):
+        assert torch.equal(p, q)
 
 
 def test_every_rank_writes_its_shards(runs):
@@ -131,6 +138,8 @@ def test_every_rank_writes_its_shards(runs):
         assert covered == entry.size.numel(), key  # every element is in the checkpoint
         sharded += len(entry.chunks) == 2
     assert sharded >= 8  # weights and Adam moments come in two shards
+    ema = [k for k, e in meta.items() if k.startswith('ema_state_dict.module.') and len(e.chunks) == 2]
+    assert len(ema) >= 4  # and the EMA's weights
 
 
 def test_fsdp2_config_trains(runs):
@@ -142,8 +151,11 @@ def test_fsdp2_config_trains(runs):
     assert sum(a['opt_numel']) == 2 * a['total']  # Adam's m and v as DTensor shards, no masters
     assert all(abs(n - a['total']) <= 64 for n in a['opt_numel'])
     logged = accuracies(runs['log_a'])
-    assert sorted(logged) == [1, 2, 3] and min(logged.values()) > 80.0
+    # the EMA is evaluated (momentum 0.1: epoch 1's average still holds some of the initial weights)
+    assert sorted(logged) == [1, 2, 3] and logged[1] > 20.0 and min(logged[2], logged[3]) > 80.0
     same_on_every_rank(a['val'], logged[3], 2)
+    assert a['ema']['steps'] == a['iters']
+    assert not any(torch.equal(p, q) for p, q in zip(a['ema']['params'], a['params']))
 
 
 def test_resume_is_bitwise(runs):
@@ -199,11 +211,17 @@ def test_consolidated_checkpoint_is_plain_and_evaluates_alike(runs, tmp_path):
     weights = [v for k, v in plain['state_dict'].items() if 'running' not in k and 'batches' not in k]
     assert sum(t.numel() for t in weights) == runs['a']['total']
     assert all(t.dtype in (torch.float32, torch.int64) for t in plain['state_dict'].values())
-    # the last checkpoint's weights are the gathered weights of the finished run
-    last = torch.load(_consolidate(tmp / 'a' / 'epoch_3.pth', tmp_path / 'last.pth'),
-                      weights_only=True)['state_dict']
-    params = [v for k, v in last.items() if 'running' not in k and 'num_batches' not in k]
-    assert all(torch.equal(p, q) for p, q in zip(params, runs['a']['params']))
+    # the last checkpoint's weights are the gathered EMA of the finished run (EMAHook swaps it into
+    # state_dict), and its ema_state_dict the gathered raw weights
+    from mp_wrappers.checkpoint import secure_torch_load  # a resumable file holds the message hub
+    last = secure_torch_load(_consolidate(tmp / 'a' / 'epoch_3.pth', tmp_path / 'last.pth',
+                                          '--resumable'))
+    params = [v for k, v in last['state_dict'].items() if 'running' not in k and 'batches' not in k]
+    assert all(torch.equal(p, q) for p, q in zip(params, runs['a']['ema']['params'], strict=True))
+    raw = [v for k, v in last['ema_state_dict'].items()
+           if k.startswith('module.') and 'running' not in k and 'batches' not in k]
+    assert all(torch.equal(p, q) for p, q in zip(raw, runs['a']['params'], strict=True))
+    assert not all(torch.equal(p, q) for p, q in zip(params, raw))
     half = torch.load(_consolidate(best, tmp_path / 'half.pth', '--dtype', 'bfloat16'),
                       weights_only=True)['state_dict']
     assert half['features.0.weight'].dtype == torch.bfloat16
@@ -224,8 +242,6 @@ REFUSED = {
     'runner_fsdp2': (PLAIN, "runner_type = 'Runner'\n",
                      "runner_type = 'mp_wrappers.FullyShardedRunner'"),
     # Note [EMA of a sharded model]
-    'ema_fsdp2': (PLAIN, "custom_hooks = [dict(type='EMAHook', momentum=0.01)]\n",
-                  "EMAHook under FSDP2: "),
     'ema_fsdp1': (FSDP1_PLAIN, "custom_hooks = [dict(type='EMAHook', momentum=0.01)]\n",
                   "EMAHook under FSDP1: "),
 }
@@ -254,7 +270,8 @@ def test_refused_before_training_with_the_config_line(refusals, name):
     outcome, work_dir = refusals[name]
     assert outcome != 'trained' and REFUSED[name][2] in outcome, outcome
     if name.startswith('ema'):
-        assert "Remove the dict(type='EMAHook', ...) entry from custom_hooks" in outcome
+        assert "remove the dict(type='EMAHook', ...) entry from custom_hooks" in outcome
+        assert "runner_type = 'mp_wrappers.FullyShardedRunner'" in outcome
         assert ("model_wrapper_cfg = dict(type='mp_wrappers.MixedPrecisionDistributedDataParallel')"
                 in outcome)
     # nothing trained, nothing saved
@@ -328,15 +345,17 @@ def test_attach_refuses_without_processes(monkeypatch):
     runner_checkpoint.attach(runner(FullyShardedRunner))
     with pytest.raises(RuntimeError, match="runner_type = 'mp_wrappers.FullyShardedRunner'"):
         runner_checkpoint.attach(runner(Runner))
-    with pytest.raises(NotImplementedError, match='EMAHook under FSDP2'):
-        runner_checkpoint.attach(runner(FullyShardedRunner, [EMAHook()]))
+    runner_checkpoint.attach(runner(FullyShardedRunner, [EMAHook()]))  # FSDP2: a sharded EMA
     # the wrappers' own lifecycle hook checks it too, before anything is saved (no tools/train.py)
     from mp_wrappers.lifecycle import WrapperLifecycleHook
     with pytest.raises(RuntimeError, match="runner_type = 'mp_wrappers.FullyShardedRunner'"):
         WrapperLifecycleHook().before_run(runner(Runner))
-    # load_from/resume come before before_run: the EMAHook is refused there too
-    with pytest.raises(NotImplementedError, match='EMAHook under FSDP2'):
-        WrapperLifecycleHook().after_load_checkpoint(runner(FullyShardedRunner, [EMAHook()]), {})
+    # under FSDP1 an EMAHook is refused, also when load_from/resume come first
+    monkeypatch.setattr(runner_checkpoint, '_sharding', lambda model: 'FSDP1')
+    with pytest.raises(NotImplementedError, match='EMAHook under FSDP1'):
+        runner_checkpoint.attach(runner(Runner, [EMAHook()]))
+    with pytest.raises(NotImplementedError, match='EMAHook under FSDP1'):
+        WrapperLifecycleHook().after_load_checkpoint(runner(Runner, [EMAHook()]), {})
 
 
 def test_state_keyed_by_name_is_rekeyed_by_position_or_refused():
