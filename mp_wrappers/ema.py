@@ -245,3 +245,34 @@ def adopt_ema_hooks(runner) -> None:
         print_log(f'mp_wrappers: {type(hook).__name__} averages the full-precision weights of '
                   f'{", ".join(half)} (it runs as {cls.__name__}, with the same arguments)',
                   logger='current', level=logging.INFO)
+
+
+# Note [EMA loaded before before_run]
+#     mmengine's ``FlexibleRunner`` (FSDP1, DeepSpeed, ... strategies) runs ``load_from``/``resume``
+#     before ``before_run``, where ``EMAHook`` builds its averaged model: the hook's
+#     ``after_load_checkpoint`` then finds none (``AttributeError``, mmengine 0.10.7), and an average
+#     built afterwards would be a fresh copy of the model, the loaded one lost. The wrappers'
+#     lifecycle hook runs first at every event: at ``after_load_checkpoint`` it builds the averaged
+#     model of each such hook (``EMAHook.before_run``) so that the hook loads into it
+#     (:func:`build_averages_before_load`), and after ``before_run`` replaced it, puts the loaded one
+#     back (:func:`keep_loaded_averages`). ``mmengine``'s ``Runner`` builds before loading: nothing
+#     to do there.
+_LOADED = '_mp_wrappers_loaded_average'
+
+
+def build_averages_before_load(runner) -> None:
+    """Build the averaged model of every ``EMAHook`` that has none yet (Note [EMA loaded before
+    before_run])."""
+    for hook in runner.hooks:
+        if isinstance(hook, EMAHook) and getattr(hook, 'ema_model', None) is None:
+            hook.before_run(runner)
+            setattr(hook, _LOADED, hook.ema_model)
+
+
+def keep_loaded_averages(runner) -> None:
+    """Give back to each ``EMAHook`` the averaged model it loaded before ``before_run`` (Note [EMA
+    loaded before before_run])."""
+    for hook in runner.hooks:
+        loaded = hook.__dict__.pop(_LOADED, None)
+        if loaded is not None:
+            hook.ema_model = loaded

@@ -7,7 +7,8 @@ Note [wrapper lifecycle]
     through ours. The hook does exactly what correctness needs, nothing optional:
 
     * ``before_run`` (before any other hook's): an FSDP2 model under a runner whose checkpoints
-      would hold rank 0's shards only, and an ``EMAHook`` over an FSDP1 or FSDP2 model, are refused
+      would hold rank 0's shards only, and an ``EMAHook`` over an FSDP1 model not wrapped by our
+      strategy, are refused
       (:func:`mp_wrappers.distributed.runner_checkpoint.attach`); mmengine's ``EMAHook`` averages
       the full-precision weights when a wrapper trains half weights
       (:func:`mp_wrappers.ema.adopt_ema_hooks`);
@@ -19,6 +20,11 @@ Note [wrapper lifecycle]
     * ``after_load_checkpoint``: a full checkpoint of a sharded run (FSDP1 ``'full'``, a
       consolidated FSDP2 one), whose optimizer state is keyed by parameter name, resumes an
       unsharded model (:func:`mp_wrappers.distributed.runner_checkpoint.adapt_loaded_checkpoint`);
+      under ``FlexibleRunner``, which loads before ``before_run``, an ``EMAHook`` gets its averaged
+      model in time to load it, and keeps it (Note [EMA loaded before before_run]);
+    * around validation and test epochs: a sharded model's gathered weights are released, so that
+      weights written into the shards in between (``EMAHook``'s swaps) are what the next forward
+      uses (Note [FSDP1 root after evaluation] in :mod:`mp_wrappers.distributed.fsdp`);
     * every iteration: the wrappers publish ``amp_scale``/``amp_skipped``/``amp_gnorm`` to the
       MessageHub exactly when the ``LoggerHook`` will print (a host read on GPU only then), so
       every log line and visualizer backend has them at the LoggerHook's interval.
@@ -30,9 +36,10 @@ from typing import Any, List, Optional
 
 from mmengine.hooks import Hook, LoggerHook
 
+from .distributed.fsdp import release_unsharded_root
 from .distributed.runner_checkpoint import adapt_loaded_checkpoint, refuse_sharded_ema
 from .distributed.runner_checkpoint import attach as attach_sharded_checkpoints
-from .ema import adopt_ema_hooks
+from .ema import adopt_ema_hooks, build_averages_before_load, keep_loaded_averages
 from .registry import HOOKS
 from .wrappers.base import MixedPrecisionOptimWrapper, mixed_precision_wrappers
 
@@ -91,13 +98,30 @@ class WrapperLifecycleHook(Hook):
     def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
         """A sharded run's full checkpoint resumed without sharding: the optimizer state keyed
         by parameter name is re-keyed by position (``runner_checkpoint.adapt_loaded_checkpoint``)."""
-        # load_from/resume run before before_run: refuse an EMAHook over a sharded model before
-        # its after_load_checkpoint reads the checkpoint into a copy it has not made
+        # FlexibleRunner loads before before_run: refuse an EMAHook over an FSDP1 model we cannot
+        # average before its after_load_checkpoint runs, and build the others' averaged models
+        # for them to load into (Note [EMA loaded before before_run] in mp_wrappers/ema.py)
         refuse_sharded_ema(runner)
+        build_averages_before_load(runner)
         adapt_loaded_checkpoint(runner, checkpoint)
+
+    # Around evaluation (before EMAHook swaps weights in or out): a sharded model gathers again
+    # what its shards hold at the next forward (Note [FSDP1 root after evaluation]).
+    def before_val_epoch(self, runner) -> None:
+        release_unsharded_root(runner.model)
+
+    def after_val_epoch(self, runner, metrics=None) -> None:
+        release_unsharded_root(runner.model)
+
+    def before_test_epoch(self, runner) -> None:
+        release_unsharded_root(runner.model)
+
+    def after_test_epoch(self, runner, metrics=None) -> None:
+        release_unsharded_root(runner.model)
 
     def before_train(self, runner) -> None:
         self._ran.add('before_train')
+        keep_loaded_averages(runner)
         adopt_ema_hooks(runner)  # an EMAHook registered after before_run, or a late wrapper
         self._logger_hook = next((h for h in runner.hooks if isinstance(h, LoggerHook)), None)
         for wrapper in our_wrappers(runner):

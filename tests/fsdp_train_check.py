@@ -74,9 +74,18 @@ def _ema_weights(runner):
     hooks = [h for h in runner.hooks if isinstance(h, EMAHook)]
     if not hooks:
         return None
-    ema = hooks[0].ema_model
-    weights = [p.full_tensor() if hasattr(p, 'full_tensor') else p
-               for p in ema.module.parameters()]
+    hook, ema = hooks[0], hooks[0].ema_model
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    if isinstance(runner.model, FSDP):  # local flat pieces: gathered as the model's, swapped in
+        hook._swap_ema_parameters()
+        try:
+            with FSDP.summon_full_params(runner.model):
+                weights = [p.detach().float().clone() for p in runner.model.parameters()]
+        finally:
+            hook._swap_ema_parameters()
+    else:
+        weights = [p.full_tensor() if hasattr(p, 'full_tensor') else p
+                   for p in ema.module.parameters()]
     return dict(steps=int(ema.steps), params=[p.detach().float().clone() for p in weights])
 
 

@@ -21,8 +21,10 @@ from .. import compat
 from ..launch import init_gloo
 from ..optim_config import optim_cfg_properties
 from ..registry import STRATEGIES
+from .sharded_ema import install_flat_shard_deepcopy
 
-__all__ = ['MixedPrecisionFSDPStrategy', 'fsdp_mixed_precision', 'check_local_checkpoint']
+__all__ = ['MixedPrecisionFSDPStrategy', 'fsdp_mixed_precision', 'check_local_checkpoint',
+           'release_unsharded_root']
 
 
 def fsdp_mixed_precision(optim_wrapper: Any) -> Optional[dict]:
@@ -192,4 +194,36 @@ class MixedPrecisionFSDPStrategy(FSDPStrategy):
                 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
                 cfg['auto_wrap_policy'] = ModuleWrapPolicy(set())
             self.model_wrapper = cfg
-        return super()._wrap_model(model)
+        wrapped = super()._wrap_model(model)
+        # EMAHook's averaged model: a copy of the local pieces (Note [EMA of a sharded model])
+        install_flat_shard_deepcopy(wrapped.module, self)
+        return wrapped
+
+
+def release_unsharded_root(model: Any) -> None:
+    """Free the root's gathered weights that FSDP1 keeps after a forward without backward.
+
+    Note [FSDP1 root after evaluation]
+        FSDP1 does not reshard its root module after forward (its weights are needed again in
+        backward). After an evaluation forward there is no backward, and the root keeps its
+        gathered (unsharded) weights; the next forward reuses them without gathering again. So
+        anything written into the shards in between is not seen by that forward. mmengine's
+        ``EMAHook`` does exactly that: it swaps the average into the shards before validation
+        and the trained weights back after it, and the first training step after each
+        validation would then run forward and backward on the *average* (found through the
+        bitwise-resume test). The wrappers' lifecycle hook calls this around validation and test
+        epochs, so the next forward gathers what the shards hold. FSDP2 modules are resharded
+        with their public ``reshard()`` for the same reason (``reshard_after_forward=False``).
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    handle = getattr(model, '_handle', None) if isinstance(model, FullyShardedDataParallel) else None
+    if handle is not None and handle.uses_sharded_strategy and not handle.needs_unshard():
+        # what FSDP1's own reshard does, without its CUDA event bookkeeping
+        handle.reshard(True)
+        handle.post_reshard()
+        handle._prefetched = False
+    if compat.has('fsdp2') and isinstance(model, nn.Module):
+        from torch.distributed.fsdp import FSDPModule
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()

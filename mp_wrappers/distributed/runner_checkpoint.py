@@ -103,30 +103,34 @@ def _sharding(model: Any) -> Optional[str]:
 
 
 def refuse_sharded_ema(runner: Any) -> None:
-    """Refuse mmengine's ``EMAHook`` (any subclass) over an FSDP1 model, before it copies it.
+    """Refuse mmengine's ``EMAHook`` (any subclass) over an FSDP1 model it cannot average right.
 
-    Under FSDP2 the hook's averaged model is sharded like the model (Note [EMA of a sharded
-    model] in :mod:`.sharded_ema`). Under FSDP1 (torch 2.13, mmengine's FSDP wrapper) the
-    hook's deepcopy fails on the wrapper's state (``cannot pickle 'module' object``); were it
-    made, it would hold each rank's *local flat views* of the parameters, and mmengine would swap
-    them into a ``'full'`` checkpoint in place of the gathered weights: a file with rank 0's EMA
-    pieces only, which resumes wrong. Refused before the first step, with the config lines to
-    change.
+    Under FSDP2 (``FullyShardedModel``) and FSDP1 through ``mp_wrappers.MixedPrecisionFSDPStrategy``
+    the hook's averaged model is a copy of each rank's pieces that saves and loads whole (Note [EMA
+    of a sharded model] in :mod:`.sharded_ema`). An FSDP1 model wrapped otherwise (mmengine's own
+    ``FSDPStrategy``, a hand-made wrapper) is refused before the hook copies it: the deepcopy fails
+    on the wrapper's state (``cannot pickle 'module' object``), and were it made it would hold each
+    rank's local flat views, which mmengine swaps into a ``'full'`` checkpoint in place of the
+    gathered weights (rank 0's pieces only: a partial EMA that resumes wrong).
     """
     from mmengine.hooks import EMAHook
-    kind = _sharding(getattr(runner, 'model', None))
+
+    from .sharded_ema import has_sharded_deepcopy
+    model = getattr(runner, 'model', None)
+    kind = _sharding(model)
     ema = [type(h).__name__ for h in getattr(runner, 'hooks', []) if isinstance(h, EMAHook)]
-    if kind != 'FSDP1' or not ema:
+    if kind != 'FSDP1' or not ema or has_sharded_deepcopy(getattr(model, 'module', None)):
         return
     raise NotImplementedError(
-        f'{ema[0]} under FSDP1: its averaged model is a deepcopy of the model, which torch cannot '
-        "make of an FSDP1 model, and a copy would hold each rank's local shard views, of which a "
-        "checkpoint would keep rank 0's only (Note [EMA of a sharded model] in "
-        'mp_wrappers/distributed/sharded_ema.py). Train with FSDP2, whose EMA is sharded: '
-        "runner_type = 'mp_wrappers.FullyShardedRunner' and model_wrapper_cfg = "
-        "dict(type='mp_wrappers.FullyShardedModel'); or with DDP: model_wrapper_cfg = "
-        "dict(type='mp_wrappers.MixedPrecisionDistributedDataParallel') in place of runner_type "
-        f"and strategy; or remove the dict(type='{ema[0]}', ...) entry from custom_hooks")
+        f"{ema[0]} under FSDP1 wrapped without mp_wrappers' strategy: its averaged model would be "
+        "a deepcopy of the model, which torch cannot make of an FSDP1 model, and a copy would hold "
+        "each rank's local shard views, of which a checkpoint would keep rank 0's only (Note [EMA "
+        'of a sharded model] in mp_wrappers/distributed/sharded_ema.py). Set strategy = '
+        "dict(type='mp_wrappers.MixedPrecisionFSDPStrategy', ...) with runner_type = "
+        "'FlexibleRunner', whose EMA is sharded; or train with FSDP2 (runner_type = "
+        "'mp_wrappers.FullyShardedRunner', model_wrapper_cfg = "
+        "dict(type='mp_wrappers.FullyShardedModel')); or remove the "
+        f"dict(type='{ema[0]}', ...) entry from custom_hooks")
 
 
 def _collective(fn):

@@ -25,16 +25,29 @@ Note [EMA of a sharded model]
 
     Memory: one more copy of each rank's shards (4/N bytes per parameter for fp32 shards). The
     shadow has no ``forward``: the hook never runs the averaged model, it swaps its weights into
-    the sharded model. FSDP1 is not covered: its parameters are per-rank flat views whose full
-    state dict needs the model's own gather, and an EMAHook under FSDP1 is refused before the
-    first step (:func:`mp_wrappers.distributed.runner_checkpoint.refuse_sharded_ema`).
+    the sharded model.
+
+    FSDP1 (:class:`~mp_wrappers.distributed.fsdp.MixedPrecisionFSDPStrategy`) is the same idea
+    with one difference. Its parameters (``use_orig_params=True``: views of each rank's piece of
+    a flat shard, 1-D or empty; otherwise the flat shards) are plain tensors, so update and swap
+    work elementwise as above, but their state dict (``'full'``: gathered, ``'local'``: flat
+    shards) is the *model's*: only FSDP knows how its pieces make up a parameter. So
+    :class:`FlatShardShadow` saves and loads through the model, collectively (mmengine calls the
+    checkpoint hooks on every rank): it puts the average into the model's parameters, asks the
+    strategy for the model's state dict (or loads one into it) in the strategy's format, and puts
+    the model's own values back. A ``'full'`` checkpoint then holds the gathered average, a
+    ``'local'`` one each rank's flat pieces of it, as the model's own state.
 """
-from typing import Any, Dict, Optional
+import copy
+import itertools
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
 
-__all__ = ['ShardedShadow', 'install_sharded_deepcopy']
+__all__ = ['ShardedShadow', 'FlatShardShadow', 'has_sharded_deepcopy', 'install_sharded_deepcopy',
+           'install_flat_shard_deepcopy']
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -91,6 +104,75 @@ class ShardedShadow(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
+def _exchange(live: List[torch.Tensor], values: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Copy ``values`` into ``live`` in place; return clones of what ``live`` held."""
+    kept = [t.detach().clone() for t in live]
+    with torch.no_grad():
+        for t, v in zip(live, values, strict=True):
+            t.copy_(v)
+    return kept
+
+
+class FlatShardShadow(ShardedShadow):
+    """:class:`ShardedShadow` of an FSDP1 model: state dicts through the model's own (collective).
+
+    The root holds ``_via = (source module, strategy)``; the other nodes leave loading to it
+    (Note [EMA of a sharded model]).
+    """
+
+    _via: Optional[tuple] = None
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> 'FlatShardShadow':
+        out = type(self).of(self, memo)
+        object.__setattr__(out, '_via', self._via)
+        return out
+
+    def _through_model(self, action: Callable[[], Any]) -> Any:
+        """Run ``action`` with this average in the model's tensors, then put theirs back."""
+        source, _ = self._via
+        live = list(itertools.chain(source.parameters(), source.buffers()))
+        own = list(itertools.chain(self.parameters(), self.buffers()))
+        kept = _exchange(live, own)
+        try:
+            result = action()
+            _exchange(own, live)  # what a load put into the model is the new average
+        finally:
+            _exchange(live, kept)
+        return result
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = '',
+                   keep_vars: bool = False) -> Dict[str, Any]:
+        if self._via is None:
+            return super().state_dict(*args, destination=destination, prefix=prefix,
+                                      keep_vars=keep_vars)
+        _, strategy = self._via
+        # copies: a 'local' state dict's ShardedTensors alias the model's flat shards, which get
+        # the model's own values back
+        own = self._through_model(lambda: copy.deepcopy(strategy.model_state_dict()))
+        destination = OrderedDict() if destination is None else destination
+        for key, value in own.items():
+            destination[prefix + key] = value
+        return destination
+
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args: Any,
+                              **kwargs: Any) -> None:
+        if self._via is None:  # a node under the root: the root loaded the whole tree
+            return
+        _, strategy = self._via
+        missing, unexpected = args[2], args[3]  # torch's (local_metadata, strict, missing, ...)
+        ours = {k[len(prefix):]: state_dict.pop(k) for k in list(state_dict)
+                if k.startswith(prefix)}
+        # the strategy set the model's state dict type ('full' or 'local') when it wrapped it
+        result = self._through_model(lambda: strategy.model.load_state_dict(ours, strict=False))
+        missing += [prefix + k for k in result.missing_keys]
+        unexpected += [prefix + k for k in result.unexpected_keys]
+
+
+def has_sharded_deepcopy(module: Any) -> bool:
+    """Whether ``copy.deepcopy(module)`` gives one of this module's shadows."""
+    return isinstance(module, nn.Module) and '__deepcopy__' in vars(module)
+
+
 def install_sharded_deepcopy(root: nn.Module) -> None:
     """Make ``copy.deepcopy(root)`` give a :class:`ShardedShadow` of the FSDP2 root ``root``.
 
@@ -100,3 +182,13 @@ def install_sharded_deepcopy(root: nn.Module) -> None:
     def sharded_deepcopy(memo: Dict[int, Any]) -> ShardedShadow:
         return ShardedShadow.of(root, memo)
     object.__setattr__(root, '__deepcopy__', sharded_deepcopy)
+
+
+def install_flat_shard_deepcopy(module: nn.Module, strategy: Any) -> None:
+    """Make ``copy.deepcopy(module)`` give a :class:`FlatShardShadow` (``module``: what an FSDP1
+    strategy's wrapper holds; ``strategy``: the one whose state dict format checkpoints use)."""
+    def flat_shard_deepcopy(memo: Dict[int, Any]) -> FlatShardShadow:
+        shadow = FlatShardShadow.of(module, memo)
+        object.__setattr__(shadow, '_via', (module, strategy))
+        return shadow
+    object.__setattr__(module, '__deepcopy__', flat_shard_deepcopy)

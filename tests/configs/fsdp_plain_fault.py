@@ -3,3 +3,4 @@
 # one-rank fault (tests/_reliability_hooks.py; tests/ must be on PYTHONPATH).
 _base_ = ['./fsdp_shard_fault.py']
 custom_hooks = [dict(type='RelTestShardFaultHook', iters=[10, 40], rank=1)]
+custom_hooks.append(dict(type='EMAHook', momentum=0.1))  # mmengine's, as in fsdp_shard_fault.py

@@ -5,3 +5,5 @@ custom_imports = dict(imports=['mp_wrappers', 'projects.digits', '_reliability_h
                       allow_failed_imports=False)
 custom_hooks = [dict(type='mp_wrappers.MixedPrecisionHook', skip_aware_schedules=True),
                 dict(type='RelTestShardFaultHook', iters=[10, 40], rank=1)]
+# mmengine's EMAHook: its averaged model holds each rank's pieces (Note [EMA of a sharded model])
+custom_hooks.append(dict(type='EMAHook', momentum=0.1))

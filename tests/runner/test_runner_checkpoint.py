@@ -33,7 +33,8 @@ launches for the 8 runs below.
   checkpoints.
 * Refused before training, naming the config line, through a toolbox's train script (one launch
   for all, tests/refusal_check.py): mmengine's plain ``Runner`` with an FSDP2 model (it would save
-  rank 0's shards only), and mmengine's ``EMAHook`` under FSDP1 (Note [EMA of a sharded model]).
+  rank 0's shards only). (An ``EMAHook`` under FSDP1 wrapped without our strategy, which cannot run
+  on CPU: refused, in ``test_attach_refuses_without_processes``.)
 """
 import os
 import shutil
@@ -43,7 +44,6 @@ import pytest
 import torch
 
 import torchrun
-from test_fsdp_runner import PLAIN as FSDP1_PLAIN
 from test_fsdp_runner import (REPO, _env, accuracies, in_this_process, same_on_every_rank,
                               torchrun_runs)
 
@@ -241,9 +241,6 @@ REFUSED = {
     # mmengine's plain Runner would save rank 0's shards of an FSDP2 model
     'runner_fsdp2': (PLAIN, "runner_type = 'Runner'\n",
                      "runner_type = 'mp_wrappers.FullyShardedRunner'"),
-    # Note [EMA of a sharded model]
-    'ema_fsdp1': (FSDP1_PLAIN, "custom_hooks = [dict(type='EMAHook', momentum=0.01)]\n",
-                  "EMAHook under FSDP1: "),
 }
 
 
@@ -269,11 +266,6 @@ def refusals(tmp_path_factory):
 def test_refused_before_training_with_the_config_line(refusals, name):
     outcome, work_dir = refusals[name]
     assert outcome != 'trained' and REFUSED[name][2] in outcome, outcome
-    if name.startswith('ema'):
-        assert "remove the dict(type='EMAHook', ...) entry from custom_hooks" in outcome
-        assert "runner_type = 'mp_wrappers.FullyShardedRunner'" in outcome
-        assert ("model_wrapper_cfg = dict(type='mp_wrappers.MixedPrecisionDistributedDataParallel')"
-                in outcome)
     # nothing trained, nothing saved
     logs = [os.path.join(d, f) for d, _, fs in os.walk(work_dir) for f in fs if f.endswith('.log')]
     assert logs and not any('Epoch(train)' in open(log).read() for log in logs)
@@ -352,8 +344,18 @@ def test_attach_refuses_without_processes(monkeypatch):
         WrapperLifecycleHook().before_run(runner(Runner))
     # under FSDP1 an EMAHook is refused, also when load_from/resume come first
     monkeypatch.setattr(runner_checkpoint, '_sharding', lambda model: 'FSDP1')
-    with pytest.raises(NotImplementedError, match='EMAHook under FSDP1'):
+    with pytest.raises(NotImplementedError, match='EMAHook under FSDP1') as refused:
         runner_checkpoint.attach(runner(Runner, [EMAHook()]))
+    for fix in ("strategy = dict(type='mp_wrappers.MixedPrecisionFSDPStrategy'",
+                "runner_type = 'mp_wrappers.FullyShardedRunner'",
+                "remove the dict(type='EMAHook', ...) entry from custom_hooks"):
+        assert fix in str(refused.value)
+    # wrapped by MixedPrecisionFSDPStrategy, whose EMA copies each rank's pieces: allowed
+    from mp_wrappers.distributed.sharded_ema import install_flat_shard_deepcopy
+    ours = runner(Runner, [EMAHook()])
+    ours.model.module = nn.Linear(1, 1)
+    install_flat_shard_deepcopy(ours.model.module, strategy=None)
+    runner_checkpoint.refuse_sharded_ema(ours)
     with pytest.raises(NotImplementedError, match='EMAHook under FSDP1'):
         WrapperLifecycleHook().after_load_checkpoint(runner(Runner, [EMAHook()]), {})
 
