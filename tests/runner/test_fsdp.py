@@ -311,14 +311,15 @@ def _lean_cases(rank, world):
     return out
 
 
-def _ema_case(rank, world):
+def _ema_case(rank, world, shard=None):
     """mmengine's ExponentialMovingAverage of a sharded model (Note [EMA of a sharded model])
-    against the same average of the unsharded model in this process."""
+    against the same average of the unsharded model in this process (``shard``: how the model is
+    sharded; FSDP2 over all ranks by default)."""
     from mmengine.model import ExponentialMovingAverage
 
     from mp_wrappers.distributed.sharded_ema import ShardedShadow, install_sharded_deepcopy
     model, ref = _model(), _model()
-    _shard(model, param_dtype=None)
+    (shard or (lambda m: _shard(m, param_dtype=None)))(model)
     install_sharded_deepcopy(model)
     ema, ref_ema = (ExponentialMovingAverage(m, momentum=0.1) for m in (model, ref))
     for step in range(3):  # the weights move (as the optimizer moves them), the EMA follows
@@ -545,6 +546,11 @@ def test_lean_master_modes_on_shards_match_single_process(ranks, mode):
 @requires('fsdp2')
 @requires('fsdp2_cpu')
 def test_ema_of_sharded_model_is_sharded_and_matches_single_process(ranks):
+    check_ema(ranks)
+
+
+def check_ema(ranks):
+    """What :func:`_ema_case` returned on every rank."""
     for r in ranks:
         got = r['ema']
         assert got['shadow'] and got['types'] == ['DTensor']  # sharded like the model's

@@ -8,6 +8,8 @@ the same global batch (computed in each worker), as in tests/runner/test_fsdp.py
   (squared shard norms summed over the shard group only: over all 4 ranks each element would count
   twice, a norm sqrt(2) too large); a planted inf on one rank skips the step on all four; a sharded
   checkpoint (DCP) resumes bitwise.
+* mmengine's EMA of the HSDP model (Note [EMA of a sharded model]): sharded like it, equal to one
+  process's bit for bit.
 * A 2-D mesh laid out otherwise (``(Shard(0), Shard(0))``) is refused, naming HSDP's layout.
 * FSDP1 ``ShardingStrategy.HYBRID_SHARD`` on the same 2-D mesh: FP16OptimWrapper over FSDP's fp32
   shards (bf16 compute) with FusedSGD and clipping, against one process.
@@ -19,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import torchrun
-from test_fsdp import _batches, _close, _free_port, _full, _model, _run
+from test_fsdp import _batches, _close, _ema_case, _free_port, _full, _model, _run, check_ema
 
 WORLD = 4
 
@@ -126,7 +128,7 @@ def _worker(rank, port, out_dir):
     try:
         mesh = _mesh()
         result = dict(fsdp2=_fsdp2_cases(rank, mesh, out_dir), fsdp1=_fsdp1_hybrid(rank, mesh),
-                      refused=_refused(mesh))
+                      refused=_refused(mesh), ema=_ema_case(rank, WORLD, lambda m: _hsdp(m, mesh)))
         torch.save(result, os.path.join(out_dir, f'rank{rank}.pt'))
     finally:
         dist.destroy_process_group()
@@ -190,3 +192,7 @@ def test_fsdp1_hybrid_shard_matches_single_process(ranks):
 def test_other_2d_layouts_are_refused_with_the_supported_one(ranks):
     for r in ranks:
         assert r['refused'] is not None and '(Replicate(), Shard(dim))' in r['refused']
+
+
+def test_ema_of_hsdp_model_matches_single_process(ranks):
+    check_ema(ranks)
