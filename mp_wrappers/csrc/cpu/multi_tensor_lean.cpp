@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "mp_wrappers/cpu_features.h"
-#include "mp_wrappers/cpu_lean.h"
+#include "mp_wrappers/cpu_lean_param.h"
 #include "mp_wrappers/cpu_multi_tensor.h"
 #include "mp_wrappers/cpu_optim.h"
 #include "mp_wrappers/cpu_vec.h"
@@ -29,47 +29,6 @@ namespace cpu {
 namespace {
 
 using Storage = LeanStorage;
-
-// The bf16 params, their aux state and the element offset of a span, with the two storage steps
-// every update shares: read the fp32 value, and write `p32 - step` back.
-template <class V, Storage S>
-struct LeanParam {
-  using F = typename V::F;
-  c10::BFloat16* p;
-  void* aux;           // uint16 low halves ('split'), bf16 compensation ('kahan'), unused otherwise
-  uint32_t index;      // element index of p[0] in its tensor (the stochastic hash input)
-  uint32_t key;        // per-tensor key of the stochastic hash
-
-  inline uint16_t* lo() const { return static_cast<uint16_t*>(aux); }
-  inline c10::BFloat16* comp() const { return static_cast<c10::BFloat16*>(aux); }
-
-  inline F load(int64_t i, int64_t k) const {
-    if constexpr (S == Storage::kSplit) return lean::join_n<V>(p + i, lo() + i, k);
-    return load_n<V>(p + i, k);
-  }
-
-  // Stores p32 - step (step = lr * direction). Subtraction, not addition of a negated step, keeps
-  // the signed zeros of the fp32-master kernels.
-  inline void store(int64_t i, int64_t k, F p32, F step) const {
-    if constexpr (S == Storage::kKahan) {
-      const F c = V::sub(load_n<V>(comp() + i, k), step);
-      store_n<V>(p + i, V::add(p32, c), k);  // rounded to nearest
-      const F rounded = load_n<V>(p + i, k);
-      store_n<V>(comp() + i, V::sub(c, V::sub(rounded, p32)), k);
-    } else if constexpr (S == Storage::kSplit) {
-      lean::store_split_n<V>(p + i, lo() + i, V::sub(p32, step), k);
-    } else {
-      const auto rnd = lean::Bits<V>::random(index + static_cast<uint32_t>(i), key);
-      lean::store_stochastic_n<V>(p + i, V::sub(p32, step), rnd, k);
-    }
-  }
-
-  inline void prefetch(int64_t i) const {
-    optim::prefetch_write(p + i);
-    if constexpr (S == Storage::kSplit) optim::prefetch_write(lo() + i);
-    if constexpr (S == Storage::kKahan) optim::prefetch_write(comp() + i);
-  }
-};
 
 // ---- Adam ---------------------------------------------------------------------------------------
 
@@ -103,32 +62,6 @@ inline void adam_lean_span(const LeanParam<V, S>& lp, const G* g, M* m, M* v, in
     store_n<V>(m + i, m_new, k);
     store_n<V>(v + i, v_new, k);
     lp.store(i, k, p32, V::mul(lr, update));
-  }
-}
-
-// The per-chunk arguments both optimizers share.
-struct LeanChunkArgs {
-  Storage storage;
-  const RawTensor* p;
-  const RawTensor* aux;  // nullptr for 'stochastic'
-  const RawTensor* g;
-  uint32_t key;
-};
-
-// Calls fn(LeanParam<V, S>) with the chunk's storage mode resolved at compile time.
-template <class V, class Fn>
-inline void with_lean_param(const LeanChunkArgs& a, const TensorChunk& ch, const Fn& fn) {
-  auto* p = static_cast<c10::BFloat16*>(a.p->data) + ch.begin;
-  const auto index = static_cast<uint32_t>(ch.begin);
-  switch (a.storage) {
-    case Storage::kSplit:
-      return fn(LeanParam<V, Storage::kSplit>{
-          p, static_cast<uint16_t*>(a.aux->data) + ch.begin, index, a.key});
-    case Storage::kKahan:
-      return fn(LeanParam<V, Storage::kKahan>{
-          p, static_cast<c10::BFloat16*>(a.aux->data) + ch.begin, index, a.key});
-    default:
-      return fn(LeanParam<V, Storage::kStochastic>{p, nullptr, index, a.key});
   }
 }
 
@@ -209,15 +142,6 @@ struct SgdLeanChunk {
 };
 
 // ---- argument checks and the host side ----------------------------------------------------------
-
-// params are bf16; aux is uint16 ('split'), bf16 ('kahan') or empty ('stochastic'), parallel to
-// params, contiguous and on their device; state lists hold float32 or bfloat16, one dtype for all.
-std::vector<uint32_t> tensor_keys(Storage storage, int64_t seed, float count, size_t n) {
-  std::vector<uint32_t> keys(n, 0u);
-  if (storage == Storage::kStochastic)
-    for (size_t t = 0; t < n; ++t) keys[t] = lean::tensor_key(seed, count, static_cast<int64_t>(t));
-  return keys;
-}
 
 void multi_tensor_adam_lean_cpu(at::TensorList params, at::TensorList aux, at::TensorList grads,
                                 at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
