@@ -123,3 +123,15 @@ def _multi_tensor_adam8bit_fake(params: List[Tensor], grads: List[Tensor], exp_a
                                 grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
     check_tensor_lists('multi_tensor_adam8bit_', ('params', 'grads', 'model_params'),
                        (params, grads, model_params), allow_empty=('model_params',))
+
+
+@torch.library.register_fake('mp_wrappers::multi_tensor_adam8bit_lean_')
+def _multi_tensor_adam8bit_lean_fake(params: List[Tensor], aux: List[Tensor], grads: List[Tensor],
+                                     exp_avgs: List[Tensor], exp_avg_absmaxes: List[Tensor],
+                                     exp_avg_sqs: List[Tensor], exp_avg_sq_absmaxes: List[Tensor],
+                                     step: Tensor, lr: float, beta1: float, beta2: float,
+                                     eps: float, weight_decay: float, adam_w_mode: bool,
+                                     bias_correction: bool, storage: str, seed: int,
+                                     grad_scale: Optional[Tensor],
+                                     found_inf: Optional[Tensor]) -> None:
+    check_tensor_lists('multi_tensor_adam8bit_lean_', ('params', 'grads'), (params, grads))

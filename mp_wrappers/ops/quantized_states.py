@@ -19,22 +19,34 @@ from torch import Tensor
 from ._checks import (_check_betas, _check_lists, _check_lr, _check_nonnegative, _check_scalar,
                       _check_step)
 from ._dispatch import _op_has_kernel, run
+from .lean import _check_lean, _check_seed
 from .reference.quant import BLOCK_SIZE, num_blocks
 
-__all__ = ['multi_tensor_adam8bit', 'BLOCK_SIZE', 'num_blocks', 'check_quantized_device',
+__all__ = ['multi_tensor_adam8bit', 'multi_tensor_adam8bit_lean', 'BLOCK_SIZE', 'num_blocks', 'check_quantized_device',
            'has_quantized_kernel']
 
 
-def has_quantized_kernel(device_type: str) -> bool:
+def has_quantized_kernel(device_type: str, lean: bool = False) -> bool:
     """Whether 8-bit optimizer states run on ``device_type``: always on the CPU (the kernel, or the
-    reference without the extension); on CUDA when the loaded build has the CUDA kernel."""
+    reference without the extension); on CUDA when the loaded build has the CUDA kernel (of
+    ``multi_tensor_adam8bit_lean_`` when ``lean``: bf16 params with lean storage)."""
     if device_type == 'cpu':
         return True
-    return device_type == 'cuda' and _op_has_kernel('multi_tensor_adam8bit_', 'cuda')
+    op = 'multi_tensor_adam8bit_lean_' if lean else 'multi_tensor_adam8bit_'
+    return device_type == 'cuda' and _op_has_kernel(op, 'cuda')
 
 
-def check_quantized_device(owner: str, device: torch.device) -> None:
-    """Refuse a device without 8-bit state kernels (:func:`has_quantized_kernel`)."""
+def check_quantized_device(owner: str, device: torch.device,
+                           bf16_storage: Optional[str] = None) -> None:
+    """Refuse a device without 8-bit state kernels (:func:`has_quantized_kernel`); with a
+    ``bf16_storage`` (lean bf16 params), a device without the lean 8-bit kernel."""
+    if bf16_storage is not None and not has_quantized_kernel(device.type, lean=True):
+        raise NotImplementedError(
+            f"{owner}: 8-bit optimizer states (state_dtype='int8') with bf16_storage="
+            f"{bf16_storage!r} (a wrapper's master_weights={bf16_storage!r}) run on CPU tensors "
+            f'only; got tensors on {device}. Allowed on {device.type}: state_dtype=\'int8\' with '
+            "fp32 masters (master_weights=True / opt_level='O2', bf16_storage=None), or "
+            f"state_dtype='float32' with bf16_storage={bf16_storage!r}")
     if has_quantized_kernel(device.type):
         return
     why = ('this mp_wrappers build has no CUDA kernels (rebuild it with MP_WRAPPERS_CUDA=1 '
@@ -112,3 +124,49 @@ def multi_tensor_adam8bit(params: Sequence[Tensor], grads: Sequence[Tensor],
         run('multi_tensor_adam8bit_', device, params, grads, *lists, model_params, step,
              float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
              bool(adam_w_mode), bool(bias_correction), grad_scale, found_inf)
+
+
+def multi_tensor_adam8bit_lean(params: Sequence[Tensor], aux: Sequence[Tensor],
+                               grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+                               exp_avg_absmaxes: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor],
+                               exp_avg_sq_absmaxes: Sequence[Tensor], step: Tensor, lr: float,
+                               beta1: float, beta2: float, eps: float, weight_decay: float,
+                               adam_w_mode: bool, bias_correction: bool, storage: str,
+                               seed: int = 0, grad_scale: Optional[Tensor] = None,
+                               found_inf: Optional[Tensor] = None) -> None:
+    """:func:`multi_tensor_adam8bit` on bfloat16 ``params`` stored the ``storage`` way, in one pass
+    (no fp32 master: ``aux``, ``storage`` and ``seed`` as in
+    :func:`~mp_wrappers.ops.multi_tensor_adam_lean`). CPU tensors only.
+
+    Examples:
+        >>> comps = [torch.zeros_like(p) for p in params]          # 'kahan': bf16 compensation
+        >>> multi_tensor_adam8bit_lean(params, comps, grads, codes, absmax, codes_sq, absmax_sq,
+        ...                            torch.zeros(1), 1e-3, 0.9, 0.999, 1e-8, 0.01, True, True,
+        ...                            'kahan')
+    """
+    op = 'multi_tensor_adam8bit_lean'
+    params, aux, grads = list(params), list(aux), list(grads)
+    device = _check_lean(op, storage, params, aux, grads, [])
+    check_quantized_device(op, device, storage)
+    lists = []
+    for tensors, name, dtype, numel in ((exp_avgs, 'exp_avgs', torch.uint8, int),
+                                        (exp_avg_absmaxes, 'exp_avg_absmaxes', torch.float32,
+                                         num_blocks),
+                                        (exp_avg_sqs, 'exp_avg_sqs', torch.uint8, int),
+                                        (exp_avg_sq_absmaxes, 'exp_avg_sq_absmaxes', torch.float32,
+                                         num_blocks)):
+        tensors = list(tensors)
+        _check_state(op, name, tensors, params, dtype, numel, device)
+        lists.append(tensors)
+    _check_lr(op, lr)
+    _check_betas(op, (beta1, beta2))
+    _check_nonnegative(op, 'eps', eps)
+    _check_nonnegative(op, 'weight_decay', weight_decay)
+    _check_seed(op, seed)
+    _check_step(op, step, device)
+    _check_scalar(op, 'grad_scale', grad_scale, device)
+    _check_scalar(op, 'found_inf', found_inf, device)
+    if params:
+        run('multi_tensor_adam8bit_lean_', device, params, aux, grads, *lists, step, float(lr),
+            float(beta1), float(beta2), float(eps), float(weight_decay), bool(adam_w_mode),
+            bool(bias_correction), storage, int(seed), grad_scale, found_inf)

@@ -10,13 +10,16 @@ of ``multi_tensor_adam8bit_`` against its reference.
   subnormals, zero and negative-zero blocks, a subnormal absmax whose encode factor overflows).
 * A found_inf step leaves codes, absmax, params, model copies and step bit-identical.
 * AVX-512, AVX2 and baseline, one thread and two, give the same bits.
+* The same for ``multi_tensor_adam8bit_lean_`` (bf16 params stored 'split', 'kahan' or
+  'stochastic'), whose reference is the 8-bit moments plus the lean master update.
 """
 import pytest
 import torch
 
 from _guards import checked, flat, guarded
-from mp_wrappers.ops import backend, multi_tensor_adam8bit, reference
+from mp_wrappers.ops import backend, multi_tensor_adam8bit, multi_tensor_adam8bit_lean, reference
 from mp_wrappers.ops._dispatch import _op_has_kernel
+from mp_wrappers.ops.reference.lean import bf16_join, bf16_split
 from mp_wrappers.ops.reference.quant import (BLOCK_SIZE, EXP_AVG_CODE, EXP_AVG_SQ_CODE,
                                              code_table, dequantize_blockwise, num_blocks,
                                              quantize_blockwise)
@@ -335,3 +338,197 @@ def test_kernel_checks_direct_calls():
     kw = _args(exp_avg_absmaxes=[torch.zeros(5)])
     with pytest.raises(RuntimeError, match=r'exp_avg_absmaxes\[0\] must be a contiguous float32'):
         torch.ops.mp_wrappers.multi_tensor_adam8bit_(*kw.values(), None, None)
+
+
+# ---- lean bf16 params: multi_tensor_adam8bit_lean_ -------------------------------------------------
+# The 8-bit moments of multi_tensor_adam8bit_ with the master step of the lean storages (Note [lean
+# bf16 storage]): bf16 params with uint16 low halves ('split'), a bf16 compensation ('kahan') or
+# stochastic rounding; the kernel against the reference (8-bit reference moments + lean reference
+# master update), bit for bit, in every flavour and thread count.
+
+LEAN_STORAGES = ['split', 'kahan', 'stochastic']
+
+
+class LeanCase(Case):
+    """A Case whose params are bf16 stored the ``storage`` way (no model copies)."""
+
+    def __init__(self, storage, sizes=SIZES, seed=0, grad_dtype=torch.bfloat16, scale=None,
+                 edge=False):
+        base = EdgeCase('fp32', seed=seed) if edge else Case('fp32', sizes=sizes, seed=seed)
+        base.gdt, base.scale = grad_dtype, None if scale is None else torch.full((1,), scale)
+        self.__dict__.update(base.__dict__)
+        self._base, self.storage = base, storage  # grads from base (the same generator)
+        masters = [p.clone() for p in self.params]
+        if storage == 'split':
+            halves = [bf16_split(m) for m in masters]
+            self.params, self.aux = [guarded(h) for h, _ in halves], [guarded(lo) for _, lo in halves]
+        else:
+            self.params = [guarded(m.bfloat16()) for m in masters]
+            self.aux = ([guarded((m - p.float()).bfloat16()) for m, p in zip(masters, self.params)]
+                        if storage == 'kahan' else [])
+
+    def grads(self):
+        return self._base.grads()
+
+    def tensors(self):
+        return self.params + self.aux + self.mc + self.ma + self.vc + self.va + [self.step]
+
+    def clone(self, as_flat=False, shift=0):
+        c = Case.clone(self, as_flat, shift)
+        c.__class__ = LeanCase
+        c.aux = (flat(self.aux, shift) if as_flat else [guarded(t) for t in self.aux]) \
+            if self.aux else []
+        return c
+
+    def run(self, fn, grads, hp, found_inf=None):
+        fn(self.params, self.aux, grads, self.mc, self.ma, self.vc, self.va, self.step, **hp,
+           storage=self.storage, seed=11, grad_scale=self.scale, found_inf=found_inf)
+
+
+def _lean_kernel():
+    return checked(torch.ops.mp_wrappers).multi_tensor_adam8bit_lean_
+
+
+LEAN_SETUPS = {'bf16-grads': (torch.bfloat16, None), 'fp32-grads-scaled': (torch.float32, 1024.0),
+               'bf16-grads-odd-scale': (torch.bfloat16, 3.0)}
+
+
+@needs_kernel
+@pytest.mark.parametrize('edge', [False, True], ids=['random', 'edge-blocks'])
+@pytest.mark.parametrize('hp', [ADAM, ADAM_L2], ids=['adamw', 'l2'])
+@pytest.mark.parametrize('setup', list(LEAN_SETUPS))
+@pytest.mark.parametrize('storage', LEAN_STORAGES)
+def test_lean_kernel_matches_reference_bitwise(storage, setup, hp, edge):
+    gdt, scale = LEAN_SETUPS[setup]
+    k = LeanCase(storage, grad_dtype=gdt, scale=scale, edge=edge)
+    r = k.clone()
+    for step in range(3):
+        grads = k.grads()
+        k.run(_lean_kernel(), grads, hp)
+        r.run(reference.multi_tensor_adam8bit_lean_, grads, hp)
+        _assert_equal(k.tensors(), r.tensors(), f'{storage} {setup} step {step}')
+    assert k.step.item() == 5.0
+
+
+@pytest.mark.parametrize('storage', LEAN_STORAGES)
+def test_lean_reference_is_8bit_moments_plus_lean_master_update(storage):
+    """The reference composes the two references: its codes are multi_tensor_adam8bit_'s on the
+    fp32 value the storage holds, and 'split' writes that op's fp32 result exactly."""
+    c = LeanCase(storage, sizes=[4096 + 7])
+    master = [bf16_join(p, a) if storage == 'split' else p.float()
+              for p, a in zip(c.params, c.aux or [None] * len(c.params))]
+    plain = Case.clone(c)
+    plain.__class__ = Case
+    plain.params, plain.model = [guarded(m) for m in master], []
+    grads = c.grads()
+    c.run(reference.multi_tensor_adam8bit_lean_, grads, ADAM)
+    plain.run(reference.multi_tensor_adam8bit_, grads, ADAM)
+    _assert_equal(c.mc + c.ma + c.vc + c.va + [c.step],
+                  plain.mc + plain.ma + plain.vc + plain.va + [plain.step])
+    if storage == 'split':
+        _assert_equal([bf16_join(p, a) for p, a in zip(c.params, c.aux)], plain.params)
+
+
+@pytest.mark.parametrize('use_kernel', [pytest.param(True, marks=needs_kernel), False],
+                         ids=['kernel', 'reference'])
+@pytest.mark.parametrize('storage', LEAN_STORAGES)
+def test_lean_found_inf_leaves_everything_bit_identical(storage, use_kernel):
+    c = LeanCase(storage, scale=1024.0)
+    before = [t.clone() for t in c.tensors()]
+    fn = _lean_kernel() if use_kernel else reference.multi_tensor_adam8bit_lean_
+    c.run(fn, c.grads(), ADAM, found_inf=torch.ones(1))
+    _assert_equal(c.tensors(), before)
+
+
+@needs_kernel
+@pytest.mark.parametrize('storage', LEAN_STORAGES)
+def test_lean_flat_buffers_match_separate_tensors(storage):
+    a = LeanCase(storage)
+    b = a.clone(as_flat=True, shift=1)
+    grads = a.grads()
+    a.run(_lean_kernel(), grads, ADAM)
+    b.run(_lean_kernel(), grads, ADAM)
+    _assert_equal(a.tensors(), b.tensors())
+
+
+def _lean_isa_run(isa, threads):
+    from mp_wrappers.ops._extension import extension
+    ext = extension()
+    previous, before = ext._set_cpu_isa(isa), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = {}
+        for storage in LEAN_STORAGES:
+            for edge in (False, True):
+                c = LeanCase(storage, sizes=[65537 * 2 + 33, 4096 + 7], seed=5, scale=3.0,
+                             edge=edge)
+                for _ in range(2):
+                    c.run(torch.ops.mp_wrappers.multi_tensor_adam8bit_lean_, c.grads(), ADAM)
+                out[f'{storage}-{edge}'] = [t.clone() for t in c.tensors()]
+        return out
+    finally:
+        ext._set_cpu_isa(previous)
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+@pytest.mark.skipif(backend()['cpu'] not in ('cpp-avx512', 'cpp-avx2'),
+                    reason='needs a CPU with at least AVX2 (two flavours to compare)')
+def test_lean_isa_flavours_and_thread_counts_agree():
+    from mp_wrappers.ops._extension import extension
+    isas = ('avx512', 'avx2', 'baseline')
+    isas = isas[isas.index(extension().cpu_isa_hardware()):]
+    want = _lean_isa_run(isas[0], 2)
+    for isa in isas:
+        got = _lean_isa_run(isa, 1)
+        for case in want:
+            _assert_equal(got[case], want[case], f'{isa} {case}')
+
+
+def _lean_args(storage='kahan', **change):
+    c = LeanCase(storage, sizes=[300])
+    kw = dict(params=c.params, aux=c.aux, grads=c.grads(), exp_avgs=c.mc, exp_avg_absmaxes=c.ma,
+              exp_avg_sqs=c.vc, exp_avg_sq_absmaxes=c.va, step=c.step, **ADAM, storage=storage)
+    kw.update(change)
+    return kw
+
+
+@pytest.mark.parametrize('change,err,match', [
+    (dict(storage='fp8'), ValueError, r"storage='fp8' is not allowed; expected one of"),
+    (dict(aux=[]), ValueError, r"aux has 0 tensors but params has 1; storage='kahan' needs"),
+    (dict(exp_avgs=[torch.zeros(300)]), ValueError, r'exp_avgs\[0\] must be a contiguous '
+                                                    r'torch.uint8 tensor'),
+    (dict(exp_avg_sq_absmaxes=[torch.zeros(1)]), ValueError, r'exp_avg_sq_absmaxes\[0\].*2 '
+                                                             'elements'),
+    (dict(seed=1.5), TypeError, 'seed must be an int'),
+])
+def test_lean_errors_name_the_argument(change, err, match):
+    with pytest.raises(err, match=match):
+        multi_tensor_adam8bit_lean(**_lean_args(**change))
+
+
+def test_lean_params_must_be_bf16_and_on_the_cpu():
+    kw = _lean_args()
+    kw['params'] = [p.float() for p in kw['params']]
+    with pytest.raises(TypeError, match=r"params\[0\] has dtype torch.float32; storage='kahan' "
+                                        'holds bfloat16 params'):
+        multi_tensor_adam8bit_lean(**kw)
+    meta = {k: ([t.to('meta') for t in v] if isinstance(v, list) else
+                v.to('meta') if isinstance(v, torch.Tensor) else v)
+            for k, v in _lean_args().items()}
+    with pytest.raises(NotImplementedError, match=r"bf16_storage='kahan'.*run on CPU tensors only; "
+                                                  r"got tensors on meta"):
+        multi_tensor_adam8bit_lean(**meta)
+
+
+@needs_kernel
+def test_lean_kernel_checks_direct_calls():
+    kw = _lean_args(seed=0, grad_scale=None, found_inf=None)
+    kw['exp_avg_absmaxes'] = [torch.zeros(5)]
+    with pytest.raises(RuntimeError, match=r'multi_tensor_adam8bit_lean_: exp_avg_absmaxes\[0\] '
+                                           'must be a contiguous float32 tensor'):
+        torch.ops.mp_wrappers.multi_tensor_adam8bit_lean_(**kw)
+    kw = _lean_args(seed=0, grad_scale=None, found_inf=None)
+    kw['storage'] = 'fp8'
+    with pytest.raises(RuntimeError, match="storage='fp8' is not allowed"):
+        torch.ops.mp_wrappers.multi_tensor_adam8bit_lean_(**kw)

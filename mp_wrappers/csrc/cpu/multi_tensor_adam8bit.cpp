@@ -35,6 +35,7 @@
 
 #include "mp_wrappers/checks.h"
 #include "mp_wrappers/cpu_features.h"
+#include "mp_wrappers/cpu_lean_param.h"
 #include "mp_wrappers/cpu_multi_tensor.h"
 #include "mp_wrappers/cpu_optim.h"
 #include "mp_wrappers/cpu_vec.h"
@@ -373,11 +374,52 @@ struct alignas(64) BlockBuffer {
   float v[kBlock];
 };
 
-// One block of n <= kBlock elements; `p`, `g`, `out`, the codes and the absmax pointers are at
+// The param of the fp32-master update: fp32 (or half) params and the optional half model copy.
+template <class V, class P, class O>
+struct MasterParam {
+  using F = typename V::F;
+  P* p;
+  O* out;
+  inline MasterParam at(int64_t i) const { return {p + i, optim::at_offset(out, i)}; }
+  inline F load(int64_t i, int64_t k) const { return load_n<V>(p + i, k); }
+  inline void store(int64_t i, int64_t k, F p32, F step) const {
+    const F p_new = V::sub(p32, step);
+    store_n<V>(p + i, p_new, k);
+    optim::store_out<V>(optim::at_offset(out, i), p_new, k);
+  }
+  inline void prefetch_lines(int64_t i) const {
+    optim::prefetch_write_line<V>(p, i);
+    optim::prefetch_write_line<V>(out, i);
+  }
+  inline void prefetch_every_line(int64_t i) const {
+    cpu::prefetch_every_line(p, i, 1);
+    cpu::prefetch_every_line(out, i, 1);
+  }
+};
+
+// A lean bf16 param (cpu_lean_param.h): the master step composed as the lean kernels compose it.
+template <class V, LeanStorage S>
+struct LeanMasterParam {
+  using F = typename V::F;
+  LeanParam<V, S> lp;
+  inline LeanMasterParam at(int64_t i) const { return {lp.at(i)}; }
+  inline F load(int64_t i, int64_t k) const { return lp.load(i, k); }
+  inline void store(int64_t i, int64_t k, F p32, F step) const { lp.store(i, k, p32, step); }
+  inline void prefetch_lines(int64_t i) const {
+    optim::prefetch_write_line<V>(lp.p, i);
+    if constexpr (S != LeanStorage::kStochastic) optim::prefetch_write_line<V>(lp.lo(), i);
+  }
+  inline void prefetch_every_line(int64_t i) const {
+    cpu::prefetch_every_line(lp.p, i, 1);
+    if constexpr (S != LeanStorage::kStochastic) cpu::prefetch_every_line(lp.lo(), i, 1);
+  }
+};
+
+// One block of n <= kBlock elements; the param `pm`, `g`, the codes and the absmax pointers are at
 // the block's start.
-template <class V, class P, class G, class O>
-inline void adam8bit_block(P* p, const G* g, uint8_t* mc, float* ma, uint8_t* vc, float* va,
-                           O* out, int64_t n, const Adam8bitConsts& c, BlockBuffer& buf) {
+template <class V, class PM, class G>
+inline void adam8bit_block(const PM& pm, const G* g, uint8_t* mc, float* ma, uint8_t* vc,
+                           float* va, int64_t n, const Adam8bitConsts& c, BlockBuffer& buf) {
   using F = typename V::F;
   using Q = Quant<V>;
   const F lr = V::set1(c.lr), b1 = V::set1(c.beta1), b2 = V::set1(c.beta2);
@@ -397,19 +439,17 @@ inline void adam8bit_block(P* p, const G* g, uint8_t* mc, float* ma, uint8_t* vc
       const int64_t k = kNormal ? V::kWidth : n - i;  // < kWidth only in a tail: loads pad with 0
       // The streams of the next blocks (cpu_optim.h: explicit prefetch helped the fp32 update too).
       if constexpr (!kNormal) {
-        optim::prefetch_write_line<V>(p, i);
+        pm.prefetch_lines(i);
         optim::prefetch_read_line<V>(g, i);
         optim::prefetch_write_line<V>(mc, i);
         optim::prefetch_write_line<V>(vc, i);
-        optim::prefetch_write_line<V>(out, i);
       } else if constexpr (kPrefetchWholeBlocks<V>) {
-        prefetch_every_line(p, i, 1);
+        pm.prefetch_every_line(i);
         prefetch_every_line(g, i, 0);
         prefetch_every_line(mc, i, 1);
         prefetch_every_line(vc, i, 1);
-        prefetch_every_line(out, i, 1);
       }
-      const F p32 = load_n<V>(p + i, k);
+      const F p32 = pm.load(i, k);
       F g32 = load_n<V>(g + i, k);
       if (scaled) g32 = c.unscale.template apply<V>(g32, us);
       if (c.l2) g32 = V::add(g32, V::mul(wd, p32));
@@ -425,9 +465,7 @@ inline void adam8bit_block(P* p, const G* g, uint8_t* mc, float* ma, uint8_t* vc
       const F v_new = V::add(V::mul(b2, v_old), V::mul(V::mul(omb2, g32), g32));
       F step = V::div(V::mul(m_new, rbc1), V::add(V::mul(V::sqrt(v_new), rsbc2), eps));
       if (c.decoupled) step = V::add(step, V::mul(wd, p32));
-      const F p_new = V::sub(p32, V::mul(lr, step));
-      store_n<V>(p + i, p_new, k);
-      optim::store_out<V>(optim::at_offset(out, i), p_new, k);
+      pm.store(i, k, p32, V::mul(lr, step));
       // Padded lanes hold 0 (zero grad, param and codes), so they never raise the absmax.
       V::store(buf.m + i, m_new);
       V::store(buf.v + i, v_new);
@@ -457,15 +495,32 @@ inline void adam8bit_block(P* p, const G* g, uint8_t* mc, float* ma, uint8_t* vc
   *va = v_abs;
 }
 
-struct Adam8bitArgs {
-  const RawTensor& p;
-  const RawTensor& g;
+// The 8-bit state of one tensor.
+struct Codes8bit {
   uint8_t* mc;
   float* ma;
   uint8_t* vc;
   float* va;
+};
+
+struct Adam8bitArgs {
+  const RawTensor& p;
+  const RawTensor& g;
+  Codes8bit q;
   const RawTensor* out;
 };
+
+// The chunk's blocks, `pm` at the chunk's first element and `g` at the tensor's.
+template <class V, class PM, class G>
+inline void adam8bit_chunk(const PM& pm, const G* g, const Codes8bit& q, const TensorChunk& ch,
+                           const Adam8bitConsts& c) {
+  BlockBuffer buf;
+  for (int64_t b = ch.begin; b < ch.end; b += kBlock) {
+    const int64_t blk = b / kBlock;
+    adam8bit_block<V>(pm.at(b - ch.begin), g + b, q.mc + b, q.ma + blk, q.vc + b, q.va + blk,
+                      std::min(kBlock, ch.end - b), c, buf);
+  }
+}
 
 // One chunk with the storage types fixed. The types are resolved before the flavour's flattened
 // entry point (below), not inside it: with all 3 x 3 x 4 type combinations inlined into one
@@ -474,14 +529,33 @@ struct Adam8bitChunk {
   template <class V, class P, class G, class O>
   static void run(P* p, const G* g, const Adam8bitArgs& a, O* out, const TensorChunk& ch,
                   const Adam8bitConsts& c) {
-    BlockBuffer buf;
-    for (int64_t b = ch.begin; b < ch.end; b += kBlock) {
-      const int64_t blk = b / kBlock;
-      adam8bit_block<V>(p + b, g + b, a.mc + b, a.ma + blk, a.vc + b, a.va + blk,
-                        optim::at_offset(out, b), std::min(kBlock, ch.end - b), c, buf);
-    }
+    adam8bit_chunk<V>(MasterParam<V, P, O>{p + ch.begin, optim::at_offset(out, ch.begin)}, g,
+                      a.q, ch, c);
   }
 };
+
+// This step's constants: reference/quant.py _reciprocal_bias_corrections (float64, rounded once).
+Adam8bitConsts adam8bit_consts(const AdamHyper& hyper, const UpdateScalars& scalars, float count,
+                               double beta1, double beta2, bool bias_correction) {
+  Adam8bitConsts c;
+  static_cast<AdamHyper&>(c) = hyper;
+  c.lr = scalars.lr;
+  c.rbc1 = 1.f;
+  c.rsbc2 = 1.f;
+  if (bias_correction) {
+    const double n = static_cast<double>(count);
+    c.rbc1 = static_cast<float>(1.0 / (1.0 - std::pow(beta1, n)));
+    c.rsbc2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2, n)));
+  }
+  c.unscale = optim::Unscale::from(scalars.grad_scale);
+  return c;
+}
+
+Codes8bit codes_at(at::TensorList exp_avgs, at::TensorList exp_avg_absmaxes,
+                   at::TensorList exp_avg_sqs, at::TensorList exp_avg_sq_absmaxes, size_t t) {
+  return {exp_avgs[t].data_ptr<uint8_t>(), exp_avg_absmaxes[t].data_ptr<float>(),
+          exp_avg_sqs[t].data_ptr<uint8_t>(), exp_avg_sq_absmaxes[t].data_ptr<float>()};
+}
 
 void multi_tensor_adam8bit_cpu(at::TensorList params, at::TensorList grads,
                                at::TensorList exp_avgs, at::TensorList exp_avg_absmaxes,
@@ -499,27 +573,15 @@ void multi_tensor_adam8bit_cpu(at::TensorList params, at::TensorList grads,
   if (optim::should_skip(set_up.scalars.found_inf)) return;
 
   const float count = optim::read_count(step);
-  Adam8bitConsts c;
-  static_cast<AdamHyper&>(c) = set_up.hyper;
-  c.lr = set_up.scalars.lr;
-  // reference/quant.py _reciprocal_bias_corrections: float64, rounded once.
-  c.rbc1 = 1.f;
-  c.rsbc2 = 1.f;
-  if (bias_correction) {
-    const double n = static_cast<double>(count);
-    c.rbc1 = static_cast<float>(1.0 / (1.0 - std::pow(beta1, n)));
-    c.rsbc2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2, n)));
-  }
-  c.unscale = optim::Unscale::from(set_up.scalars.grad_scale);
-
+  const Adam8bitConsts c =
+      adam8bit_consts(set_up.hyper, set_up.scalars, count, beta1, beta2, bias_correction);
   const std::vector<RawTensor> ps = raw_tensors(params), gs = raw_tensors(grads),
                                os = raw_tensors(model_params);
   std::vector<Adam8bitArgs> args;
   args.reserve(params.size());
   for (size_t t = 0; t < params.size(); ++t) {
-    args.push_back({ps[t], gs[t], exp_avgs[t].data_ptr<uint8_t>(),
-                    exp_avg_absmaxes[t].data_ptr<float>(), exp_avg_sqs[t].data_ptr<uint8_t>(),
-                    exp_avg_sq_absmaxes[t].data_ptr<float>(),
+    args.push_back({ps[t], gs[t], codes_at(exp_avgs, exp_avg_absmaxes, exp_avg_sqs,
+                                           exp_avg_sq_absmaxes, t),
                     optim::raw_at(os, static_cast<int64_t>(t))});
   }
   const ChunkPlan plan(params);
@@ -537,10 +599,82 @@ void multi_tensor_adam8bit_cpu(at::TensorList params, at::TensorList grads,
   optim::commit_count(step, count);
 }
 
+// ---- lean bf16 params (Note [lean bf16 storage] in reference/lean.py) ----------------------------
+// The 8-bit update of bf16 params stored 'split', 'kahan' or 'stochastic': the same blocks, with
+// the param read and written as the lean kernels do (reference/quant.py multi_tensor_adam8bit_lean_).
+
+template <LeanStorage S>
+struct Adam8bitLeanChunk {
+  template <class V, class G>
+  static void run(const G* g, const LeanChunkArgs& a, const Codes8bit& q, const TensorChunk& ch,
+                  const Adam8bitConsts& c) {
+    adam8bit_chunk<V>(LeanMasterParam<V, S>{lean_param<V, S>(a, ch)}, g, q, ch, c);
+  }
+};
+
+// bf16 params, aux as the storage needs it, the 8-bit state lists as multi_tensor_adam8bit_'s.
+LeanArgs<AdamHyper> adam8bit_lean_args(
+    at::TensorList params, at::TensorList aux, at::TensorList grads, at::TensorList exp_avgs,
+    at::TensorList exp_avg_absmaxes, at::TensorList exp_avg_sqs,
+    at::TensorList exp_avg_sq_absmaxes, const at::Tensor& step, double lr, double beta1,
+    double beta2, double eps, double weight_decay, bool adam_w_mode, bool bias_correction,
+    c10::string_view storage_name, const c10::optional<at::Tensor>& grad_scale,
+    const c10::optional<at::Tensor>& found_inf) {
+  constexpr const char* op = "multi_tensor_adam8bit_lean_";
+  const LeanStorage storage = parse_lean_storage(op, storage_name);
+  const at::Device device = call_device(
+      check_tensor_lists(op, {{"params", params}, {"grads", grads}}), params.empty(), step);
+  check_lean_lists(op, storage, params, aux, device, {});
+  check_codes(op, "exp_avgs", exp_avgs, params, device);
+  check_codes(op, "exp_avg_sqs", exp_avg_sqs, params, device);
+  check_absmax(op, "exp_avg_absmaxes", exp_avg_absmaxes, params, device);
+  check_absmax(op, "exp_avg_sq_absmaxes", exp_avg_sq_absmaxes, params, device);
+  check_one_dtype(Backend::kCpu, op, {{"grads", grads}});
+  check_step(op, step, device);
+  return {device, storage, update_scalars(op, device, lr, grad_scale, found_inf, c10::nullopt),
+          adam_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction)};
+}
+
+void multi_tensor_adam8bit_lean_cpu(
+    at::TensorList params, at::TensorList aux, at::TensorList grads, at::TensorList exp_avgs,
+    at::TensorList exp_avg_absmaxes, at::TensorList exp_avg_sqs,
+    at::TensorList exp_avg_sq_absmaxes, const at::Tensor& step, double lr, double beta1,
+    double beta2, double eps, double weight_decay, bool adam_w_mode, bool bias_correction,
+    c10::string_view storage_name, int64_t seed, const c10::optional<at::Tensor>& grad_scale,
+    const c10::optional<at::Tensor>& found_inf) {
+  const LeanArgs<AdamHyper> set_up = adam8bit_lean_args(
+      params, aux, grads, exp_avgs, exp_avg_absmaxes, exp_avg_sqs, exp_avg_sq_absmaxes, step, lr,
+      beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, storage_name, grad_scale,
+      found_inf);
+  if (optim::should_skip(set_up.scalars.found_inf)) return;
+
+  const float count = optim::read_count(step);
+  const Adam8bitConsts c =
+      adam8bit_consts(set_up.hyper, set_up.scalars, count, beta1, beta2, bias_correction);
+  const std::vector<RawTensor> ps = raw_tensors(params), as = raw_tensors(aux),
+                               gs = raw_tensors(grads);
+  const std::vector<uint32_t> keys = tensor_keys(set_up.storage, seed, count, params.size());
+  const ChunkPlan plan(params);
+  const CpuIsa isa = cpu_isa();
+  plan.parallel_for_each([&](int64_t, const TensorChunk& ch) {
+    const int64_t t = ch.tensor;
+    const LeanChunkArgs a{set_up.storage, &ps[t], optim::raw_at(as, t), &gs[t], keys[t]};
+    const Codes8bit q = codes_at(exp_avgs, exp_avg_absmaxes, exp_avg_sqs, exp_avg_sq_absmaxes,
+                                 static_cast<size_t>(t));
+    with_lean_storage(a.storage, [&](auto s) {
+      optim::with_typed(gs[t], [&](auto* g) {
+        run_cpu_kernel<Adam8bitLeanChunk<decltype(s)::value>>(isa, g, a, q, ch, c);
+      });
+    });
+  });
+  optim::commit_count(step, count);
+}
+
 }  // namespace
 }  // namespace cpu
 }  // namespace mp_wrappers
 
 TORCH_LIBRARY_IMPL(mp_wrappers, CPU, m) {
   m.impl("multi_tensor_adam8bit_", &mp_wrappers::cpu::multi_tensor_adam8bit_cpu);
+  m.impl("multi_tensor_adam8bit_lean_", &mp_wrappers::cpu::multi_tensor_adam8bit_lean_cpu);
 }

@@ -39,9 +39,11 @@ import torch
 from torch import Tensor
 
 from ._common import _commit_, _skip_mask, _unscaled
+from .lean import _check_storage, _read_param, _write_param
 
 __all__ = ['BLOCK_SIZE', 'Minifloat', 'EXP_AVG_CODE', 'EXP_AVG_SQ_CODE', 'num_blocks',
-           'quantize_blockwise', 'dequantize_blockwise', 'code_table', 'multi_tensor_adam8bit_']
+           'quantize_blockwise', 'dequantize_blockwise', 'code_table', 'multi_tensor_adam8bit_',
+           'multi_tensor_adam8bit_lean_']
 
 #: Elements per absmax block (the kernels' constant too; docs/quantized_states.md says why 256).
 BLOCK_SIZE = 256
@@ -167,6 +169,30 @@ def _reciprocal_bias_corrections(beta1: float, beta2: float, count: Tensor, enab
     return rbc1.to(torch.float32), rsbc2.to(torch.float32)
 
 
+def _adam8bit_update(p32: Tensor, g: Tensor, codes_m: Tensor, absmax_m: Tensor, codes_v: Tensor,
+                     absmax_v: Tensor, beta1: float, beta2: float, eps: float,
+                     weight_decay: float, adam_w_mode: bool, rbc1: Tensor, rsbc2: Tensor,
+                     grad_scale: Optional[Tensor], skip: Optional[Tensor]) -> Tensor:
+    """The Adam direction of flat fp32 ``p32`` (``p_new = p32 - lr * direction``); commits the
+    requantized moments (unless ``skip``)."""
+    g32 = _unscaled(g, grad_scale).reshape(-1)
+    if not adam_w_mode and weight_decay != 0.0:
+        g32 = g32 + weight_decay * p32
+    m = dequantize_blockwise(codes_m, absmax_m, EXP_AVG_CODE).reshape(-1)
+    v = dequantize_blockwise(codes_v, absmax_v, EXP_AVG_SQ_CODE).reshape(-1)
+    m_new = beta1 * m + (1.0 - beta1) * g32
+    v_new = beta2 * v + (1.0 - beta2) * g32 * g32
+    update = (m_new * rbc1) / (_sqrt_rn(v_new) * rsbc2 + eps)
+    if adam_w_mode and weight_decay != 0.0:
+        update = update + weight_decay * p32
+    for codes, absmax, value, code in ((codes_m, absmax_m, m_new, EXP_AVG_CODE),
+                                       (codes_v, absmax_v, v_new, EXP_AVG_SQ_CODE)):
+        new_codes, new_absmax = quantize_blockwise(value, code)
+        _commit_(codes, new_codes.view(codes.shape), skip)
+        _commit_(absmax, new_absmax, skip)
+    return update
+
+
 def multi_tensor_adam8bit_(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
                            exp_avg_absmaxes: List[Tensor], exp_avg_sqs: List[Tensor],
                            exp_avg_sq_absmaxes: List[Tensor], model_params: List[Tensor],
@@ -184,25 +210,37 @@ def multi_tensor_adam8bit_(params: List[Tensor], grads: List[Tensor], exp_avgs: 
     rbc1, rsbc2 = _reciprocal_bias_corrections(beta1, beta2, count, bias_correction)
     for i, (p, g) in enumerate(zip(params, grads)):
         p32 = p.to(torch.float32).reshape(-1)
-        g32 = _unscaled(g, grad_scale).reshape(-1)
-        if not adam_w_mode and weight_decay != 0.0:
-            g32 = g32 + weight_decay * p32
-        m = dequantize_blockwise(exp_avgs[i], exp_avg_absmaxes[i], EXP_AVG_CODE).reshape(-1)
-        v = dequantize_blockwise(exp_avg_sqs[i], exp_avg_sq_absmaxes[i],
-                                 EXP_AVG_SQ_CODE).reshape(-1)
-        m_new = beta1 * m + (1.0 - beta1) * g32
-        v_new = beta2 * v + (1.0 - beta2) * g32 * g32
-        update = (m_new * rbc1) / (_sqrt_rn(v_new) * rsbc2 + eps)
-        if adam_w_mode and weight_decay != 0.0:
-            update = update + weight_decay * p32
+        update = _adam8bit_update(p32, g, exp_avgs[i], exp_avg_absmaxes[i], exp_avg_sqs[i],
+                                  exp_avg_sq_absmaxes[i], beta1, beta2, eps, weight_decay,
+                                  adam_w_mode, rbc1, rsbc2, grad_scale, skip)
         p_new = p32 - lr * update
-        for codes, absmax, value, code in ((exp_avgs[i], exp_avg_absmaxes[i], m_new, EXP_AVG_CODE),
-                                           (exp_avg_sqs[i], exp_avg_sq_absmaxes[i], v_new,
-                                            EXP_AVG_SQ_CODE)):
-            new_codes, new_absmax = quantize_blockwise(value, code)
-            _commit_(codes, new_codes.view(codes.shape), skip)
-            _commit_(absmax, new_absmax, skip)
         _commit_(p, p_new.view(p.shape), skip)
         if model_params:
             _commit_(model_params[i], p_new.view(model_params[i].shape), skip)
+    _commit_(step, count, skip)
+
+
+def multi_tensor_adam8bit_lean_(params: List[Tensor], aux: List[Tensor], grads: List[Tensor],
+                                exp_avgs: List[Tensor], exp_avg_absmaxes: List[Tensor],
+                                exp_avg_sqs: List[Tensor], exp_avg_sq_absmaxes: List[Tensor],
+                                step: Tensor, lr: float, beta1: float, beta2: float, eps: float,
+                                weight_decay: float, adam_w_mode: bool, bias_correction: bool,
+                                storage: str, seed: int, grad_scale: Optional[Tensor],
+                                found_inf: Optional[Tensor]) -> None:
+    """:func:`multi_tensor_adam8bit_` on bfloat16 params stored the ``storage`` way (Note [lean
+    bf16 storage] in :mod:`.lean`): the 8-bit moments and direction of the fp32 value the storage
+    holds, then the lean master update ``p32 + (-(lr * direction))`` (``p32 - lr * direction``
+    exactly). ``aux`` and ``seed`` as in ``multi_tensor_adam_lean_``; no model copies.
+    """
+    _check_storage(storage)
+    skip = _skip_mask(found_inf)
+    count = step + 1
+    rbc1, rsbc2 = _reciprocal_bias_corrections(beta1, beta2, count, bias_correction)
+    for i, (p, g) in enumerate(zip(params, grads)):
+        a = aux[i] if aux else None
+        p32 = _read_param(p, a, storage)
+        update = _adam8bit_update(p32.reshape(-1), g, exp_avgs[i], exp_avg_absmaxes[i],
+                                  exp_avg_sqs[i], exp_avg_sq_absmaxes[i], beta1, beta2, eps,
+                                  weight_decay, adam_w_mode, rbc1, rsbc2, grad_scale, skip)
+        _write_param(p, a, p32, -(lr * update).view(p.shape), storage, skip, seed, count, i)
     _commit_(step, count, skip)
