@@ -49,7 +49,8 @@ class FusedAdam(QuantizedStateMixin, LeanStorageMixin, FusedOptimizer):
             bf16 params stepped with ``bf16_storage`` (Adam at 8 B/param with 'kahan'), or
             ``'int8'``: block-wise 8-bit moments (~2 B/param) for params of at least
             ``min_8bit_size`` elements (:mod:`mp_wrappers.optim.quantized_state`; CPU, and CUDA
-            with a build that has CUDA kernels).
+            with a build that has CUDA kernels; with a ``bf16_storage``, CPU only: 'kahan' +
+            int8 keeps ~6 B/param besides the grads).
         min_8bit_size: Params with fewer elements keep float32 moments under ``'int8'``.
         seed: Key of the stochastic-rounding hash (``bf16_storage='stochastic'``).
 

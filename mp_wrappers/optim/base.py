@@ -242,10 +242,14 @@ class FusedOptimizer(Optimizer):
             self._check_hyperparameters(group)
             saved_state.check_loaded_state(group, self.state,
                                            self._tensor_state_keys(group) + self._scalar_state,
-                                           self._scalar_state, name)
+                                           self._scalar_state, name, self._set_up_state_keys())
         saved_state.merge_step_cohorts(self.param_groups, self.state)
 
     # ---- internals ---------------------------------------------------------------------------------
+
+    def _set_up_state_keys(self) -> Tuple[str, ...]:
+        """State a param may hold before its first step (saved_state.check_loaded_state)."""
+        return ()
 
     def _init_state(self, param: Tensor, group: Dict[str, Any], step: Tensor) -> Dict[str, Any]:
         state = self.state[param]

@@ -77,6 +77,10 @@ class LeanStorageMixin:
         self.bf16_storage = bf16_storage
 
     # ---- FusedOptimizer hooks ------------------------------------------------------------------
+    def _set_up_state_keys(self) -> Tuple[str, ...]:
+        key = AUX_STATE_KEYS.get(self.bf16_storage)  # made by lean_aux before the first step
+        return (key,) if key else ()
+
     def _is_lean(self, t: Tensor) -> bool:
         return self.bf16_storage is not None and t.dtype == torch.bfloat16
 

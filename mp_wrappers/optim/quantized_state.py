@@ -13,10 +13,15 @@ The codes and absmax are what ``state_dict()`` saves. ``load_state_dict`` conver
 checkpoint loaded into an int8-state optimizer is quantized, an int8 one loaded into a float32-state
 optimizer (or a param that now wants float32 moments) is dequantized.
 
-Refused with ``state_dtype='int8'``: ``bf16_storage`` (the lean storages), ``master_weights=True``,
-``capturable=True`` (a tensor lr), params on a device without the 8-bit kernel (CUDA params with a
-build that has no CUDA kernels, :func:`~mp_wrappers.ops.quantized_states.check_quantized_device`)
-and params that are neither dense nor plain tensors (e.g. FSDP2 DTensors), and a model sharded by FSDP1 or FSDP2
+With a ``bf16_storage`` (the lean bf16 masters, a wrapper's ``master_weights='split'|'kahan'|
+'stochastic'``) the bf16 params' 8-bit moments are stepped by ``multi_tensor_adam8bit_lean_``, the
+storage's aux state in the same pass (CPU only: lean bf16 params with 8-bit moments on another
+device are refused when the storage is set or the group added, before any step).
+
+Refused with ``state_dtype='int8'``: ``master_weights=True``, ``capturable=True`` (a tensor lr),
+params on a device without the 8-bit kernel (CUDA params with a build that has no CUDA kernels,
+:func:`~mp_wrappers.ops.quantized_states.check_quantized_device`) and params that are neither dense
+nor plain tensors (e.g. FSDP2 DTensors), and a model sharded by FSDP1 or FSDP2
 (:func:`check_not_sharded`, Note [8-bit states under FSDP]).
 
 Note [8-bit states under FSDP]
@@ -31,7 +36,7 @@ Note [8-bit states under FSDP]
     move by one ulp, docs/quantized_states.md). Lifting this needs blocks laid out per original
     param and rank and a gather of the codes with their absmax in FSDP's state-dict path.
 """
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -42,6 +47,7 @@ from ..ops.reference.quant import (EXP_AVG_CODE, EXP_AVG_SQ_CODE, dequantize_blo
                                    quantize_blockwise)
 from . import layout
 from .buckets import _Bucket
+from .lean import AUX_STATE_KEYS
 
 __all__ = ['QuantizedStateMixin', 'STATE_DTYPES', 'DEFAULT_MIN_8BIT_SIZE', 'ABSMAX_KEYS',
            'check_not_sharded']
@@ -113,11 +119,9 @@ class QuantizedStateMixin:
         return 'float32'
 
     def set_bf16_storage(self, bf16_storage: Optional[str]) -> None:
-        if bf16_storage is not None and self.int8_states:
-            raise ValueError(f'{type(self).__name__}: bf16_storage={bf16_storage!r} is not '
-                             "supported with state_dtype='int8'; allowed with it: "
-                             "bf16_storage=None (fp32 masters, e.g. opt_level='O2')")
         super().set_bf16_storage(bf16_storage)  # type: ignore[misc]
+        for group in getattr(self, 'param_groups', ()):
+            self._check_lean_devices(group)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         value = param_group.get('state_dtype')
@@ -125,6 +129,17 @@ class QuantizedStateMixin:
             raise ValueError(f'{type(self).__name__}: param group state_dtype={value!r} is not '
                              f'allowed; expected one of {list(_GROUP_STATE_DTYPES)}')
         super().add_param_group(param_group)  # type: ignore[misc]
+        self._check_lean_devices(self.param_groups[-1])  # type: ignore[attr-defined]
+
+    def _check_lean_devices(self, group: Dict[str, Any]) -> None:
+        """Refuse, before any step, lean bf16 params with 8-bit moments where no kernel runs them
+        (CUDA: the lean 8-bit update is CPU-only)."""
+        storage = getattr(self, 'bf16_storage', None)
+        if storage is None:
+            return
+        for param in group['params']:
+            if param.dtype == torch.bfloat16 and self._wants_8bit(param, group):
+                check_quantized_device(type(self).__name__, param.device, storage)
 
     # ---- which params, and their state -----------------------------------------------------------
     def _wants_8bit(self, param: Tensor, group: Dict[str, Any]) -> bool:
@@ -134,14 +149,17 @@ class QuantizedStateMixin:
 
     def _check_8bit_param(self, param: Tensor) -> None:
         name = type(self).__name__
-        check_quantized_device(name, param.device)
+        storage = self.bf16_storage if self._lean_8bit(param) else None
+        check_quantized_device(name, param.device, storage)
         if is_dtensor(param) or not layout.is_dense(param):
             raise ValueError(f"{name}: state_dtype='int8' needs plain dense params (got a "
                              f'{type(param).__name__} of shape {tuple(param.shape)}); keep its '
                              "group at state_dtype='float32'")
-        if getattr(self, 'bf16_storage', None) is not None:
-            raise ValueError(f"{name}: a param group with state_dtype='int8' cannot be used with "
-                             f'bf16_storage={self.bf16_storage!r}')
+
+    def _lean_8bit(self, param: Tensor) -> bool:
+        """Whether ``param`` is a bf16 param stepped with its lean storage (LeanStorageMixin)."""
+        is_lean = getattr(self, '_is_lean', None)
+        return bool(is_lean is not None and is_lean(param))
 
     def _init_state(self, param: Tensor, group: Dict[str, Any], step: Tensor) -> Dict[str, Any]:
         state = super()._init_state(param, group, step)  # type: ignore[misc]
@@ -212,20 +230,9 @@ class QuantizedStateMixin:
         if isinstance(g['lr'], Tensor):
             raise ValueError(f"{type(self).__name__}: a tensor lr is not supported with "
                              "state_dtype='int8'; use a float lr")
-        states = [self._state_of(bucket, i) for i in eight]
-        beta1, beta2 = g['betas']
         # One step counter serves both calls: the 8-bit one advances a copy when another follows.
         step = bucket.step.clone() if rest else bucket.step
-        # The kernel checks its lists again; the optimizer built them (as _call_op's other ops).
-        self._call_op(  # type: ignore[attr-defined]
-            bucket, [bucket.params[i] for i in eight], [bucket.grads[i] for i in eight],
-            [codes[i] for i in eight], [s['exp_avg_absmax'] for s in states],
-            [bucket.states['exp_avg_sq'][i] for i in eight],
-            [s['exp_avg_sq_absmax'] for s in states],
-            [bucket.model_params[i] for i in eight] if bucket.model_params else [], step,
-            float(g['lr']), float(beta1), float(beta2), float(g['eps']),
-            float(g['weight_decay']), bool(g['adam_w_mode']), bool(g['bias_correction']),
-            grad_scale, found_inf, op='multi_tensor_adam8bit_')
+        self._call_8bit(bucket, eight, step, grad_scale, found_inf)
         if not rest:
             return None
         others = _Bucket(g, bucket.device, bucket.step, tuple(bucket.states))
@@ -237,6 +244,35 @@ class QuantizedStateMixin:
             for key, values in bucket.states.items():
                 others.states[key].append(values[i])
         return others
+
+    def _call_8bit(self, bucket: _Bucket, eight: List[int], step: Tensor,
+                   grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+        """The 8-bit op on the bucket's slots ``eight``: ``multi_tensor_adam8bit_``, or its lean
+        form for bf16 params with a ``bf16_storage`` (the aux state in the same pass)."""
+        g = bucket.group
+        states = [self._state_of(bucket, i) for i in eight]
+        beta1, beta2 = g['betas']
+        lists = ([bucket.params[i] for i in eight], [bucket.grads[i] for i in eight],
+                 [bucket.states['exp_avg'][i] for i in eight],
+                 [s['exp_avg_absmax'] for s in states],
+                 [bucket.states['exp_avg_sq'][i] for i in eight],
+                 [s['exp_avg_sq_absmax'] for s in states])
+        hyper = (float(g['lr']), float(beta1), float(beta2), float(g['eps']),
+                 float(g['weight_decay']), bool(g['adam_w_mode']), bool(g['bias_correction']))
+        # The kernel checks its lists again; the optimizer built them (as _call_op's other ops).
+        if self._lean_8bit(bucket.params[0]):
+            storage = self.bf16_storage  # type: ignore[attr-defined]
+            key = AUX_STATE_KEYS.get(storage)
+            aux = [bucket.states[key][i] for i in eight] if key else []
+            self._call_op(  # type: ignore[attr-defined]
+                bucket, lists[0], aux, *lists[1:], step, *hyper, storage,
+                int(self.seed), grad_scale, found_inf,  # type: ignore[attr-defined]
+                op='multi_tensor_adam8bit_lean_')
+            return
+        models = [bucket.model_params[i] for i in eight] if bucket.model_params else []
+        self._call_op(  # type: ignore[attr-defined]
+            bucket, *lists, models, step, *hyper, grad_scale, found_inf,
+            op='multi_tensor_adam8bit_')
 
     def _state_of(self, bucket: _Bucket, i: int) -> Dict[str, Any]:
         """The state of slot ``i``: its param is the state's key, or a flat view of it (a

@@ -83,12 +83,15 @@ def complete_group(group: Dict[str, Any], hyperparameter_keys: Iterable[str],
 
 
 def check_loaded_state(group: Dict[str, Any], state: Mapping[Tensor, Dict[str, Any]],
-                       keys: Sequence[str], scalar_keys: Sequence[str], name: str) -> None:
+                       keys: Sequence[str], scalar_keys: Sequence[str], name: str,
+                       set_up_keys: Sequence[str] = ()) -> None:
     """Raise ValueError when a param of ``group`` has state but lacks one of the tensors ``keys``
-    (plus ``step``), or one has the wrong number of elements (1 for ``scalar_keys`` and ``step``)."""
+    (plus ``step``), or one has the wrong number of elements (1 for ``scalar_keys`` and ``step``).
+    A state holding only ``set_up_keys`` is that of a param never stepped (a lean param's aux state,
+    made when the storage is set up, e.g. for a head that gets no gradient) and passes."""
     for i, param in enumerate(group['params']):
         param_state = state.get(param)
-        if not param_state:
+        if not param_state or set(param_state) <= set(set_up_keys):
             continue
         for key in tuple(keys) + ('step',):
             value = param_state.get(key)

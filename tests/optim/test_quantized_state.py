@@ -200,7 +200,6 @@ def test_checkpoints_convert_between_int8_and_float32_states():
 @pytest.mark.parametrize('kwargs,match', [
     (dict(capturable=True), "capturable=True is not supported with state_dtype='int8'"),
     (dict(master_weights=True), "master_weights=True is not supported with state_dtype='int8'"),
-    (dict(bf16_storage='kahan'), "bf16_storage='kahan' is not supported with state_dtype='int8'"),
     (dict(min_8bit_size=-1), 'min_8bit_size=-1 is not allowed'),
 ])
 def test_refused_options_name_option_value_and_alternatives(kwargs, match):
@@ -208,10 +207,7 @@ def test_refused_options_name_option_value_and_alternatives(kwargs, match):
         FusedAdam(_mlp().parameters(), state_dtype='int8', **kwargs)
 
 
-def test_refused_later_storage_and_group_values():
-    opt = FusedAdam(_mlp().parameters(), state_dtype='int8')
-    with pytest.raises(ValueError, match="bf16_storage='split' is not supported"):
-        opt.set_bf16_storage('split')
+def test_refused_group_values():
     with pytest.raises(ValueError, match=r"state_dtype='int4' is not allowed; expected one of "
                                          r"\['float32', 'int8'\]"):
         FusedAdam([dict(params=_mlp().parameters(), state_dtype='int4')])
@@ -374,3 +370,148 @@ def test_runner_config_selects_int8_states(tmp_path):
     opt = runner.optim_wrapper.optimizer
     assert isinstance(opt, FusedAdam) and opt.int8_states
     assert all(st['exp_avg'].dtype == torch.uint8 for st in opt.state.values())
+
+
+# ---- lean bf16 masters with 8-bit states -----------------------------------------------------------
+# bf16 params stepped with bf16_storage='split'|'kahan'|'stochastic' (a wrapper's master_weights)
+# and 8-bit moments: multi_tensor_adam8bit_lean_, the aux state stepped in the same pass.
+
+LEAN_MODES = ['split', 'kahan', 'stochastic']
+AUX_KEY = {'split': 'master_low', 'kahan': 'kahan_comp', 'stochastic': None}
+
+
+def _lean_mlp(seed=0):
+    return _mlp(seed).to(torch.bfloat16)
+
+
+def _lean_train(model, opt, batches):
+    return _train(model, opt, [(x.bfloat16(), y.bfloat16()) for x, y in batches])
+
+
+@pytest.mark.parametrize('mode', LEAN_MODES)
+def test_lean_storage_with_8bit_states_layout_and_resume_is_bitwise(mode):
+    batches = _batches(6)
+    model = _lean_mlp()
+    opt = FusedAdam(model.parameters(), state_dtype='int8', bf16_storage=mode, **ADAMW)
+    _lean_train(model, opt, batches[:3])
+    st = opt.state[model[0].weight]
+    assert st['exp_avg'].dtype == torch.uint8 and st['exp_avg_sq_absmax'].dtype == torch.float32
+    if AUX_KEY[mode]:
+        assert st[AUX_KEY[mode]].shape == model[0].weight.shape
+    assert opt.state[model[0].bias]['exp_avg'].dtype == torch.float32  # under min_8bit_size
+    saved = _roundtrip(opt.state_dict())[0]
+    model_sd = copy.deepcopy(model.state_dict())
+    _lean_train(model, opt, batches[3:])
+    resumed = _lean_mlp(seed=5)
+    resumed.load_state_dict(model_sd)
+    opt2 = FusedAdam(resumed.parameters(), state_dtype='int8', bf16_storage=mode, **ADAMW)
+    opt2.load_state_dict(saved)
+    _lean_train(resumed, opt2, batches[3:])
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+    _assert_states_equal(_states(opt), _states(opt2))
+
+
+@pytest.mark.parametrize('mode', ['split', 'kahan'])
+def test_lean_storage_converts_between_int8_and_float32_states(mode):
+    from mp_wrappers.ops.reference.quant import EXP_AVG_CODE, dequantize_blockwise
+    model = _lean_mlp()
+    opt8 = FusedAdam(model.parameters(), state_dtype='int8', bf16_storage=mode, **ADAMW)
+    _lean_train(model, opt8, _batches(3))
+    opt32 = FusedAdam(_lean_mlp().parameters(), bf16_storage=mode, **ADAMW)
+    opt32.load_state_dict(_roundtrip(opt8.state_dict())[0])
+    w8 = opt8.state[model[0].weight]
+    w32 = opt32.state[opt32.param_groups[0]['params'][0]]
+    assert torch.equal(w32['exp_avg'],
+                       dequantize_blockwise(w8['exp_avg'], w8['exp_avg_absmax'], EXP_AVG_CODE))
+    assert torch.equal(w32[AUX_KEY[mode]], w8[AUX_KEY[mode]])  # the aux state travels as it is
+    back = FusedAdam(_lean_mlp().parameters(), state_dtype='int8', bf16_storage=mode, **ADAMW)
+    back.load_state_dict(_roundtrip(opt32.state_dict())[0])
+    for (k, x), (k2, y) in zip(_states(opt8), _states(back)):
+        assert k == k2 and x.dtype == y.dtype
+        if k.endswith('_absmax'):
+            torch.testing.assert_close(x, y, rtol=2 ** -23, atol=0)
+        else:
+            assert torch.equal(x, y), k
+    _lean_train(_lean_mlp(), back, _batches(1))
+
+
+@pytest.mark.parametrize('mode', LEAN_MODES)
+def test_lean_storage_with_8bit_states_trains_close_to_float32_states(mode):
+    losses = {}
+    for state_dtype in ('int8', 'float32'):
+        model = _lean_mlp()
+        opt = FusedAdam(model.parameters(), state_dtype=state_dtype, bf16_storage=mode, lr=3e-3)
+        losses[state_dtype] = _lean_train(model, opt, _batches(30))
+    assert losses['int8'][-1] < 0.7 * losses['int8'][0]
+    assert abs(losses['int8'][-1] - losses['float32'][-1]) < 0.05 * losses['float32'][-1]
+
+
+def test_lean_8bit_params_without_a_kernel_are_refused_before_any_step():
+    p = nn.Parameter(torch.zeros(64, 128, device='meta', dtype=torch.bfloat16))
+    with pytest.raises(NotImplementedError, match=r"state_dtype='int8'\) with bf16_storage='kahan' "
+                                                  r"\(a wrapper's master_weights='kahan'\) run on "
+                                                  r'CPU tensors only; got tensors on meta'):
+        FusedAdam([p], state_dtype='int8', bf16_storage='kahan')
+    opt = FusedAdam([p], state_dtype='int8')  # the wrapper sets the storage later
+    with pytest.raises(NotImplementedError, match=r"Allowed on meta: state_dtype='int8' with fp32 "
+                                                  r"masters.*or state_dtype='float32' with "
+                                                  r"bf16_storage='split'"):
+        opt.set_bf16_storage('split')
+    FusedAdam([p], state_dtype='int8', bf16_storage='kahan', min_8bit_size=10 ** 6)  # fp32 moments
+
+
+def _apex_lean_steps(model, w, batches):
+    for x, y in batches:
+        with w.optim_context(model):
+            loss = F.cross_entropy(model(x), y)
+        w.update_params(loss)
+
+
+def _apex_lean(mode, state_dtype, steps):
+    model = _classifier().to(torch.bfloat16)
+    w = ApexOptimWrapper(FusedAdam(model.parameters(), state_dtype=state_dtype, **ADAMW),
+                         opt_level='O2', dtype='bfloat16', verbosity=0, master_weights=mode)
+    _apex_lean_steps(model, w, _cls_batches(steps))
+    return model, w
+
+
+@pytest.mark.parametrize('mode', LEAN_MODES)
+def test_apex_lean_masters_with_8bit_states_resume_is_bitwise(mode):
+    model, w = _apex_lean(mode, 'int8', steps=3)
+    assert w.optimizer.bf16_storage == mode
+    assert w.optimizer.state[model[0].weight]['exp_avg'].dtype == torch.uint8
+    saved = _roundtrip(w.state_dict())[0]
+    model_sd = copy.deepcopy(model.state_dict())
+    more = _cls_batches(6)[3:]
+    _apex_lean_steps(model, w, more)
+    model2, w2 = _apex_lean(mode, 'int8', steps=0)
+    model2.load_state_dict(model_sd)
+    w2.load_state_dict(saved)
+    _apex_lean_steps(model2, w2, more)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+    _assert_states_equal(_states(w.optimizer), _states(w2.optimizer))
+
+
+@pytest.mark.parametrize('mode', LEAN_MODES)
+def test_runner_lean_masters_with_8bit_states_resume_is_bitwise(tmp_path, mode):
+    """Through mmengine's Runner: ApexOptimWrapper O2 bf16 master_weights=mode with
+    FusedAdam(state_dtype='int8'); a run resumed from its iteration-3 checkpoint ends with the
+    uninterrupted run's params and optimizer state, bit for bit."""
+    from _workflow import make_runner
+    kw = dict(wrapper='O2', dtype='bfloat16', iters=6, extra_wrapper=dict(master_weights=mode),
+              optimizer=dict(type='mp_wrappers.FusedAdam', lr=1e-3, state_dtype='int8',
+                             min_8bit_size=0))
+    full = make_runner(str(tmp_path / 'full'), ckpt_interval=3, **kw)
+    full.train()
+    opt = full.optim_wrapper.optimizer
+    assert opt.bf16_storage == mode
+    moments = [st['exp_avg'] for st in opt.state.values() if 'exp_avg' in st]  # unused heads: none
+    assert moments and all(m.dtype == torch.uint8 for m in moments)
+    ckpt = next((tmp_path / 'full').rglob('iter_3.pth'))
+    resumed = make_runner(str(tmp_path / 'resumed'), load_from=str(ckpt), resume=True, **kw)
+    resumed.train()
+    for p, q in zip(full.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q)
+    _assert_states_equal(_states(opt), _states(resumed.optim_wrapper.optimizer))
