@@ -12,7 +12,10 @@ test).
 * ``FusedAdam fp32 states`` and ``FusedAdam int8 states``: ``step()`` on fp32 params;
 * ``O2 bf16, fp32 states`` / ``O2 bf16, int8 states``: ``FusedAdam.fused_master_step`` with bf16
   grads scaled by a loss scale and a bf16 model copy (the ApexOptimWrapper O2 update, its
-  overflow-check pass left out: it is the same for both).
+  overflow-check pass left out: it is the same for both);
+* ``<mode> bf16, fp32 / int8 states`` for mode ``split``, ``kahan``, ``stochastic``: ``step()`` on
+  bf16 params with bf16 grads and ``bf16_storage=mode`` (what ApexOptimWrapper O2 bf16 with
+  ``master_weights=mode`` runs; bf16 needs no loss scale), the lean masters without an fp32 copy.
 
 Timing: interleaved rounds, one step of every pipeline per round, so that load from other processes
 (this machine is shared) hits all alike; the 8-bit peers, 20-50x slower, take part in the first
@@ -25,7 +28,9 @@ fp32 AdamW here; ``8-bit peer / this``: how many times faster than the faster 8-
 Bytes per parameter counted for the bandwidth column (the state tensors of params under 4096
 elements stay fp32, ~0.3% of the parameters here, ignored): fp32 Adam 28 (read p, g, m, v; write p,
 m, v); int8 16 + 4 * 4/256 (p and g 4 each read, p 4 written, 1 B per moment read and written, an
-absmax per 256 elements per moment); O2 fp32 states 30, O2 int8 states 16 + 16/256 (g 2, model 2).
+absmax per 256 elements per moment); O2 fp32 states 30, O2 int8 states 16 + 16/256 (g 2, model 2);
+lean masters with int8 states: p 2 read and written, g 2, 'split'/'kahan' aux 2 read and written,
+moments as above: 14 + 16/256 ('stochastic' 10 + 16/256), with fp32 states 24 (20).
 The roofline is the in-place read-modify-write bandwidth of ``a.mul_`` over a DRAM-sized buffer,
 sampled in the same rounds. Resident bytes per parameter after a step count params, model copies,
 grads and every optimizer-state tensor (a tensor subclass by its inner tensors).
@@ -53,7 +58,9 @@ import bench_optimizers as bo  # noqa: E402
 import mp_wrappers  # noqa: E402
 from mp_wrappers.optim import FusedAdam  # noqa: E402
 
-BYTES = {'fp32': 28, 'int8': 16 + 16 / 256, 'o2-fp32': 30, 'o2-int8': 16 + 16 / 256}
+BYTES = {'fp32': 28, 'int8': 16 + 16 / 256, 'o2-fp32': 30, 'o2-int8': 16 + 16 / 256,
+         'lean-fp32': 24, 'lean-int8': 14 + 16 / 256, 'sr-fp32': 20, 'sr-int8': 10 + 16 / 256}
+LEAN_MODES = ('split', 'kahan', 'stochastic')
 TORCH = 'torch AdamW fused, fp32 states'
 PEERS_8BIT = ('bitsandbytes AdamW8bit', 'torchao AdamW8bit')
 
@@ -116,7 +123,19 @@ def o2_step(sizes, state_dtype: str):
     return step, (lambda: _resident(st.masters + st.model + st.grads, opt))
 
 
-PIPELINES: Dict[str, Tuple[Callable, str, str]] = {
+def lean_step(sizes, spec: Tuple[str, str]):
+    mode, state_dtype = spec
+    params32, grads32 = bo.make_fp32(sizes, torch.device('cpu'))
+    params = [torch.nn.Parameter(p.detach().bfloat16()) for p in params32]
+    grads = [g.bfloat16() for g in grads32]
+    for p, g in zip(params, grads):
+        p.grad = g
+    opt = FusedAdam(params, lr=bo.LR, betas=bo.BETAS, eps=bo.EPS, weight_decay=bo.WD,
+                    state_dtype=state_dtype, bf16_storage=mode)
+    return opt.step, (lambda: _resident(params + grads, opt))
+
+
+PIPELINES: Dict[str, Tuple[Callable, object, str]] = {
     TORCH: (fp32_step, 'torch', 'fp32'),
     PEERS_8BIT[0]: (fp32_step, PEERS_8BIT[0], 'int8'),
     PEERS_8BIT[1]: (fp32_step, PEERS_8BIT[1], 'int8'),
@@ -124,6 +143,10 @@ PIPELINES: Dict[str, Tuple[Callable, str, str]] = {
     'FusedAdam int8 states': (fp32_step, 'int8', 'int8'),
     'O2 bf16, fp32 states': (o2_step, 'float32', 'o2-fp32'),
     'O2 bf16, int8 states': (o2_step, 'int8', 'o2-int8'),
+    **{f'{mode} bf16, {sd} states': (lean_step, (mode, sd),
+                                     ('sr-' if mode == 'stochastic' else 'lean-') +
+                                     ('int8' if sd == 'int8' else 'fp32'))
+       for mode in LEAN_MODES for sd in ('float32', 'int8')},
 }
 
 
@@ -185,12 +208,15 @@ def main() -> None:
                     help='rounds the (slow) 8-bit peers take part in')
     ap.add_argument('--no-peers', action='store_true', help='leave bitsandbytes and torchao out')
     ap.add_argument('--quick', action='store_true', help='~0.8M params (smoke test)')
+    ap.add_argument('--only', nargs='+', default=None,
+                    help='substrings of the pipelines to run (torch fused fp32 always runs)')
     args = ap.parse_args()
     sizes = bo.shapes(args.quick)
     numel = sum(torch.Size(s).numel() for s in sizes)
     nbytes, why = bo.sample_bytes(numel)
     names = [n for n in PIPELINES
-             if n not in PEERS_8BIT or (not args.no_peers and _peer_8bit(n) is not None)]
+             if (n not in PEERS_8BIT or (not args.no_peers and _peer_8bit(n) is not None))
+             and (n == TORCH or not args.only or any(o in n for o in args.only))]
     versions = {'bitsandbytes': None, 'torchao': None}
     for mod in versions:
         if any(n.startswith(mod) for n in names):

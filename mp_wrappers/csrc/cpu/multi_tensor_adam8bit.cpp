@@ -1,5 +1,8 @@
-// CPU kernel of multi_tensor_adam8bit_: Adam / AdamW with block-wise 8-bit moments (Note [8-bit
-// optimizer states] in mp_wrappers/ops/reference/quant.py, the executable definition).
+// CPU kernels of multi_tensor_adam8bit_ and multi_tensor_adam8bit_lean_: Adam / AdamW with
+// block-wise 8-bit moments (Note [8-bit optimizer states] in mp_wrappers/ops/reference/quant.py, the
+// executable definition), on fp32 / half params (with an optional half model copy) or on bf16
+// params with a lean storage (cpu_lean_param.h: the same block update, the param read and written
+// as the lean kernels do).
 //
 // One pass per block of kBlock elements: dequantize both moments, apply the fp32 Adam update with
 // reciprocal bias corrections (one divide and one square root per element, the reference's
