@@ -412,6 +412,22 @@ def test_lean_storage_with_8bit_states_layout_and_resume_is_bitwise(mode):
     _assert_states_equal(_states(opt), _states(opt2))
 
 
+@pytest.mark.parametrize('mode', LEAN_MODES)
+def test_lean_storage_with_8bit_states_skipped_step_changes_nothing(mode):
+    """found_inf set: params, aux state, codes, absmax and step of the 8-bit slots and of the
+    small params' fp32-moment slots of the same bucket keep their bits."""
+    model = _lean_mlp()
+    opt = FusedAdam(model.parameters(), state_dtype='int8', bf16_storage=mode, **ADAMW)
+    _lean_train(model, opt, _batches(2))
+    params = [p.detach().clone() for p in model.parameters()]
+    states = _states(opt)
+    (x, y), = _batches(1, seed=4)
+    F.mse_loss(model(x.bfloat16()), y.bfloat16()).backward()
+    opt.step(grad_scale=torch.full((1,), 4.0), found_inf=torch.ones(1))
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    _assert_states_equal(states, _states(opt))
+
+
 @pytest.mark.parametrize('mode', ['split', 'kahan'])
 def test_lean_storage_converts_between_int8_and_float32_states(mode):
     from mp_wrappers.ops.reference.quant import EXP_AVG_CODE, dequantize_blockwise
