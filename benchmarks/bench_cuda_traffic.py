@@ -7,7 +7,7 @@ For every op this prints bytes per parameter against the minimum (each tensor th
 once, each tensor it must write written once), and for the fused O2 Adam step (a read-only inf/norm
 pass over the half grads, then one update pass writing the fp32 master, moments and the half model)
 against docs/semantics.md section 7: fp32 Adam 28 B/param, fused O2 ~30, the composed torch pipeline
-~44. The implied step time uses the H100 SXM's *nominal* HBM3 bandwidth (3.35 TB/s), not a
+~44; and the same with 8-bit moments (``multi_tensor_adam8bit_``: 16.06 B/param at least). The implied step time uses the H100 SXM's *nominal* HBM3 bandwidth (3.35 TB/s), not a
 measurement: a real kernel reaches some fraction of it.
 
 Usage: python benchmarks/bench_cuda_traffic.py [--params N]   (builds the 'real' variant if needed)
@@ -53,6 +53,19 @@ def main():
         return torch.zeros(1)
 
     one, zero = torch.ones(1), torch.zeros(1)
+
+    def adam8bit(param_dtype, grad_dtype, model_dtype):
+        # codes of 0.5-ish moments (any codes do: the traffic does not depend on the values)
+        codes = [torch.full((s,), 60, dtype=torch.uint8) for s in sizes]
+        blocks = [torch.full(((s + 255) // 256,), 0.5) for s in sizes]
+        return lambda: ops.multi_tensor_adam8bit_(
+            t(param_dtype), t(grad_dtype), codes, blocks, [c.clone() for c in codes],
+            [b.clone() for b in blocks], t(model_dtype) if model_dtype else [], step(), 1e-3,
+            0.9, 0.999, 1e-8, 0.01, True, True, one, zero)
+
+    # 8-bit moments: 1 byte per moment read and written, one fp32 absmax per 256 elements and
+    # moment read and written (2 x 2 x 4 / 256 = 0.0625 B/param)
+    eight_bit = 0.0625
     cases = [
         # (name, minimum bytes per param, call)
         ('scale fp32->fp32', 8, lambda: ops.multi_tensor_scale_(t(F32), t(F32), one, zero)),
@@ -69,6 +82,9 @@ def main():
         ('adam O2 update (bf16 grad, bf16 model)', 28,
          lambda: ops.multi_tensor_adam_(t(F32), t(BF16), t(F32), t(F32), t(BF16), step(), 1e-3,
                                         0.9, 0.999, 1e-8, 0.01, True, True, one, zero)),
+        ('adam 8-bit states fp32', 16 + eight_bit, adam8bit(F32, F32, None)),
+        ('adam 8-bit O2 update (bf16 grad, bf16 model)', 16 + eight_bit,
+         adam8bit(F32, BF16, BF16)),
         ('sgd momentum fp32', 20,
          lambda: ops.multi_tensor_sgd_(t(F32), t(F32), t(F32), [], step(), 0.1, 0.9, 0.0, 0.0,
                                        False, False, one, zero)),
@@ -99,12 +115,16 @@ def main():
         total = sum(per_kernel.values()) / n
         results[name] = total
         detail = ', '.join(f'{k} {v / n:.2f}' for k, v in per_kernel.items())
-        print(f'{name:44s} {total:8.2f} {minimum:8d} {total / minimum:6.3f}  {detail}')
+        print(f'{name:44s} {total:8.2f} {minimum:8.2f} {total / minimum:6.3f}  {detail}')
     o2 = results['unscale_l2norm fp16'] + results['adam O2 update (bf16 grad, bf16 model)']
     print()
     print('fused O2 Adam step (unscale_l2norm over fp16 grads + one update pass):')
     print(f'  {o2:.2f} B/param; docs/semantics.md section 7: minimum ~30, composed torch pipeline ~44')
+    o2_8bit = results['unscale_l2norm fp16'] + results['adam 8-bit O2 update (bf16 grad, bf16 model)']
+    print(f'fused O2 Adam step with 8-bit states: {o2_8bit:.2f} B/param')
     for label, bpp in (('fp32 Adam', results['adam fp32']), ('fused O2 Adam', o2),
+                       ('8-bit Adam, fp32 params', results['adam 8-bit states fp32']),
+                       ('fused O2 Adam, 8-bit states', o2_8bit),
                        ('composed torch O2 (docs/semantics.md)', 44.0)):
         ms = bpp * args.model_params / H100_NOMINAL_BYTES_PER_S * 1e3
         print(f'  implied H100 time, {args.model_params / 1e6:.1f}M params, {label}: {ms:.3f} ms '
