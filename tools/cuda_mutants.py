@@ -30,15 +30,27 @@ Usage::
     python tools/cuda_mutants.py --files cu --sample 12 --seed 0  # CI: a fixed sample (455 s)
     python tools/cuda_mutants.py                        # all of them (hours)
     python tools/cuda_mutants.py --only ID [--only ID]  # chosen mutants
+    python tools/cuda_mutants.py --file multi_tensor_sgd.cu  # one file's mutants
 
-The report (``--report``, default build/mutants/report.md) lists every mutant run with killed /
-survived / equivalent (with the reason) / does-not-compile. Exit status 1 when a non-equivalent
-mutant survived.
+Resumable: every outcome goes into ``--workdir``/results.json, keyed by the mutant id and a digest of
+what decides it (``outcome_key``: the files of the recompiled translation units, the host-test files
+and the test helpers they import, the tool's build flags). A run takes a mutant's outcome from there
+when its key still matches and runs it otherwise, so an interrupted full run goes on where it
+stopped, and a changed source or test re-runs exactly the mutants it concerns; ``--fresh`` runs them
+all again. (The oracles, the CPU extension and the references, are not in the key.)
+
+Killing fast: the tests of the mutated file's own kernel run first (``PRIMARY_TESTS``), then the
+others, each with ``-x``; a survivor has run every test.
+
+The report (``--report``, default build/mutants/report.md) is written from the results for every
+mutant of ``--files``: killed / survived / equivalent (with the reason) / does not compile / not run,
+per file and per mutant. Exit status 1 when a mutant of this run survived (not equivalent).
 """
 import argparse
 import concurrent.futures
 import dataclasses
 import hashlib
+import json
 import os
 import random
 import re
@@ -47,7 +59,7 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, 'mp_wrappers', 'csrc')
@@ -55,6 +67,12 @@ KERNEL_DIR = os.path.join(CSRC, 'cuda')
 HEADER_DIR = os.path.join(CSRC, 'include', 'mp_wrappers', 'cuda')
 TESTS = ['tests/kernels/test_cuda_host.py', 'tests/kernels/test_cuda_host_lean.py',
          'tests/kernels/test_cuda_host_planner.py', 'tests/kernels/test_cuda_host_adam8bit.py']
+# The host tests that exercise a file's code, run first (most of its mutants die there); a file not
+# named here starts with test_cuda_host.py, which calls every other kernel.
+PRIMARY_TESTS = {'multi_tensor_adam8bit.cu': 'tests/kernels/test_cuda_host_adam8bit.py',
+                 'multi_tensor_lean.cu': 'tests/kernels/test_cuda_host_lean.py',
+                 'multi_tensor_apply.cuh': 'tests/kernels/test_cuda_host_planner.py',
+                 'geometry.cuh': 'tests/kernels/test_cuda_host_planner.py'}
 
 # Mutants that cannot change what the kernels compute, by id, with the reason.
 _TAIL = ('the tail loop runs once more, with i == n: load_one returns 0 for i >= n and store_one '
@@ -274,10 +292,11 @@ class Builder:
     def __init__(self, workdir: str, jobs: int = 2):
         self.workdir, self.jobs = workdir, jobs
         self.tiny = os.path.join(ROOT, 'build', 'cuda_host', 'tiny')
-        ninja = os.path.join(self.tiny, 'build.ninja')
-        if not os.path.exists(ninja):
-            self._build_tiny()
-        self.vars, self.objects = self._parse(open(ninja).read())
+        # Incremental (a no-op when it is up to date): the mutants link its other objects, and its
+        # recorded dependencies say which objects a mutated file is compiled into.
+        self._build_tiny()
+        self.vars, self.objects = self._parse(open(os.path.join(self.tiny, 'build.ninja')).read())
+        self.deps = self._deps()
 
     @staticmethod
     def _build_tiny():
@@ -295,17 +314,36 @@ class Builder:
             objects[obj.replace('$:', ':')] = src.replace('$:', ':')
         return vars_, objects
 
+    def _deps(self) -> Dict[str, List[str]]:
+        """Object -> the files its translation unit read (ninja's recorded dependencies)."""
+        text = subprocess.run(['ninja', '-t', 'deps'], cwd=self.tiny, check=True,
+                              capture_output=True, text=True).stdout
+        out: Dict[str, List[str]] = {}
+        current = None
+        for line in text.split('\n'):
+            if line and not line[0].isspace():
+                current = out.setdefault(line.split(': #deps')[0], [])
+            elif line.strip() and current is not None:
+                current.append(os.path.normpath(line.strip()))
+        return out
+
     def _units_of(self, mutant: Mutant) -> List[str]:
-        """Objects whose translation unit includes the mutated file (ninja's recorded deps)."""
+        """Objects whose translation unit includes the mutated file."""
         src = os.path.join(ROOT, mutant.path)
-        out = []
-        for obj in self.objects:
-            deps = subprocess.run(['ninja', '-t', 'deps', obj], cwd=self.tiny, check=True,
-                                  capture_output=True, text=True).stdout.split()
-            if src in deps:
-                out.append(obj)
+        out = [obj for obj in self.objects if src in self.deps.get(obj, [])]
         assert out, f'{mutant.id}: no object of {self.tiny} includes {src} (rebuild tiny)'
         return out
+
+    def inputs(self, mutant: Mutant) -> List[str]:
+        """The repository's files the mutant's objects are compiled from (its translation units'
+        sources and every header they include), relative to the repository root."""
+        out = set()
+        for obj in self._units_of(mutant):
+            for path in self.deps[obj]:
+                rel = os.path.relpath(path, ROOT)
+                if not rel.startswith('..'):
+                    out.add(rel)
+        return sorted(out)
 
     def build(self, mutant: Mutant, timeout: float) -> str:
         """The mutant's module file; raises CalledProcessError when it does not compile."""
@@ -354,44 +392,155 @@ class Builder:
         return so
 
 
-def run_tests(module: str, workdir: str, timeout: float, tests: List[str]) -> tuple:
-    """(status, seconds, last line) of the host tests on ``module``: killed or survived."""
+def test_order(mutant: Mutant, tests: List[str]) -> List[List[str]]:
+    """``tests`` in the groups they run in for ``mutant``: its file's own tests, then the rest."""
+    first = PRIMARY_TESTS.get(os.path.basename(mutant.path), TESTS[0])
+    if first not in tests or len(tests) == 1:
+        return [list(tests)]
+    return [[first], [t for t in tests if t != first]]
+
+
+def run_tests(module: str, workdir: str, timeout: float, groups: List[List[str]]) -> tuple:
+    """(status, seconds, detail, tests) of the host tests on ``module``, group after group, each
+    stopping at its first failure: killed by the first group that fails (``tests``), else survived
+    (``tests``: all of them)."""
     env = dict(os.environ, PYTHONPATH=ROOT, MP_WRAPPERS_CUDA_HOST_MODULE=module,
                MP_WRAPPERS_CUDA_HOST_VARIANTS='tiny',
                # gcov data of the tree's objects go under the workdir, not the tree's build.
                GCOV_PREFIX=os.path.join(workdir, 'gcov'))
-    t0 = time.time()
-    try:
-        # --capture=sys: a sanitizer's report, written to fd 2 before the abort, reaches stderr.
-        p = subprocess.run([sys.executable, '-m', 'pytest', '-x', '-q', '-p', 'no:cacheprovider',
-                            '--capture=sys',
-                            *tests], cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return 'killed', time.time() - t0, f'timeout after {timeout:.0f} s'
-    lines = [ln for ln in p.stdout.strip().split('\n') if ln.strip()]
-    last = lines[-1] if lines else p.stderr.strip()[-200:]
-    if p.returncode == 0:
-        return 'survived', time.time() - t0, last
-    failed = [ln for ln in lines if ln.startswith(('FAILED', 'ERROR'))]
-    if not failed:  # the process died: a sanitizer's or the interpreter's last word
-        failed = [ln.strip() for ln in (p.stdout + p.stderr).split('\n')
-                  if 'runtime error' in ln or 'Fatal Python error' in ln][:1]
-    return 'killed', time.time() - t0, (failed[0] if failed else last)[:200]
+    t0, last = time.time(), ''
+    for tests in groups:
+        try:
+            # --capture=sys: a sanitizer's report, written to fd 2 before the abort, reaches stderr.
+            p = subprocess.run([sys.executable, '-m', 'pytest', '-x', '-q', '-p', 'no:cacheprovider',
+                                '--capture=sys', *tests], cwd=ROOT, env=env, capture_output=True,
+                               text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return 'killed', time.time() - t0, f'timeout after {timeout:.0f} s', tests
+        lines = [ln for ln in p.stdout.strip().split('\n') if ln.strip()]
+        last = lines[-1] if lines else p.stderr.strip()[-200:]
+        if p.returncode == 0:
+            continue
+        failed = [ln for ln in lines if ln.startswith(('FAILED', 'ERROR'))]
+        if not failed:  # the process died: a sanitizer's or the interpreter's last word
+            failed = [ln.strip() for ln in (p.stdout + p.stderr).split('\n')
+                      if 'runtime error' in ln or 'Fatal Python error' in ln][:1]
+        return 'killed', time.time() - t0, (failed[0] if failed else last)[:200], tests
+    return 'survived', time.time() - t0, last, [t for g in groups for t in g]
 
 
-def report(results: List[tuple], path: str, header: str) -> None:
-    counts: Dict[str, int] = {}
-    for _, status, *_ in results:
-        counts[status] = counts.get(status, 0) + 1
+# ---- the results, kept between runs -----------------------------------------------------------------
+
+_IMPORT = re.compile(r'^(?:from|import) (\w+)', flags=re.M)
+
+
+def test_inputs(tests: List[str]) -> List[str]:
+    """``tests`` and the test helpers they import (the modules of tests/, whose every folder is on
+    sys.path, and tests/conftest.py), transitively; relative to the repository root, sorted."""
+    by_name = {}
+    for d, _, files in os.walk(os.path.join(ROOT, 'tests')):
+        for f in files:
+            if f.endswith('.py'):
+                by_name.setdefault(f[:-3], os.path.relpath(os.path.join(d, f), ROOT))
+    todo, seen = list(tests) + ['tests/conftest.py'], set()
+    while todo:
+        rel = todo.pop()
+        if rel in seen or not os.path.exists(os.path.join(ROOT, rel)):
+            continue
+        seen.add(rel)
+        todo += [by_name[n] for n in _IMPORT.findall(open(os.path.join(ROOT, rel)).read())
+                 if n in by_name]
+    return sorted(seen)
+
+
+def outcome_key(mutant: Mutant, inputs: Iterable[str]) -> str:
+    """A digest of what decides ``mutant``'s outcome: its id (file, line, change), the build flags
+    it adds and the contents of ``inputs`` (repository-relative paths: the sources of its
+    translation units with every header they include, and the test files)."""
+    h = hashlib.sha1(f'{mutant.id}\0{mutant.after}\0{_BOUNDS}\0'.encode())
+    for rel in sorted(set(inputs)):
+        h.update(rel.encode() + b'\0')
+        with open(os.path.join(ROOT, rel), 'rb') as f:
+            h.update(hashlib.sha1(f.read()).digest())
+    return h.hexdigest()
+
+
+class Results:
+    """``workdir``/results.json: mutant id -> {key, tests, status, seconds, detail, when}, written
+    after every mutant (an interrupted run loses at most the one it was running).
+
+    ``tests`` are the test files the outcome depends on, and ``key`` covers them: for a killed
+    mutant the group that killed it (tests added elsewhere cannot revive it), for a survivor every
+    test of its run, for one that does not compile none.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self.data: Dict[str, dict] = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                self.data = json.load(f)
+
+    def get(self, mutant_id: str, key_of, tests: List[str]) -> Optional[dict]:
+        """The recorded outcome if it still holds for the current sources and ``tests`` (the test
+        files of this run); ``key_of(test_files)`` is the mutant's key with those tests."""
+        entry = self.data.get(mutant_id)
+        if entry is None:
+            return None
+        if entry['status'] == 'survived' and sorted(entry['tests']) != sorted(tests):
+            return None  # run again: the tests of this run may kill it
+        if not set(entry['tests']) <= set(tests):
+            return None  # killed by tests this run does not have
+        return entry if entry['key'] == key_of(entry['tests']) else None
+
+    def put(self, mutant_id: str, key: str, tests: List[str], status: str, seconds: float,
+            detail: str) -> None:
+        self.data[mutant_id] = dict(key=key, tests=sorted(tests), status=status,
+                                    seconds=round(seconds, 1), detail=detail,
+                                    when=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()))
+        tmp = self.path + '.tmp'
+        with open(tmp, 'w') as f:
+            json.dump(self.data, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.path)
+
+
+STATUSES = ('killed', 'survived', 'equivalent', 'does not compile', 'not run')
+
+
+def outcome(mutant: Mutant, results: Results, key_of, tests: List[str]) -> tuple:
+    """(status, seconds, detail) of ``mutant`` as the results have it (equivalent ones by
+    ``EQUIVALENT``); ``not run`` when they have none that still holds (``Results.get``)."""
+    if mutant.id in EQUIVALENT:
+        return 'equivalent', 0.0, EQUIVALENT[mutant.id]
+    entry = results.get(mutant.id, key_of, tests)
+    if entry is None:
+        stale = mutant.id in results.data
+        return 'not run', 0.0, 'its source or tests changed since its run' if stale else ''
+    return entry['status'], entry['seconds'], entry['detail']
+
+
+def report(rows: List[tuple], path: str, header: str) -> Dict[str, Dict[str, int]]:
+    """Write the report of ``rows`` (mutant, status, seconds, detail); returns the counts per file
+    (and 'all'), status -> number."""
+    counts: Dict[str, Dict[str, int]] = {}
+    for m, status, *_ in rows:
+        for f in (os.path.basename(m.path), 'all'):
+            c = counts.setdefault(f, dict.fromkeys(STATUSES, 0))
+            c[status] += 1
     with open(path, 'w') as f:
         f.write(f'# CUDA kernel mutants\n\n{header}\n\n')
-        f.write(', '.join(f'{k}: {v}' for k, v in sorted(counts.items())) + '\n\n')
-        f.write('| mutant | change | result | seconds | detail |\n|---|---|---|---|---|\n')
-        for m, status, secs, detail in results:
+        f.write('| file | mutants | ' + ' | '.join(STATUSES) + ' |\n'
+                + '|---' * (len(STATUSES) + 2) + '|\n')
+        for name in sorted(counts, key=lambda n: (n == 'all', n)):
+            c = counts[name]
+            f.write(f'| {name} | {sum(c.values())} | '
+                    + ' | '.join(str(c[s]) for s in STATUSES) + ' |\n')
+        f.write('\n| mutant | change | result | seconds | detail |\n|---|---|---|---|---|\n')
+        for m, status, secs, detail in rows:
             change = m.describe().replace('|', '\\|')
             f.write(f'| `{m.id}` | {change} | {status} | {secs:.0f} | '
                     f'{detail.replace("|", "/")} |\n')
+    return counts
 
 
 def main(argv=None) -> int:
@@ -400,10 +549,14 @@ def main(argv=None) -> int:
     ap.add_argument('--sample', type=int, default=0, help='run a fixed sample of this many')
     ap.add_argument('--seed', type=int, default=0)
     ap.add_argument('--only', action='append', default=[], help='run this mutant id')
+    ap.add_argument('--file', action='append', default=[],
+                    help='only the mutants of this kernel file or header (its base name)')
     ap.add_argument('--workdir', default=os.path.join(ROOT, 'build', 'mutants'))
     ap.add_argument('--report', default=None)
     ap.add_argument('--timeout', type=float, default=300, help='seconds per mutant test run')
     ap.add_argument('--tests', nargs='*', default=TESTS)
+    ap.add_argument('--fresh', action='store_true',
+                    help='run every chosen mutant again, even when results.json has its outcome')
     ap.add_argument('--files', choices=['all', 'cu', 'cuh'], default='all',
                     help='mutate kernel files (.cu: one object to rebuild), headers (.cuh: every '
                          'object including it), or both')
@@ -415,42 +568,75 @@ def main(argv=None) -> int:
             print(f'{m.id}\t{m.describe()}')
         print(f'{len(mutants)} mutants in {len({m.path for m in mutants})} files', file=sys.stderr)
         return 0
+    unknown = set(args.file) - {os.path.basename(m.path) for m in mutants}
+    if unknown:
+        ap.error(f'--file: no mutants in {sorted(unknown)}; allowed: the base names of '
+                 f'{sorted({os.path.basename(m.path) for m in mutants})}')
+    chosen = [m for m in mutants if not args.file or os.path.basename(m.path) in args.file]
     if args.only:
-        chosen = [m for m in mutants if m.id in args.only]
+        chosen = [m for m in chosen if m.id in args.only]
         missing = set(args.only) - {m.id for m in chosen}
         if missing:
             ap.error(f'unknown mutant ids: {sorted(missing)}')
     elif args.sample:
-        chosen = sample(mutants, args.sample, args.seed)
-    else:
-        chosen = mutants
+        chosen = sample(chosen, args.sample, args.seed)
     os.makedirs(args.workdir, exist_ok=True)
     builder = Builder(args.workdir, int(os.environ.get('MAX_JOBS', '2')))
-    results, t_start = [], time.time()
+    results = Results(os.path.join(args.workdir, 'results.json'))
+    test_files: Dict[tuple, List[str]] = {}
+
+    def key_of(m: Mutant):
+        src = builder.inputs(m)
+
+        def key(tests: List[str]) -> str:
+            t = tuple(sorted(tests))
+            if t not in test_files:
+                test_files[t] = test_inputs(list(t)) if t else []
+            return outcome_key(m, src + test_files[t])
+        return key
+
+    keys = {m.id: key_of(m) for m in mutants}
+    ran, t_start = [], time.time()
     for i, m in enumerate(chosen, 1):
-        t0 = time.time()
-        if m.id in EQUIVALENT:
-            results.append((m, 'equivalent', 0.0, EQUIVALENT[m.id]))
+        t0, key, note = time.time(), keys[m.id], ''
+        if m.id in EQUIVALENT or (not args.fresh and results.get(m.id, key, args.tests)):
+            status, secs, detail = outcome(m, results, key, args.tests)
+            note = '' if m.id in EQUIVALENT else ' (from results.json)'
         else:
+            tests: List[str] = []
             try:
                 module = builder.build(m, args.timeout)
             except subprocess.CalledProcessError as e:
                 err = (e.stderr or b'').decode(errors='replace').strip().split('\n')
-                results.append((m, 'does not compile', time.time() - t0,
-                                next((ln for ln in err if 'error' in ln), err[-1])[:160]))
+                status, detail = 'does not compile', next((ln for ln in err if 'error' in ln),
+                                                          err[-1])[:160]
+            except subprocess.TimeoutExpired:
+                status, detail = 'does not compile', f'build timeout after {args.timeout:.0f} s'
             else:
-                status, _, detail = run_tests(module, args.workdir, args.timeout, args.tests)
-                results.append((m, status, time.time() - t0, detail))
+                status, _, detail, tests = run_tests(module, args.workdir, args.timeout,
+                                                     test_order(m, args.tests))
                 shutil.rmtree(os.path.dirname(module), ignore_errors=True)
-        m_, status, secs, detail = results[-1]
-        print(f'[{i}/{len(chosen)}] {status:16s} {secs:5.0f}s {m.id} {m.describe()}', flush=True)
+            secs = time.time() - t0
+            results.put(m.id, key(tests), tests, status, secs, detail)
+        ran.append((m, status))
+        print(f'[{i}/{len(chosen)}] {status:16s} {secs:5.0f}s {m.id} {m.describe()}{note}',
+              flush=True)
     wall = time.time() - t_start
-    header = (f'{len(chosen)} of {len(mutants)} mutants ({"sample of " + str(args.sample) + ", seed " + str(args.seed) if args.sample and not args.only else "chosen" if args.only else "all"}), '
-              f'{wall:.0f} s wall, tests: {" ".join(args.tests)}')
+    what = ('sample of ' + str(args.sample) + ', seed ' + str(args.seed) if args.sample and not
+            args.only else 'chosen' if args.only else 'file ' + ', '.join(args.file) if args.file
+            else 'all')
+    header = (f'This run: {len(chosen)} of {len(mutants)} mutants ({what}), {wall:.0f} s wall, '
+              f'{time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, tests: '
+              f'{" ".join(args.tests)}. Every mutant of `--files {args.files}` below, as '
+              f'{os.path.relpath(results.path, ROOT)} has it (`not run`: no result for its '
+              f'current sources and tests).')
     path = args.report or os.path.join(args.workdir, 'report.md')
-    report(results, path, header)
-    survivors = [m for m, s, *_ in results if s == 'survived']
-    print(f'report: {path}; {len(survivors)} non-equivalent survivors; {wall:.0f} s')
+    rows = [(m, *outcome(m, results, keys[m.id], args.tests)) for m in mutants]
+    counts = report(rows, path, header)
+    survivors = [m for m, s in ran if s == 'survived']
+    total = counts.get('all', {})
+    print(f'report: {path}; this run: {len(survivors)} non-equivalent survivors, {wall:.0f} s; '
+          f'all: ' + ', '.join(f'{s} {total.get(s, 0)}' for s in STATUSES))
     return 1 if survivors else 0
 
 

@@ -71,3 +71,96 @@ def test_equivalent_mutants_exist_and_have_reasons(mutants):
     ids = {m.id for m in mutants}
     assert set(cm.EQUIVALENT) <= ids, sorted(set(cm.EQUIVALENT) - ids)
     assert all(len(reason) > 20 for reason in cm.EQUIVALENT.values())
+
+
+def test_a_files_own_tests_run_first(mutants):
+    by_file = {os.path.basename(m.path): m for m in mutants}
+    groups = cm.test_order(by_file['multi_tensor_adam8bit.cu'], cm.TESTS)
+    assert groups[0] == ['tests/kernels/test_cuda_host_adam8bit.py']
+    assert sorted(groups[0] + groups[1]) == sorted(cm.TESTS)  # a survivor runs every test
+    assert cm.test_order(by_file['multi_tensor_lean.cu'], cm.TESTS)[0] == \
+        ['tests/kernels/test_cuda_host_lean.py']
+    assert cm.test_order(by_file['multi_tensor_apply.cuh'], cm.TESTS)[0] == \
+        ['tests/kernels/test_cuda_host_planner.py']
+    assert cm.test_order(by_file['multi_tensor_sgd.cu'], cm.TESTS)[0] == \
+        ['tests/kernels/test_cuda_host.py']
+    # Tests chosen with --tests: as given, in one group when the file's own are not among them.
+    assert cm.test_order(by_file['multi_tensor_adam8bit.cu'], cm.TESTS[:1]) == [cm.TESTS[:1]]
+    assert set(cm.PRIMARY_TESTS.values()) <= set(cm.TESTS)
+    assert set(cm.PRIMARY_TESTS) <= {os.path.basename(p) for p in cm.sources()}
+
+
+def test_test_inputs_follow_the_helpers_imported():
+    inputs = cm.test_inputs(['tests/kernels/test_cuda_host_adam8bit.py'])
+    # test_cuda_host_adam8bit imports test_cuda_host, which imports cuda_host and _guards.
+    for rel in ('tests/kernels/test_cuda_host_adam8bit.py', 'tests/kernels/test_cuda_host.py',
+                'tests/cuda_host.py', 'tests/_guards.py', 'tests/conftest.py'):
+        assert rel in inputs
+    assert all(os.path.exists(os.path.join(ROOT, rel)) for rel in inputs)
+
+
+def _copy_tree(tmp_path, monkeypatch, rels):
+    """A repository root under tmp_path holding copies of ``rels``, for outcome_key."""
+    for rel in rels:
+        dst = tmp_path / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(open(os.path.join(ROOT, rel), 'rb').read())
+    monkeypatch.setattr(cm, 'ROOT', str(tmp_path))
+
+
+def test_results_are_kept_until_a_source_or_test_changes(mutants, tmp_path, monkeypatch):
+    m = next(m for m in mutants if m.path.endswith('multi_tensor_sgd.cu') and m.id not in
+             cm.EQUIVALENT)
+    header = 'mp_wrappers/csrc/include/mp_wrappers/cuda/optim_apply.cuh'
+    first, second = 'tests/kernels/test_cuda_host.py', 'tests/kernels/test_cuda_host_lean.py'
+    _copy_tree(tmp_path, monkeypatch, [m.path, header, first, second])
+
+    def key_of(tests):
+        return cm.outcome_key(m, [m.path, header] + tests)
+
+    key = key_of([first])
+    assert key == cm.outcome_key(m, [first, header, m.path, first])  # order, repeats do not count
+    other = next(o for o in mutants if o.path == m.path and o.id != m.id)
+    assert cm.outcome_key(other, [m.path, header, first]) != key
+
+    results = cm.Results(str(tmp_path / 'results.json'))
+    assert cm.outcome(m, results, key_of, [first, second])[0] == 'not run'
+    results.put(m.id, key, [first], 'killed', 12.3, 'FAILED tests/...')
+    again = cm.Results(str(tmp_path / 'results.json'))  # what the next run reads
+    assert cm.outcome(m, again, key_of, [first, second]) == ('killed', 12.3, 'FAILED tests/...')
+    assert cm.outcome(m, again, key_of, [second])[0] == 'not run'  # not killed by these tests
+    with open(tmp_path / second, 'a') as f:  # a test file that did not kill it: still killed
+        f.write('\n')
+    assert cm.outcome(m, again, key_of, [first, second])[0] == 'killed'
+    for rel in (header, first):  # a header the unit includes, the killing test: stale
+        with open(tmp_path / rel, 'a') as f:
+            f.write('\n')
+        assert cm.outcome(m, again, key_of, [first, second]) == (
+            'not run', 0.0, 'its source or tests changed since its run')
+    # A survivor holds only for the very tests it passed: one more test file runs it again.
+    again.put(m.id, key_of([first]), [first], 'survived', 70.0, '273 passed')
+    assert cm.outcome(m, again, key_of, [first])[0] == 'survived'
+    assert cm.outcome(m, again, key_of, [first, second])[0] == 'not run'
+    # Not compiling depends on no test.
+    again.put(m.id, key_of([]), [], 'does not compile', 3.0, 'error: x')
+    assert cm.outcome(m, again, key_of, [second])[0] == 'does not compile'
+    eq = next(iter(cm.EQUIVALENT))
+    eq_m = next(o for o in mutants if o.id == eq)
+    assert cm.outcome(eq_m, again, None, [first]) == ('equivalent', 0.0, cm.EQUIVALENT[eq])
+
+
+def test_report_counts_every_mutant_per_file(mutants, tmp_path):
+    sgd = [m for m in mutants if m.path.endswith('multi_tensor_sgd.cu')]
+    adam = [m for m in mutants if m.path.endswith('multi_tensor_adam.cu')]
+    rows = ([(sgd[0], 'killed', 20.0, 'FAILED x'), (sgd[1], 'survived', 70.0, '273 passed')]
+            + [(m, 'not run', 0.0, '') for m in sgd[2:]]
+            + [(adam[0], 'does not compile', 3.0, 'error: x')]
+            + [(m, 'equivalent', 0.0, 'why') for m in adam[1:]])
+    counts = cm.report(rows, str(tmp_path / 'report.md'), 'header')
+    assert counts['multi_tensor_sgd.cu'] == {'killed': 1, 'survived': 1, 'equivalent': 0,
+                                            'does not compile': 0, 'not run': len(sgd) - 2}
+    assert counts['multi_tensor_adam.cu']['equivalent'] == len(adam) - 1
+    assert sum(counts['all'].values()) == len(rows)
+    text = (tmp_path / 'report.md').read_text()
+    assert '| multi_tensor_sgd.cu | %d | 1 | 1 | 0 | 0 | %d |' % (len(sgd), len(sgd) - 2) in text
+    assert all(f'`{m.id}`' in text for m, *_ in rows)
