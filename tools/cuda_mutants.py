@@ -495,10 +495,13 @@ class Results:
 
     def put(self, mutant_id: str, key: str, tests: List[str], status: str, seconds: float,
             detail: str) -> None:
+        if os.path.exists(self.path):  # another run on the same workdir may have added some
+            with open(self.path) as f:
+                self.data = json.load(f)
         self.data[mutant_id] = dict(key=key, tests=sorted(tests), status=status,
                                     seconds=round(seconds, 1), detail=detail,
                                     when=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()))
-        tmp = self.path + '.tmp'
+        tmp = f'{self.path}.{os.getpid()}.tmp'
         with open(tmp, 'w') as f:
             json.dump(self.data, f, indent=1, sort_keys=True)
         os.replace(tmp, self.path)
@@ -543,7 +546,7 @@ def report(rows: List[tuple], path: str, header: str) -> Dict[str, Dict[str, int
     return counts
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('--list', action='store_true', help='print the mutants and exit')
     ap.add_argument('--sample', type=int, default=0, help='run a fixed sample of this many')
@@ -560,14 +563,11 @@ def main(argv=None) -> int:
     ap.add_argument('--files', choices=['all', 'cu', 'cuh'], default='all',
                     help='mutate kernel files (.cu: one object to rebuild), headers (.cuh: every '
                          'object including it), or both')
-    args = ap.parse_args(argv)
-    mutants = [m for m in generate()
-               if args.files == 'all' or m.path.endswith('.' + args.files)]
-    if args.list:
-        for m in mutants:
-            print(f'{m.id}\t{m.describe()}')
-        print(f'{len(mutants)} mutants in {len({m.path for m in mutants})} files', file=sys.stderr)
-        return 0
+    return ap
+
+
+def _choose(ap: argparse.ArgumentParser, args, mutants: List[Mutant]) -> List[Mutant]:
+    """The mutants this run is for: --file, then --only or --sample."""
     unknown = set(args.file) - {os.path.basename(m.path) for m in mutants}
     if unknown:
         ap.error(f'--file: no mutants in {sorted(unknown)}; allowed: the base names of '
@@ -580,9 +580,11 @@ def main(argv=None) -> int:
             ap.error(f'unknown mutant ids: {sorted(missing)}')
     elif args.sample:
         chosen = sample(chosen, args.sample, args.seed)
-    os.makedirs(args.workdir, exist_ok=True)
-    builder = Builder(args.workdir, int(os.environ.get('MAX_JOBS', '2')))
-    results = Results(os.path.join(args.workdir, 'results.json'))
+    return chosen
+
+
+def _key_makers(builder: Builder, mutants: List[Mutant]) -> Dict[str, object]:
+    """Mutant id -> its key as a function of the test files its outcome depends on."""
     test_files: Dict[tuple, List[str]] = {}
 
     def key_of(m: Mutant):
@@ -594,31 +596,50 @@ def main(argv=None) -> int:
                 test_files[t] = test_inputs(list(t)) if t else []
             return outcome_key(m, src + test_files[t])
         return key
+    return {m.id: key_of(m) for m in mutants}
 
-    keys = {m.id: key_of(m) for m in mutants}
-    ran, t_start = [], time.time()
+
+def _run_one(m: Mutant, builder: Builder, args) -> tuple:
+    """(status, detail, tests its outcome depends on) of building and testing ``m``."""
+    try:
+        module = builder.build(m, args.timeout)
+    except subprocess.CalledProcessError as e:
+        err = (e.stderr or b'').decode(errors='replace').strip().split('\n')
+        return 'does not compile', next((ln for ln in err if 'error' in ln), err[-1])[:160], []
+    except subprocess.TimeoutExpired:
+        return 'does not compile', f'build timeout after {args.timeout:.0f} s', []
+    status, _, detail, tests = run_tests(module, args.workdir, args.timeout,
+                                         test_order(m, args.tests))
+    shutil.rmtree(os.path.dirname(module), ignore_errors=True)
+    return status, detail, tests
+
+
+def main(argv=None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    mutants = [m for m in generate()
+               if args.files == 'all' or m.path.endswith('.' + args.files)]
+    if args.list:
+        for m in mutants:
+            print(f'{m.id}\t{m.describe()}')
+        print(f'{len(mutants)} mutants in {len({m.path for m in mutants})} files', file=sys.stderr)
+        return 0
+    chosen = _choose(ap, args, mutants)
+    os.makedirs(args.workdir, exist_ok=True)
+    builder = Builder(args.workdir, int(os.environ.get('MAX_JOBS', '2')))
+    results = Results(os.path.join(args.workdir, 'results.json'))
+    keys = _key_makers(builder, mutants)
+    survivors, t_start = 0, time.time()
     for i, m in enumerate(chosen, 1):
         t0, key, note = time.time(), keys[m.id], ''
         if m.id in EQUIVALENT or (not args.fresh and results.get(m.id, key, args.tests)):
             status, secs, detail = outcome(m, results, key, args.tests)
             note = '' if m.id in EQUIVALENT else ' (from results.json)'
         else:
-            tests: List[str] = []
-            try:
-                module = builder.build(m, args.timeout)
-            except subprocess.CalledProcessError as e:
-                err = (e.stderr or b'').decode(errors='replace').strip().split('\n')
-                status, detail = 'does not compile', next((ln for ln in err if 'error' in ln),
-                                                          err[-1])[:160]
-            except subprocess.TimeoutExpired:
-                status, detail = 'does not compile', f'build timeout after {args.timeout:.0f} s'
-            else:
-                status, _, detail, tests = run_tests(module, args.workdir, args.timeout,
-                                                     test_order(m, args.tests))
-                shutil.rmtree(os.path.dirname(module), ignore_errors=True)
+            status, detail, tests = _run_one(m, builder, args)
             secs = time.time() - t0
             results.put(m.id, key(tests), tests, status, secs, detail)
-        ran.append((m, status))
+        survivors += status == 'survived'
         print(f'[{i}/{len(chosen)}] {status:16s} {secs:5.0f}s {m.id} {m.describe()}{note}',
               flush=True)
     wall = time.time() - t_start
@@ -631,12 +652,10 @@ def main(argv=None) -> int:
               f'{os.path.relpath(results.path, ROOT)} has it (`not run`: no result for its '
               f'current sources and tests).')
     path = args.report or os.path.join(args.workdir, 'report.md')
-    rows = [(m, *outcome(m, results, keys[m.id], args.tests)) for m in mutants]
-    counts = report(rows, path, header)
-    survivors = [m for m, s in ran if s == 'survived']
-    total = counts.get('all', {})
-    print(f'report: {path}; this run: {len(survivors)} non-equivalent survivors, {wall:.0f} s; '
-          f'all: ' + ', '.join(f'{s} {total.get(s, 0)}' for s in STATUSES))
+    counts = report([(m, *outcome(m, results, keys[m.id], args.tests)) for m in mutants], path,
+                    header)
+    print(f'report: {path}; this run: {survivors} non-equivalent survivors, {wall:.0f} s; all: '
+          + ', '.join(f'{s} {counts.get("all", {}).get(s, 0)}' for s in STATUSES))
     return 1 if survivors else 0
 
 
