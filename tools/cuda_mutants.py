@@ -67,7 +67,7 @@ KERNEL_DIR = os.path.join(CSRC, 'cuda')
 HEADER_DIR = os.path.join(CSRC, 'include', 'mp_wrappers', 'cuda')
 TESTS = ['tests/kernels/test_cuda_host.py', 'tests/kernels/test_cuda_host_lean.py',
          'tests/kernels/test_cuda_host_planner.py', 'tests/kernels/test_cuda_host_adam8bit.py',
-         'tests/kernels/test_cuda_host_alignment.py']
+         'tests/kernels/test_cuda_host_alignment.py', 'tests/kernels/test_cuda_host_traffic.py']
 # The host tests that exercise a file's code, run first (most of its mutants die there); a file not
 # named here starts with test_cuda_host.py, which calls every other kernel.
 PRIMARY_TESTS = {'multi_tensor_adam8bit.cu': 'tests/kernels/test_cuda_host_adam8bit.py',
@@ -83,11 +83,6 @@ EQUIVALENT: Dict[str, str] = {
                                               'finite (no found_inf)',
     'multi_tensor_scale.cu:37:rel:70b8d9ee': _TAIL + 'and 0 is finite (no found_inf)',
     'multi_tensor_scale.cu:81:rel:420d481b': _TAIL + 'and 0 is finite in x and y (no found_inf)',
-    'multi_tensor_l2norm.cu:84:rel:31177282': 'block_reduce gives every thread the block\'s sum, so '
-                                              'threads 1..kBlockSize-1 (the cleanup launch has '
-                                              'kBlockSize >= 64 threads in every geometry) store '
-                                              'the value thread 0 would: total is written, with '
-                                              'the same value',
     # multi_tensor_adam8bit.cu: the boundaries of the codes, where both branches give the same code.
     'multi_tensor_adam8bit.cu:51:rel:b389cf53': 'code 2^M (the first normal) decoded as a subnormal '
                                                 'is 2^M * 2^(1-B-M) = 2^(1-B), its normal value',
