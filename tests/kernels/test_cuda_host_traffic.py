@@ -38,3 +38,32 @@ def test_novograd_grad_norm_loads_each_grad_once(host):
     launches = _launches(host, 'novograd_grad_norm')
     grads = sum(g.numel() * g.element_size() for g in st.grads)
     assert launches and sum(r[3] for r in launches) == grads + sum(r[1] for r in launches) * 8
+
+
+def test_lamb_norms_load_each_element_once(host):
+    """p, g, m and v once per element; per block, found_inf, step, the global grad norm and
+    grad_scale once (thread 0's per-block constants; lr is a number here)."""
+    op = 'multi_tensor_lamb_'
+    name, hp = OPT_VARIANTS[op][0]
+    assert name == 'trust_ratio'  # the three-launch path
+    st = _host_state(op, host.sizes(), OPT_DTYPES[0], seed=63, shift=0)
+    assert st.found_inf is not None and st.grad_scale is not None
+    host.module.traffic_reset()
+    getattr(host.ops, op)(*st.args(op, hp))
+    launches = _launches(host, 'lamb_norms')
+    elements = sum(p.numel() * (p.element_size() + g.element_size() + 8)
+                   for p, g in zip(st.params, st.grads))
+    assert launches and sum(r[3] for r in launches) == elements + sum(r[1] for r in launches) * 16
+
+
+@pytest.mark.parametrize('op,kernel', [('multi_tensor_novograd_', 'novograd_norms'),
+                                       ('multi_tensor_lamb_', 'lamb_ratio')])
+def test_per_tensor_kernels_launch_one_thread_per_tensor(host, op, kernel):
+    """ceil(n / per_tensor_threads) blocks: n one less than, equal to, one more than a block."""
+    threads = host.geometry['per_tensor_threads']
+    for n in (threads - 1, threads, threads + 1):
+        st = _host_state(op, [3] * n, OPT_DTYPES[0], seed=64, shift=0)
+        host.module.traffic_reset()
+        getattr(host.ops, op)(*st.args(op, OPT_VARIANTS[op][0][1]))
+        (launch,) = _launches(host, kernel)
+        assert (launch[1], launch[2]) == (-(-n // threads), threads), f'{n} tensors'
