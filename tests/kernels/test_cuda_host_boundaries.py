@@ -27,3 +27,24 @@ def test_lamb_grad_norm_equal_to_max_grad_norm_does_not_clip(host, gnorm):
     getattr(torch.ops.mp_wrappers, op)(*cpu.args(op, hp))
     _compare(op, got, cpu, f'gnorm == max_grad_norm == {gnorm}', op in BITWISE_OPS)
     assert all(torch.isfinite(p).all() for p in got.params)
+
+
+@pytest.mark.parametrize('variant,zero', [('trust_ratio', 'params'), ('nvlamb_l2', 'update')])
+def test_lamb_trust_ratio_with_one_norm_zero(host, variant, zero):
+    """A tensor whose param norm or update norm is 0 (and the other not) gets the ratio lr: all-zero
+    params, or zero grads without weight decay (zero moments, zero update)."""
+    op = 'multi_tensor_lamb_'
+    hp = dict(OPT_VARIANTS[op])[variant]
+    got = _host_state(op, host.sizes(), OPT_DTYPES[0], seed=72, shift=0)
+    got.gnorm.fill_(0.5)
+    target = got.params if zero == 'params' else got.grads
+    target[1].zero_()
+    if zero == 'update':
+        assert hp['weight_decay'] == 0.0
+        for s in got.state:
+            s[1].zero_()
+    cpu = got.clone()
+    getattr(host.ops, op)(*got.args(op, hp))
+    getattr(torch.ops.mp_wrappers, op)(*cpu.args(op, hp))
+    _compare(op, got, cpu, f'{variant}: {zero} zero', op in BITWISE_OPS)
+    assert all(torch.isfinite(p).all() for p in got.params)
