@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from test_cuda_host import BITWISE_OPS, OPT_DTYPES, OPT_VARIANTS, _compare, _host_state
+from test_cuda_host import representative
 from test_cuda_host import host  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.ops.mp_wrappers, 'multi_tensor_lamb_'),
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.skipif(not hasattr(torch.ops.mp_wrappers, 'multi_tensor
 @pytest.mark.parametrize('gnorm', [2.0, math.inf])
 def test_lamb_grad_norm_equal_to_max_grad_norm_does_not_clip(host, gnorm):
     """gnorm == max_grad_norm: no clipping (the clip factor is 1, and inf / inf would be NaN)."""
+    representative(host, gnorm == math.inf)
     op = 'multi_tensor_lamb_'
     hp = dict(OPT_VARIANTS[op][0][1], max_grad_norm=gnorm)
     got = _host_state(op, host.sizes(), OPT_DTYPES[0], seed=71, shift=0)
@@ -33,6 +35,7 @@ def test_lamb_grad_norm_equal_to_max_grad_norm_does_not_clip(host, gnorm):
 def test_lamb_trust_ratio_with_one_norm_zero(host, variant, zero):
     """A tensor whose param norm or update norm is 0 (and the other not) gets the ratio lr: all-zero
     params, or zero grads without weight decay (zero moments, zero update)."""
+    representative(host, zero == 'params')
     op = 'multi_tensor_lamb_'
     hp = dict(OPT_VARIANTS[op])[variant]
     got = _host_state(op, host.sizes(), OPT_DTYPES[0], seed=72, shift=0)

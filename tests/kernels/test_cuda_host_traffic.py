@@ -8,7 +8,8 @@ docs/cuda_mutants.md).
 import pytest
 import torch
 
-from test_cuda_host import OPT_DTYPES, OPT_VARIANTS, _host_state, _rand, host  # noqa: F401 (fixture)
+from test_cuda_host import OPT_DTYPES, OPT_VARIANTS, _host_state, _rand, representative
+from test_cuda_host import host  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.ops.mp_wrappers, 'multi_tensor_l2norm'),
                                 reason='the C++ extension mp_wrappers._C is not built')
@@ -20,6 +21,7 @@ def _launches(host, kernel):
 
 @pytest.mark.parametrize('per_tensor', [False, True])
 def test_l2norm_cleanup_stores_each_norm_once(host, per_tensor):
+    representative(host, per_tensor)
     xs = _rand(host.sizes(), torch.float32, 61)
     host.module.traffic_reset()
     host.ops.multi_tensor_l2norm(xs, per_tensor)
@@ -59,7 +61,10 @@ def test_lamb_norms_load_each_element_once(host):
 @pytest.mark.parametrize('op,kernel', [('multi_tensor_novograd_', 'novograd_norms'),
                                        ('multi_tensor_lamb_', 'lamb_ratio')])
 def test_per_tensor_kernels_launch_one_thread_per_tensor(host, op, kernel):
-    """ceil(n / per_tensor_threads) blocks: n one less than, equal to, one more than a block."""
+    """ceil(n / per_tensor_threads) blocks: n one less than, equal to, one more than a block.
+    Tiny geometry only: 129 tensors at 512 OS threads per block are minutes in the real one, and
+    the launch arithmetic is the same there."""
+    representative(host, False)
     threads = host.geometry['per_tensor_threads']
     for n in (threads - 1, threads, threads + 1):
         st = _host_state(op, [3] * n, OPT_DTYPES[0], seed=64, shift=0)
