@@ -68,7 +68,8 @@ HEADER_DIR = os.path.join(CSRC, 'include', 'mp_wrappers', 'cuda')
 TESTS = ['tests/kernels/test_cuda_host.py', 'tests/kernels/test_cuda_host_lean.py',
          'tests/kernels/test_cuda_host_planner.py', 'tests/kernels/test_cuda_host_adam8bit.py',
          'tests/kernels/test_cuda_host_alignment.py', 'tests/kernels/test_cuda_host_traffic.py',
-         'tests/kernels/test_cuda_host_boundaries.py', 'tests/kernels/test_cuda_host_lean_traffic.py']
+         'tests/kernels/test_cuda_host_boundaries.py',
+         'tests/kernels/test_cuda_host_lean_traffic.py']
 # The host tests that exercise a file's code, run first (most of its mutants die there); a file not
 # named here starts with test_cuda_host.py, which calls every other kernel.
 PRIMARY_TESTS = {'multi_tensor_adam8bit.cu': 'tests/kernels/test_cuda_host_adam8bit.py',
