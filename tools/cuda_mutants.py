@@ -415,9 +415,9 @@ def run_tests(module: str, workdir: str, timeout: float, groups: List[List[str]]
     for tests in groups:
         try:
             # --capture=sys: a sanitizer's report, written to fd 2 before the abort, reaches stderr.
-            p = subprocess.run([sys.executable, '-m', 'pytest', '-x', '-q', '-p', 'no:cacheprovider',
-                                '--capture=sys', *tests], cwd=ROOT, env=env, capture_output=True,
-                               text=True, timeout=timeout)
+            p = subprocess.run([sys.executable, '-m', 'pytest', '-x', '-q', '-p',
+                                'no:cacheprovider', '--capture=sys', *tests], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return 'killed', time.time() - t0, f'timeout after {timeout:.0f} s', tests
         lines = [ln for ln in p.stdout.strip().split('\n') if ln.strip()]
@@ -432,7 +432,7 @@ def run_tests(module: str, workdir: str, timeout: float, groups: List[List[str]]
     return 'survived', time.time() - t0, last, [t for g in groups for t in g]
 
 
-# ---- the results, kept between runs -----------------------------------------------------------------
+# ---- the results, kept between runs ----------------------------------------------------------
 
 _IMPORT = re.compile(r'^(?:from|import) (\w+)', flags=re.M)
 
