@@ -405,8 +405,8 @@ def test_order(mutant: Mutant, tests: List[str]) -> List[List[str]]:
 
 def run_tests(module: str, workdir: str, timeout: float, groups: List[List[str]]) -> tuple:
     """(status, seconds, detail, tests) of the host tests on ``module``, group after group, each
-    stopping at its first failure: killed by the first group that fails (``tests``), else survived
-    (``tests``: all of them)."""
+    stopping at its first failure: killed by the first group that fails (``tests``: the file of the
+    failed test, or the group when the process died), else survived (``tests``: all of them)."""
     env = dict(os.environ, PYTHONPATH=ROOT, MP_WRAPPERS_CUDA_HOST_MODULE=module,
                MP_WRAPPERS_CUDA_HOST_VARIANTS='tiny',
                # gcov data of the tree's objects go under the workdir, not the tree's build.
@@ -428,7 +428,10 @@ def run_tests(module: str, workdir: str, timeout: float, groups: List[List[str]]
         if not failed:  # the process died: a sanitizer's or the interpreter's last word
             failed = [ln.strip() for ln in (p.stdout + p.stderr).split('\n')
                       if 'runtime error' in ln or 'Fatal Python error' in ln][:1]
-        return 'killed', time.time() - t0, (failed[0] if failed else last)[:200], tests
+        # Killed by a named test: its file alone decides the outcome (tests are independent).
+        path = failed[0].split()[1].split('::')[0] if failed and '::' in failed[0] else None
+        return ('killed', time.time() - t0, (failed[0] if failed else last)[:200],
+                [path] if path in tests else tests)
     return 'survived', time.time() - t0, last, [t for g in groups for t in g]
 
 
@@ -473,7 +476,8 @@ class Results:
     after every mutant (an interrupted run loses at most the one it was running).
 
     ``tests`` are the test files the outcome depends on, and ``key`` covers them: for a killed
-    mutant the group that killed it (tests added elsewhere cannot revive it), for a survivor every
+    mutant the file of the test that failed, or the group that killed it when the process died
+    (tests changed elsewhere cannot revive it), for a survivor every
     test of its run, for one that does not compile none.
     """
 

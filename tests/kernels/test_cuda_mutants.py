@@ -164,3 +164,21 @@ def test_report_counts_every_mutant_per_file(mutants, tmp_path):
     text = (tmp_path / 'report.md').read_text()
     assert '| multi_tensor_sgd.cu | %d | 1 | 1 | 0 | 0 | %d |' % (len(sgd), len(sgd) - 2) in text
     assert all(f'`{m.id}`' in text for m, *_ in rows)
+
+
+def test_a_kill_depends_on_the_failed_tests_file_only(monkeypatch):
+    groups = [['tests/kernels/test_cuda_host.py'],
+              ['tests/kernels/test_cuda_host_lean.py', 'tests/kernels/test_cuda_host_traffic.py']]
+    outputs = iter([(0, '10 passed'), (1, 'FAILED tests/kernels/test_cuda_host_traffic.py::t[tiny]'
+                                          '\n1 failed, 5 passed')])
+
+    def fake_run(*args, **kwargs):
+        rc, out = next(outputs)
+        return cm.subprocess.CompletedProcess(args, rc, out, '')
+    monkeypatch.setattr(cm.subprocess, 'run', fake_run)
+    status, _, detail, tests = cm.run_tests('m.so', '/tmp', 10, groups)
+    assert (status, tests) == ('killed', ['tests/kernels/test_cuda_host_traffic.py'])
+    assert detail.startswith('FAILED tests/kernels/test_cuda_host_traffic.py::t')
+    # The process died (no test named): the whole group decided it.
+    outputs = iter([(-6, 'Fatal Python error: Aborted')])
+    assert cm.run_tests('m.so', '/tmp', 10, groups[:1])[3] == groups[0]
