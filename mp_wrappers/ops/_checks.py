@@ -135,3 +135,25 @@ def _check_step(op: str, step: Tensor, device: torch.device) -> None:
     _check_scalar(op, 'step', step, device, optional=False)
     if not step.is_contiguous():
         raise ValueError(f'{op}: step must be contiguous')
+
+
+def _check_seed(op: str, seed: int) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f'{op}: seed must be an int, got {seed!r}')
+
+
+def _check_adam_scalars(op: str, lr: float, beta1: float, beta2: float, eps: float,
+                        weight_decay: float, step: Tensor, grad_scale: Optional[Tensor],
+                        found_inf: Optional[Tensor], device: torch.device,
+                        seed: Optional[int] = None) -> None:
+    """The hyperparameters and scalar tensors of an Adam op, in the order errors are reported
+    (``seed``: the lean ops' stochastic-rounding seed, checked when given)."""
+    _check_lr(op, lr)
+    _check_betas(op, (beta1, beta2))
+    _check_nonnegative(op, 'eps', eps)
+    _check_nonnegative(op, 'weight_decay', weight_decay)
+    if seed is not None:
+        _check_seed(op, seed)
+    _check_step(op, step, device)
+    _check_scalar(op, 'grad_scale', grad_scale, device)
+    _check_scalar(op, 'found_inf', found_inf, device)

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from .. import compat
-from ._checks import (_check_betas, _check_lr, _check_nonnegative, _check_scalar, _check_step,
-                      check_tensor_lists)
+from ._checks import (_check_adam_scalars, _check_lr, _check_nonnegative, _check_scalar,
+                      _check_seed, _check_step, check_tensor_lists)
 from ._dispatch import run
 from .reference.lean import LEAN_STORAGES
 
@@ -67,11 +67,6 @@ def _check_lean(op: str, storage: str, params: List[Tensor], aux: List[Tensor],
     return device
 
 
-def _check_seed(op: str, seed: int) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f'{op}: seed must be an int, got {seed!r}')
-
-
 def multi_tensor_adam_lean(params: Sequence[Tensor], aux: Sequence[Tensor],
                            grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
                            exp_avg_sqs: Sequence[Tensor], step: Tensor, lr: float, beta1: float,
@@ -105,14 +100,8 @@ def multi_tensor_adam_lean(params: Sequence[Tensor], aux: Sequence[Tensor],
     exp_avgs, exp_avg_sqs = list(exp_avgs), list(exp_avg_sqs)
     device = _check_lean(op, storage, params, aux, grads,
                          [('exp_avgs', exp_avgs), ('exp_avg_sqs', exp_avg_sqs)])
-    _check_lr(op, lr)
-    _check_betas(op, (beta1, beta2))
-    _check_nonnegative(op, 'eps', eps)
-    _check_nonnegative(op, 'weight_decay', weight_decay)
-    _check_seed(op, seed)
-    _check_step(op, step, device)
-    _check_scalar(op, 'grad_scale', grad_scale, device)
-    _check_scalar(op, 'found_inf', found_inf, device)
+    _check_adam_scalars(op, lr, beta1, beta2, eps, weight_decay, step, grad_scale, found_inf,
+                        device, seed=seed)
     if params:
         run('multi_tensor_adam_lean_', device, params, aux, grads, exp_avgs, exp_avg_sqs, step,
              float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),

@@ -16,10 +16,9 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ._checks import (_check_betas, _check_lists, _check_lr, _check_nonnegative, _check_scalar,
-                      _check_step)
+from ._checks import _check_adam_scalars, _check_lists
 from ._dispatch import _op_has_kernel, run
-from .lean import _check_lean, _check_seed
+from .lean import _check_lean
 from .reference.quant import BLOCK_SIZE, num_blocks
 
 __all__ = ['multi_tensor_adam8bit', 'multi_tensor_adam8bit_lean', 'BLOCK_SIZE', 'num_blocks', 'check_quantized_device',
@@ -56,6 +55,20 @@ def check_quantized_device(owner: str, device: torch.device,
         f"{owner}: 8-bit optimizer states (state_dtype='int8') run on CPU tensors, and on CUDA "
         f"tensors with a build that has CUDA kernels; got tensors on {device} and {why}. Use "
         f"state_dtype='float32' on {device.type}")
+
+
+def _checked_states(op: str, params: List[Tensor], device: torch.device, *states: Sequence[Tensor]
+                    ) -> List[List[Tensor]]:
+    """The four state lists (codes and absmaxes of m, then of v) as lists, checked against
+    ``params``."""
+    kinds = (('exp_avgs', torch.uint8, int), ('exp_avg_absmaxes', torch.float32, num_blocks),
+             ('exp_avg_sqs', torch.uint8, int), ('exp_avg_sq_absmaxes', torch.float32, num_blocks))
+    lists = []
+    for tensors, (name, dtype, numel) in zip(states, kinds, strict=True):
+        tensors = list(tensors)
+        _check_state(op, name, tensors, params, dtype, numel, device)
+        lists.append(tensors)
+    return lists
 
 
 def _check_state(op: str, name: str, tensors: List[Tensor], params: List[Tensor],
@@ -104,22 +117,10 @@ def multi_tensor_adam8bit(params: Sequence[Tensor], grads: Sequence[Tensor],
     device = _check_lists(op, ('params', 'grads', 'model_params'), [params, grads, model_params],
                           allow_empty=('model_params',))
     check_quantized_device(op, device)
-    states = ((exp_avgs, 'exp_avgs', torch.uint8, int),
-              (exp_avg_absmaxes, 'exp_avg_absmaxes', torch.float32, num_blocks),
-              (exp_avg_sqs, 'exp_avg_sqs', torch.uint8, int),
-              (exp_avg_sq_absmaxes, 'exp_avg_sq_absmaxes', torch.float32, num_blocks))
-    lists = []
-    for tensors, name, dtype, numel in states:
-        tensors = list(tensors)
-        _check_state(op, name, tensors, params, dtype, numel, device)
-        lists.append(tensors)
-    _check_lr(op, lr)
-    _check_betas(op, (beta1, beta2))
-    _check_nonnegative(op, 'eps', eps)
-    _check_nonnegative(op, 'weight_decay', weight_decay)
-    _check_step(op, step, device)
-    _check_scalar(op, 'grad_scale', grad_scale, device)
-    _check_scalar(op, 'found_inf', found_inf, device)
+    lists = _checked_states(op, params, device, exp_avgs, exp_avg_absmaxes, exp_avg_sqs,
+                            exp_avg_sq_absmaxes)
+    _check_adam_scalars(op, lr, beta1, beta2, eps, weight_decay, step, grad_scale, found_inf,
+                        device)
     if params:
         run('multi_tensor_adam8bit_', device, params, grads, *lists, model_params, step,
              float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
@@ -148,24 +149,10 @@ def multi_tensor_adam8bit_lean(params: Sequence[Tensor], aux: Sequence[Tensor],
     params, aux, grads = list(params), list(aux), list(grads)
     device = _check_lean(op, storage, params, aux, grads, [])
     check_quantized_device(op, device, storage)
-    lists = []
-    for tensors, name, dtype, numel in ((exp_avgs, 'exp_avgs', torch.uint8, int),
-                                        (exp_avg_absmaxes, 'exp_avg_absmaxes', torch.float32,
-                                         num_blocks),
-                                        (exp_avg_sqs, 'exp_avg_sqs', torch.uint8, int),
-                                        (exp_avg_sq_absmaxes, 'exp_avg_sq_absmaxes', torch.float32,
-                                         num_blocks)):
-        tensors = list(tensors)
-        _check_state(op, name, tensors, params, dtype, numel, device)
-        lists.append(tensors)
-    _check_lr(op, lr)
-    _check_betas(op, (beta1, beta2))
-    _check_nonnegative(op, 'eps', eps)
-    _check_nonnegative(op, 'weight_decay', weight_decay)
-    _check_seed(op, seed)
-    _check_step(op, step, device)
-    _check_scalar(op, 'grad_scale', grad_scale, device)
-    _check_scalar(op, 'found_inf', found_inf, device)
+    lists = _checked_states(op, params, device, exp_avgs, exp_avg_absmaxes, exp_avg_sqs,
+                            exp_avg_sq_absmaxes)
+    _check_adam_scalars(op, lr, beta1, beta2, eps, weight_decay, step, grad_scale, found_inf,
+                        device, seed=seed)
     if params:
         run('multi_tensor_adam8bit_lean_', device, params, aux, grads, *lists, step, float(lr),
             float(beta1), float(beta2), float(eps), float(weight_decay), bool(adam_w_mode),
