@@ -46,12 +46,10 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import nn
 
+from ..sharding import is_dtensor
+
 __all__ = ['ShardedShadow', 'FlatShardShadow', 'has_sharded_deepcopy', 'install_sharded_deepcopy',
            'install_flat_shard_deepcopy']
-
-
-def _is_dtensor(t: Any) -> bool:
-    return type(t).__name__ == 'DTensor' and hasattr(t, 'placements')
 
 
 class ShardedShadow(nn.Module):
@@ -98,8 +96,8 @@ class ShardedShadow(nn.Module):
         for name, p in self._parameters.items():
             key = prefix + name
             value = state_dict.get(key)
-            if p is not None and _is_dtensor(p) and torch.is_tensor(value) and \
-                    not _is_dtensor(value) and value.shape == p.shape:
+            if p is not None and is_dtensor(p) and torch.is_tensor(value) and \
+                    not is_dtensor(value) and value.shape == p.shape:
                 state_dict[key] = distribute_tensor(value.to(p.dtype), p.device_mesh, p.placements)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -127,15 +125,17 @@ class FlatShardShadow(ShardedShadow):
         object.__setattr__(out, '_via', self._via)
         return out
 
-    def _through_model(self, action: Callable[[], Any]) -> Any:
-        """Run ``action`` with this average in the model's tensors, then put theirs back."""
+    def _through_model(self, action: Callable[[], Any], read_back: bool = False) -> Any:
+        """Run ``action`` with this average in the model's tensors (``read_back``: then take what
+        the action left there as the new average), then put the model's own values back."""
         source, _ = self._via
         live = list(itertools.chain(source.parameters(), source.buffers()))
         own = list(itertools.chain(self.parameters(), self.buffers()))
         kept = _exchange(live, own)
         try:
             result = action()
-            _exchange(own, live)  # what a load put into the model is the new average
+            if read_back:
+                _exchange(own, live)
         finally:
             _exchange(live, kept)
         return result
@@ -163,7 +163,8 @@ class FlatShardShadow(ShardedShadow):
         ours = {k[len(prefix):]: state_dict.pop(k) for k in list(state_dict)
                 if k.startswith(prefix)}
         # the strategy set the model's state dict type ('full' or 'local') when it wrapped it
-        result = self._through_model(lambda: strategy.model.load_state_dict(ours, strict=False))
+        result = self._through_model(lambda: strategy.model.load_state_dict(ours, strict=False),
+                                     read_back=True)
         missing += [prefix + k for k in result.missing_keys]
         unexpected += [prefix + k for k in result.unexpected_keys]
 

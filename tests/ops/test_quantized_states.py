@@ -271,13 +271,15 @@ def _isa_run(isa, threads):
 @needs_kernel
 @pytest.mark.skipif(backend()['cpu'] not in ('cpp-avx512', 'cpp-avx2'),
                     reason='needs a CPU with at least AVX2 (two flavours to compare)')
-def test_isa_flavours_and_thread_counts_agree():
+@pytest.mark.parametrize('op', ['adam8bit', 'adam8bit_lean'])
+def test_isa_flavours_and_thread_counts_agree(op):
     from mp_wrappers.ops._extension import extension
+    run = _isa_run if op == 'adam8bit' else _lean_isa_run
     isas = ('avx512', 'avx2', 'baseline')
     isas = isas[isas.index(extension().cpu_isa_hardware()):]
-    want = _isa_run(isas[0], 2)
+    want = run(isas[0], 2)
     for isa in isas:
-        got = _isa_run(isa, 1)
+        got = run(isa, 1)
         for setup in want:
             _assert_equal(got[setup], want[setup], f'{isa} {setup}')
 
@@ -469,20 +471,6 @@ def _lean_isa_run(isa, threads):
     finally:
         ext._set_cpu_isa(previous)
         torch.set_num_threads(before)
-
-
-@needs_kernel
-@pytest.mark.skipif(backend()['cpu'] not in ('cpp-avx512', 'cpp-avx2'),
-                    reason='needs a CPU with at least AVX2 (two flavours to compare)')
-def test_lean_isa_flavours_and_thread_counts_agree():
-    from mp_wrappers.ops._extension import extension
-    isas = ('avx512', 'avx2', 'baseline')
-    isas = isas[isas.index(extension().cpu_isa_hardware()):]
-    want = _lean_isa_run(isas[0], 2)
-    for isa in isas:
-        got = _lean_isa_run(isa, 1)
-        for case in want:
-            _assert_equal(got[case], want[case], f'{isa} {case}')
 
 
 def _lean_args(storage='kahan', **change):
