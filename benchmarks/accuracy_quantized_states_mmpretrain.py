@@ -15,11 +15,14 @@ After training, the final checkpoint is evaluated once more outside the Runner f
 cross-entropy (mmpretrain's ``Accuracy`` logs top-1 only): the model built from the same config,
 the checkpoint's fp32 weights loaded and cast to bf16 as O2 trains it (norm layers fp32), logits
 cast to fp32 for the loss. The optimizer state of the checkpoint gives the count of params with
-8-bit moments and the state bytes.
+8-bit moments and the state bytes (with ``--master-weights split|kahan|stochastic``, lean bf16
+params without fp32 masters, those bytes include the lean storage's per-param optimizer state: the
+low half of 'split', the compensation of 'kahan').
 
 Run (one arm per call, or both; prints a Markdown table row per arm):
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/accuracy_quantized_states_mmpretrain.py \\
-        --work-dir work_dirs/q8_resnet --states float32 int8 --epochs 10 --seed 0
+        --work-dir work_dirs/q8_resnet --states float32 int8 --epochs 10 --seed 0 \\
+        [--master-weights kahan]
 """
 import argparse
 import glob
@@ -55,7 +58,7 @@ val_dataloader = dict(
                  pipeline=test_pipeline))
 test_dataloader = val_dataloader
 optim_wrapper = dict(
-    type='mp_wrappers.ApexOptimWrapper', opt_level='O2', dtype='bfloat16',
+    type='mp_wrappers.ApexOptimWrapper', opt_level='O2', dtype='bfloat16',{masters}
     optimizer=dict(_delete_=True, type='mp_wrappers.FusedAdam', lr=2e-3, weight_decay=0.05,
                    state_dtype='{states}'))
 param_scheduler = [
@@ -103,10 +106,12 @@ def make_digits_folder(root: str) -> str:
 def write_config(work_dir: str, data: str, states: str, args) -> str:
     shipped = osp.join(mmpretrain_mim(), 'configs', 'resnet', 'resnet18_8xb16_cifar10.py')
     path = osp.join(work_dir, f'resnet18_digits_{states}.py')
+    # fp32 masters are O2's default; a lean mode is the one line docs/user_guide.md section 10 adds
+    masters = '' if args.master_weights == 'fp32' else f" master_weights='{args.master_weights}',"
     with open(path, 'w') as f:
         f.write(CONFIG.format(shipped=shipped, width=args.width, head_in=8 * args.width, data=data,
                               states=states, epochs=args.epochs, seed=args.seed,
-                              val_interval=args.val_interval))
+                              val_interval=args.val_interval, masters=masters))
     return path
 
 
@@ -179,18 +184,22 @@ def main() -> None:
     parser.add_argument('--val-interval', type=int, default=5)
     parser.add_argument('--width', type=int, default=32)
     parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--master-weights', default='fp32',
+                        choices=['fp32', 'split', 'kahan', 'stochastic'],
+                        help="O2's fp32 masters, or a lean bf16 storage (no fp32 master)")
     args = parser.parse_args()
     root = osp.abspath(args.work_dir)
     os.makedirs(root, exist_ok=True)
     data = make_digits_folder(osp.join(root, 'data'))
     print(f'# {platform.processor() or platform.machine()}, torch {torch.__version__}, '
           f'OMP_NUM_THREADS={os.environ.get("OMP_NUM_THREADS", "1")}, seed {args.seed}, '
-          f'width {args.width}, {args.epochs} epochs')
+          f'width {args.width}, {args.epochs} epochs, masters {args.master_weights}')
     print('| states | seed | val top-1 per val (log) | top-1 | val CE | int8 params / params '
           '| state bytes (B/param) | wall s |')
     print('|---|---|---|---|---|---|---|---|')
     for states in args.states:
-        work_dir = osp.join(root, f'{states}_seed{args.seed}')
+        masters = '' if args.master_weights == 'fp32' else f'{args.master_weights}_'
+        work_dir = osp.join(root, f'{masters}{states}_seed{args.seed}')
         os.makedirs(work_dir, exist_ok=True)
         config = write_config(work_dir, data, states, args)
         seconds = train(config, work_dir)
