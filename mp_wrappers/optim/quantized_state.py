@@ -36,7 +36,7 @@ Note [8-bit states under FSDP]
     move by one ulp, docs/quantized_states.md). Lifting this needs blocks laid out per original
     param and rank and a gather of the codes with their absmax in FSDP's state-dict path.
 """
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -46,11 +46,12 @@ from ..ops.quantized_states import check_quantized_device
 from ..ops.reference.quant import (EXP_AVG_CODE, EXP_AVG_SQ_CODE, dequantize_blockwise,
                                    quantize_blockwise)
 from . import layout
+from . import quantized_shards as shards
 from .buckets import _Bucket
 from .lean import AUX_STATE_KEYS
 
 __all__ = ['QuantizedStateMixin', 'STATE_DTYPES', 'DEFAULT_MIN_8BIT_SIZE', 'ABSMAX_KEYS',
-           'check_not_sharded']
+           'check_8bit_sharding']
 
 #: The values of ``state_dtype`` (FusedAdam's argument and a param group's override).
 STATE_DTYPES = ('float32', 'bfloat16', 'int8')
@@ -62,18 +63,19 @@ _CODES = {'exp_avg': EXP_AVG_CODE, 'exp_avg_sq': EXP_AVG_SQ_CODE}
 _GROUP_STATE_DTYPES = ('float32', 'int8')
 
 
-def check_not_sharded(optimizer: torch.optim.Optimizer, kind: str) -> None:
-    """Refuse an optimizer with 8-bit states in any param group over FSDP shards.
+def check_8bit_sharding(optimizer: torch.optim.Optimizer, kind: str) -> None:
+    """Refuse an optimizer with 8-bit states in any param group over FSDP1 flat shards (FSDP2 is
+    fine: Note [8-bit states under FSDP]).
 
     Args:
         optimizer: Any optimizer; only :class:`QuantizedStateMixin` ones can hold 8-bit states.
         kind: ``'fsdp1'`` or ``'fsdp2'`` (:attr:`mp_wrappers.sharding.Sharding.kind`).
 
     Raises:
-        NotImplementedError: a param group would keep 8-bit moments (Note [8-bit states under
-            FSDP]), naming the config line to change.
+        NotImplementedError: FSDP1 and a param group would keep 8-bit moments, naming the config
+            line to change.
     """
-    if not isinstance(optimizer, QuantizedStateMixin):
+    if kind != 'fsdp1' or not isinstance(optimizer, QuantizedStateMixin):
         return
     default = 'int8' if optimizer.int8_states else 'float32'
     groups = [i for i, g in enumerate(optimizer.param_groups)
@@ -81,10 +83,11 @@ def check_not_sharded(optimizer: torch.optim.Optimizer, kind: str) -> None:
     if groups:
         raise NotImplementedError(
             f"{type(optimizer).__name__}: state_dtype='int8' (8-bit optimizer states, param "
-            f'groups {groups}) is not supported under {kind.upper()} (sharded params and their '
-            'checkpoints have no 8-bit path yet, docs/quantized_states.md). Set '
+            f'groups {groups}) is not supported under FSDP1 (its flat shards cut the 256-element '
+            'blocks anywhere, docs/quantized_states.md). Set '
             "optim_wrapper.optimizer.state_dtype='float32' in the config (and remove "
-            "state_dtype='int8' from paramwise_cfg), or train without FSDP")
+            "state_dtype='int8' from paramwise_cfg), or shard with FSDP2 "
+            "(model_wrapper_cfg=dict(type='mp_wrappers.FullyShardedModel'))")
 
 
 class QuantizedStateMixin:
@@ -96,6 +99,8 @@ class QuantizedStateMixin:
 
     int8_states: bool = False
     min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE
+    #: local-shard address -> FSDP2 param (:meth:`_state_of`)
+    _shard_owners: Dict[int, Tensor] = {}
 
     def _init_quantized(self, state_dtype: Any, min_8bit_size: int, capturable: bool) -> Any:
         """Record the int8 choice; return the ``state_dtype`` for the lean storages."""
@@ -144,17 +149,24 @@ class QuantizedStateMixin:
     # ---- which params, and their state -----------------------------------------------------------
     def _wants_8bit(self, param: Tensor, group: Dict[str, Any]) -> bool:
         default = 'int8' if self.int8_states else 'float32'
-        return (group.get('state_dtype', default) == 'int8'
-                and param.numel() >= self.min_8bit_size)
+        if group.get('state_dtype', default) != 'int8' or param.numel() < self.min_8bit_size:
+            return False
+        # A DTensor's numel and shape are global: every rank and rank count decides alike.
+        if is_dtensor(param) and not shards.blocks_follow_shards(param):
+            shards.log_ineligible(self, param)
+            return False
+        return True
 
     def _check_8bit_param(self, param: Tensor) -> None:
         name = type(self).__name__
         storage = self.bf16_storage if self._lean_8bit(param) else None
         check_quantized_device(name, param.device, storage)
-        if is_dtensor(param) or not layout.is_dense(param):
-            raise ValueError(f"{name}: state_dtype='int8' needs plain dense params (got a "
-                             f'{type(param).__name__} of shape {tuple(param.shape)}); keep its '
-                             "group at state_dtype='float32'")
+        # FSDP2 shards are contiguous (Note [8-bit blocks on FSDP2 shards]); say so if one is not.
+        dense = shards.local(param).is_contiguous() if is_dtensor(param) else layout.is_dense(param)
+        if not dense:
+            raise ValueError(f"{name}: state_dtype='int8' needs dense params (got a "
+                             f'{type(param).__name__} of shape {tuple(param.shape)} and strides '
+                             f"{param.stride()}); keep its group at state_dtype='float32'")
 
     def _lean_8bit(self, param: Tensor) -> bool:
         """Whether ``param`` is a bf16 param stepped with its lean storage (LeanStorageMixin)."""
@@ -170,27 +182,50 @@ class QuantizedStateMixin:
 
     def _state_dtype(self, key: str, param: Tensor) -> torch.dtype:
         if key in ABSMAX_KEYS:
-            state = self.state.get(param)  # type: ignore[attr-defined]
+            # an FSDP2 param's local shard (the slot's target) is no key of the state: its owner is
+            state = self.state.get(param) or self._shard_state(param)  # type: ignore[attr-defined]
             codes = state.get(key) if state else None
             if codes is not None and codes.dtype == torch.uint8:
                 return torch.uint8
         return super()._state_dtype(key, param)  # type: ignore[misc]
 
     def _quantize_moments(self, param: Tensor, state: Dict[str, Any]) -> None:
+        sharded = is_dtensor(param)  # then on the local shards (Note [8-bit blocks on FSDP2 shards])
+        target = shards.local(param) if sharded else param
         for key, absmax_key in ABSMAX_KEYS.items():
-            value = state[key]
+            value = self._local_state(param, state[key], key) if sharded else state[key]
             flat = layout.flat(value) if layout.is_dense(value) else value.reshape(-1)
             codes, absmax = quantize_blockwise(flat.to(torch.float32), _CODES[key])
-            state[key] = layout.like(param, torch.uint8)
+            state[key] = layout.like(target, torch.uint8)
             layout.flat(state[key]).copy_(codes)
             state[absmax_key] = absmax.to(param.device)
+            if sharded:
+                state[key] = shards.like_param(param, state[key])
+                state[absmax_key] = shards.absmax_like(param, state[absmax_key])
 
     def _dequantize_moments(self, param: Tensor, state: Dict[str, Any]) -> None:
+        sharded = is_dtensor(param)
+        target = shards.local(param) if sharded else param
         for key, absmax_key in ABSMAX_KEYS.items():
-            codes = state[key]
-            values = dequantize_blockwise(layout.flat(codes), state.pop(absmax_key), _CODES[key])
-            state[key] = layout.like(param, torch.float32)
+            codes, absmax = state[key], state.pop(absmax_key)
+            if sharded:
+                codes = self._local_state(param, codes, key)
+                absmax = self._local_state(param, absmax, absmax_key)
+            values = dequantize_blockwise(layout.flat(codes), absmax.reshape(-1), _CODES[key])
+            state[key] = layout.like(target, torch.float32)
             layout.flat(state[key]).copy_(values)
+            if sharded:
+                state[key] = shards.like_param(param, state[key])
+
+    def _local_state(self, param: Tensor, value: Tensor, key: str) -> Tensor:
+        """This rank's part of state ``key`` of DTensor ``param``, which must be a DTensor too."""
+        if not is_dtensor(value):
+            raise ValueError(f'{type(self).__name__}: state {key!r} of a DTensor (FSDP2) param of '
+                             f'shape {tuple(param.shape)} is a plain tensor of shape '
+                             f'{tuple(value.shape)}; load sharded optimizer state with '
+                             'torch.distributed.checkpoint.state_dict.set_optimizer_state_dict '
+                             '(mp_wrappers.distributed.checkpoint), which keeps it sharded')
+        return shards.local(value)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load, then quantize or dequantize each param's moments to what it wants now."""
@@ -209,7 +244,9 @@ class QuantizedStateMixin:
                             raise ValueError(f'{name}.load_state_dict: the 8-bit state of param '
                                              f'{i} of its group lacks {absmax_key!r} or has '
                                              f'{key!r} of another dtype')
-                        state[absmax_key] = absmax.to(device=param.device, dtype=torch.float32)
+                        absmax = absmax.to(device=param.device, dtype=torch.float32)
+                        # one per block: a consolidated FSDP2 checkpoint's are one row per param row
+                        state[absmax_key] = absmax if is_dtensor(absmax) else absmax.reshape(-1)
                 want = self._wants_8bit(param, group)
                 if want and not has:
                     self._check_8bit_param(param)
@@ -250,13 +287,11 @@ class QuantizedStateMixin:
         """The 8-bit op on the bucket's slots ``eight``: ``multi_tensor_adam8bit_``, or its lean
         form for bf16 params with a ``bf16_storage`` (the aux state in the same pass)."""
         g = bucket.group
-        states = [self._state_of(bucket, i) for i in eight]
+        absmax = [self._absmax_of(bucket, i) for i in eight]
         beta1, beta2 = g['betas']
         lists = ([bucket.params[i] for i in eight], [bucket.grads[i] for i in eight],
-                 [bucket.states['exp_avg'][i] for i in eight],
-                 [s['exp_avg_absmax'] for s in states],
-                 [bucket.states['exp_avg_sq'][i] for i in eight],
-                 [s['exp_avg_sq_absmax'] for s in states])
+                 [bucket.states['exp_avg'][i] for i in eight], [a[0] for a in absmax],
+                 [bucket.states['exp_avg_sq'][i] for i in eight], [a[1] for a in absmax])
         hyper = (float(g['lr']), float(beta1), float(beta2), float(g['eps']),
                  float(g['weight_decay']), bool(g['adam_w_mode']), bool(g['bias_correction']))
         # The kernel checks its lists again; the optimizer built them (as _call_op's other ops).
@@ -274,16 +309,48 @@ class QuantizedStateMixin:
             bucket, *lists, models, step, *hyper, grad_scale, found_inf,
             op='multi_tensor_adam8bit_')
 
-    def _state_of(self, bucket: _Bucket, i: int) -> Dict[str, Any]:
-        """The state of slot ``i``: its param is the state's key, or a flat view of it (a
-        channels_last param), found by its storage address."""
+    def _absmax_of(self, bucket: _Bucket, i: int) -> Tuple[Tensor, Tensor]:
+        """The absmax of both moments of slot ``i`` (local shards of an FSDP2 param's)."""
         param = bucket.params[i]
-        state = self.state.get(param)  # type: ignore[attr-defined]
+        if not param.numel():  # a rank holding no rows of an FSDP2 param: no block to update
+            empty = torch.empty(0, dtype=torch.float32, device=param.device)
+            return empty, empty
+        state = self._state_of(bucket, i)
+        m, v = state['exp_avg_absmax'], state['exp_avg_sq_absmax']
+        if type(m) is Tensor:  # noqa: E721 - plain tensors, the common case, skip the DTensor check
+            return m, v
+        return shards.local(m).view(-1), shards.local(v).view(-1)
+
+    def _state_of(self, bucket: _Bucket, i: int) -> Dict[str, Any]:
+        """The state of slot ``i``: its param is the state's key, or a view of it found by its
+        storage address (a channels_last param's flat view, an FSDP2 param's local shard)."""
+        param = bucket.params[i]
+        state = self.state.get(param) or self._shard_state(param)  # type: ignore[attr-defined]
         if state:
             return state
         ptr = param.data_ptr()
         for p in bucket.group['params']:
-            if p.data_ptr() == ptr and p in self.state:  # type: ignore[attr-defined]
+            if not is_dtensor(p) and p.data_ptr() == ptr and p in self.state:  # type: ignore
                 return self.state[p]  # type: ignore[attr-defined]
         raise RuntimeError(f'{type(self).__name__}: no 8-bit state found for a param of '
                            f'{param.numel()} elements')
+
+    def _shard_state(self, local_param: Tensor) -> Optional[Dict[str, Any]]:
+        """The state of the FSDP2 param whose local shard ``local_param`` is, or None.
+
+        The local shard of a parameter DTensor is a new view at each ``to_local()``: found by its
+        storage address, and the DTensor remembered by that address, so the params are scanned
+        once (again when a param's shard moved), not at every step. An empty shard (a rank
+        holding no rows) has no address of its own: None, and with nothing to update the slot may
+        go with the float32 ones.
+        """
+        if not local_param.numel():
+            return None
+        ptr = local_param.data_ptr()
+        owner = self._shard_owners.get(ptr)
+        if owner is None or shards.local(owner).data_ptr() != ptr:
+            locals_ = ((shards.local(p), p) for group in self.param_groups  # type: ignore
+                       for p in group['params'] if is_dtensor(p))
+            self._shard_owners = {t.data_ptr(): p for t, p in locals_ if t.numel()}
+            owner = self._shard_owners.get(ptr)
+        return self.state.get(owner) if owner is not None else None  # type: ignore[attr-defined]

@@ -256,26 +256,28 @@ def test_cuda_params_step_like_the_cpu(device):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=ka)
 
 
-def test_sharded_models_are_refused_naming_the_config_line():
-    """Note [8-bit states under FSDP]: any group that would keep 8-bit moments is refused; a
-    FusedAdam whose groups all say float32, and other optimizers, pass. (The wrappers call this in
-    optim_context: tests/runner/test_fsdp_runner.py runs it through torchrun and the Runner.)"""
-    from mp_wrappers.optim.quantized_state import check_not_sharded
+def test_fsdp1_is_refused_naming_the_config_line():
+    """Note [8-bit states under FSDP]: under FSDP1 any group that would keep 8-bit moments is
+    refused; a FusedAdam whose groups all say float32, other optimizers, and FSDP2 pass (FSDP2
+    runs: tests/runner/test_fsdp2_8bit.py). (The wrappers call this in optim_context:
+    tests/runner/test_fsdp_runner.py runs it through torchrun and the Runner.)"""
+    from mp_wrappers.optim.quantized_state import check_8bit_sharding
     model = _mlp()
     with pytest.raises(NotImplementedError, match=r"FusedAdam: state_dtype='int8' \(8-bit optimizer "
                                                   r"states, param groups \[0\]\) is not supported "
                                                   r"under FSDP1.*optim_wrapper.optimizer.state_dtype="
-                                                  r"'float32'"):
-        check_not_sharded(FusedAdam(model.parameters(), state_dtype='int8'), 'fsdp1')
+                                                  r"'float32'.*mp_wrappers.FullyShardedModel"):
+        check_8bit_sharding(FusedAdam(model.parameters(), state_dtype='int8'), 'fsdp1')
     first, *rest = model.parameters()
     groups = [dict(params=[first], state_dtype='int8'), dict(params=rest)]
     with pytest.raises(NotImplementedError, match=r'param groups \[0\]\) is not supported under '
-                                                  r'FSDP2.*remove state_dtype=.int8. from paramwise'):
-        check_not_sharded(FusedAdam(groups), 'fsdp2')
-    check_not_sharded(FusedAdam([dict(params=model.parameters(), state_dtype='float32')],
-                                state_dtype='int8'), 'fsdp1')
-    check_not_sharded(FusedAdam(model.parameters()), 'fsdp1')
-    check_not_sharded(torch.optim.SGD(model.parameters(), lr=0.1), 'fsdp2')
+                                                  r'FSDP1.*remove state_dtype=.int8. from paramwise'):
+        check_8bit_sharding(FusedAdam(groups), 'fsdp1')
+    check_8bit_sharding(FusedAdam(groups), 'fsdp2')
+    check_8bit_sharding(FusedAdam([dict(params=model.parameters(), state_dtype='float32')],
+                                  state_dtype='int8'), 'fsdp1')
+    check_8bit_sharding(FusedAdam(model.parameters()), 'fsdp1')
+    check_8bit_sharding(torch.optim.SGD(model.parameters(), lr=0.1), 'fsdp1')
 
 
 # ---- the wrappers ----------------------------------------------------------------------------------

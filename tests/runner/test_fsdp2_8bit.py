@@ -1,0 +1,290 @@
+"""8-bit Adam moments under FSDP2 on CPU with gloo (Note [8-bit blocks on FSDP2 shards] in
+mp_wrappers/optim/quantized_shards.py).
+
+``FusedAdam(state_dtype='int8', min_8bit_size=512)`` over a model whose params cover every case:
+rows of 256 and 512 elements split unevenly over 2 ranks ((3, 512): 2 rows and 1), a rank holding
+no rows ((1, 512)), and params that keep float32 moments under FSDP2 (rows of 12 elements, 1-D).
+The gradients are the same seeded full tensors in every run (each rank takes its rows), so the
+sharded optimizer is compared with one process bit for bit, codes and absmax included:
+
+* 2 ranks equal one unsharded process for the 8-bit params; the others get float32 moments.
+* A DCP checkpoint written by 2 ranks resumes bitwise on 2 ranks and on 1 (re-sliced by DCP).
+* A skipped step (``found_inf``) leaves codes, absmax, params and step counters unchanged.
+* The sharded int8 state loads into a float32-state FusedAdam (dequantized) and back (quantized).
+* The wrapper under FSDP2 (ApexOptimWrapper O2 bf16 over FSDP's fp32 shards) no longer refuses
+  int8 and trains. (Through mmengine's Runner and a config: tests/runner/test_fsdp_runner.py.)
+"""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import torchrun
+from test_fsdp import _free_port
+
+STEPS = 4  # a checkpoint after 2
+EIGHT_BIT = ('l2.weight', 'l3.weight', 'l4.weight')
+FP32_UNDER_FSDP2 = ('l1.weight', 'l2.bias')  # rows of 12 elements; 1-D (both >= 512 elements)
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = nn.Linear(12, 256), nn.Linear(256, 512)
+        self.l3, self.l4 = nn.Linear(512, 3), nn.Linear(512, 1, bias=False)
+
+    def forward(self, x):
+        h = F.relu(self.l2(F.relu(self.l1(x))))
+        return self.l3(h) + self.l4(h)
+
+
+def _shard(model, mesh=None, policy=None):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    kw = dict(mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
+    for layer in (model.l1, model.l2, model.l3, model.l4):
+        fully_shard(layer, **kw)
+    return fully_shard(model, **kw)
+
+
+def _adam(model, state_dtype='int8'):
+    from mp_wrappers import FusedAdam
+    return FusedAdam(model.parameters(), lr=0.01, weight_decay=0.01, state_dtype=state_dtype,
+                     min_8bit_size=512)
+
+
+def _grads(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return {n: torch.randn(p.shape, generator=g) for n, p in _Net().named_parameters()}
+
+
+def _steps(model, opt, first, last):
+    """Steps ``first..last-1`` with the seeded full gradients (a DTensor param gets its rows)."""
+    from torch.distributed.tensor import distribute_tensor
+    from mp_wrappers.sharding import is_dtensor
+    for step in range(first, last):
+        grads = _grads(step)
+        for name, p in model.named_parameters():
+            g = grads[name]
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements) if is_dtensor(p) else g
+        opt.step()
+        opt.zero_grad()
+
+
+def _full(t):
+    from mp_wrappers.sharding import is_dtensor
+    return (t.full_tensor() if is_dtensor(t) else t).detach().clone()
+
+
+def _record(model, opt):
+    """Full params and optimizer state by name (DTensors gathered)."""
+    out = {}
+    for name, p in model.named_parameters():
+        state = opt.state[p]
+        out[name] = dict(param=_full(p), **{k: _full(v) for k, v in state.items()})
+    return out
+
+
+def _ckpt(path, model, opt, load=False):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = dict(model=model_sd, optim=optim_sd)
+    if not load:
+        dcp.save(state, checkpoint_id=path)
+        return
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state['model'], optim_state_dict=state['optim'])
+
+
+def _skip_case(model, opt):
+    """A step with found_inf set: nothing of the 8-bit state (local shards) may move."""
+    from mp_wrappers.sharding import local_tensor
+    _steps(model, opt, 0, 1)
+    before = {id(t): local_tensor(t).clone() for p in model.parameters()
+              for t in (p, *opt.state[p].values())}
+    grads = _grads(1)
+    from torch.distributed.tensor import distribute_tensor
+    for name, p in model.named_parameters():
+        p.grad = distribute_tensor(grads[name], p.device_mesh, p.placements)
+    opt.step(found_inf=torch.ones(1))
+    return all(torch.equal(local_tensor(t), before[id(t)]) for p in model.parameters()
+               for t in (p, *opt.state[p].values()))
+
+
+def _conversion_case(model, opt):
+    """The sharded int8 state into a float32-state FusedAdam and back, in memory."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, \
+        set_optimizer_state_dict
+    _steps(model, opt, 0, 2)
+    int8 = _record(model, opt)
+    fp32_opt = _adam(model, 'float32')
+    set_optimizer_state_dict(model, fp32_opt, get_optimizer_state_dict(model, opt))
+    fp32 = _record(model, fp32_opt)
+    back_opt = _adam(model, 'int8')
+    set_optimizer_state_dict(model, back_opt, get_optimizer_state_dict(model, fp32_opt))
+    back = _record(model, back_opt)
+    placements = {n: (type(back_opt.state[p]['exp_avg']).__name__,
+                      str(back_opt.state[p]['exp_avg_absmax'].placements))
+                  for n, p in model.named_parameters() if n in EIGHT_BIT}
+    return dict(int8=int8, fp32=fp32, back=back, placements=placements)
+
+
+def _wrapper_case(rank):
+    """ApexOptimWrapper O2 bf16 over FSDP's fp32 shards with int8 states: trains, no refusal."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from mp_wrappers import ApexOptimWrapper
+    model = _shard(_Net(), policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                       reduce_dtype=torch.float32))
+    wrapper = ApexOptimWrapper(_adam(model), opt_level='O2', dtype='bfloat16', verbosity=0)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 12, generator=g), torch.randint(0, 3, (8,), generator=g)
+    losses = []
+    for _ in range(3):
+        with wrapper.optim_context(model):
+            out = model(x[rank * 4:(rank + 1) * 4])
+        loss = F.cross_entropy(out.float(), y[rank * 4:(rank + 1) * 4])
+        wrapper.update_params(loss)
+        losses.append(float(loss))
+    dtypes = {n: wrapper.optimizer.state[p]['exp_avg'].dtype for n, p in model.named_parameters()}
+    return dict(losses=losses, dtypes=dtypes)
+
+
+def _sharded_cases(rank, tmp):
+    ckpt = os.path.join(tmp, 'ckpt')
+    model = _shard(_Net())
+    opt = _adam(model)
+    _steps(model, opt, 0, 2)
+    _ckpt(ckpt, model, opt)
+    _steps(model, opt, 2, STEPS)
+    out = dict(straight=_record(model, opt))
+    out['local_rows'] = {n: p.to_local().shape[0] for n, p in model.named_parameters()}
+    model = _shard(_Net())
+    opt = _adam(model)
+    _ckpt(ckpt, model, opt, load=True)
+    _steps(model, opt, 2, STEPS)
+    out['resumed'] = _record(model, opt)
+    model = _shard(_Net())
+    out['skip_unchanged'] = _skip_case(model, _adam(model))
+    model = _shard(_Net())
+    out['conversion'] = _conversion_case(model, _adam(model))
+    out['wrapper'] = _wrapper_case(rank)
+    return out
+
+
+def _one_process_cases(tmp):
+    """One unsharded process (the reference), and the 2 ranks' checkpoint resumed on 1 rank."""
+    model = _Net()
+    opt = _adam(model)
+    _steps(model, opt, 0, STEPS)
+    out = dict(reference=_record(model, opt))
+    model = _shard(_Net())
+    opt = _adam(model)
+    _ckpt(os.path.join(tmp, 'ckpt'), model, opt, load=True)
+    _steps(model, opt, 2, STEPS)
+    out['resumed_on_1'] = _record(model, opt)
+    return out
+
+
+def _worker(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group('gloo', rank=rank, world_size=world)
+    try:
+        result = _sharded_cases(rank, out_dir) if world == 2 else _one_process_cases(out_dir)
+        torch.save(result, os.path.join(out_dir, f'world{world}_rank{rank}.pt'))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp('fsdp2_8bit')
+    results = {}
+    for world in (2, 1):  # the 1-rank resume reads the 2 ranks' checkpoint
+        files = [out / f'world{world}_rank{r}.pt' for r in range(world)]
+        torchrun.spawn(_worker, lambda w=world: (w, _free_port(), str(out)), world, files)
+        results[world] = [torch.load(f, weights_only=False) for f in files]
+    return results
+
+
+def _assert_equal(a, b, names=None):
+    for name in names or a:
+        assert a[name].keys() == b[name].keys(), name
+        for key in a[name]:
+            x, y = a[name][key], b[name][key]
+            if key.endswith('absmax'):  # one row per param row under FSDP2; flat in one process
+                x, y = x.reshape(-1), y.reshape(-1)
+            assert x.dtype == y.dtype and torch.equal(x, y), (name, key)
+
+
+def test_shards_split_rows_unevenly_and_a_rank_may_hold_none(runs):
+    rows = [r['local_rows'] for r in runs[2]]
+    assert (rows[0]['l3.weight'], rows[1]['l3.weight']) == (2, 1)
+    assert (rows[0]['l4.weight'], rows[1]['l4.weight']) == (1, 0)
+
+
+def test_eight_bit_params_match_one_process_bitwise(runs):
+    ref = runs[1][0]['reference']
+    for r in runs[2]:
+        got = r['straight']
+        for name in EIGHT_BIT:
+            assert got[name]['exp_avg'].dtype == torch.uint8, name
+            assert got[name]['exp_avg_absmax'].shape == (got[name]['param'].shape[0],
+                                                          got[name]['param'][0].numel() // 256)
+        _assert_equal(got, ref, EIGHT_BIT)
+
+
+def test_params_whose_blocks_would_straddle_shards_keep_float32_moments(runs):
+    ref = runs[1][0]['reference']
+    for name in FP32_UNDER_FSDP2:
+        assert ref[name]['exp_avg'].dtype == torch.uint8, name  # 8-bit without sharding
+        for r in runs[2]:
+            state = r['straight'][name]
+            assert state['exp_avg'].dtype == torch.float32 and 'exp_avg_absmax' not in state
+            # fp32 moments against the reference's 8-bit ones: within a step's lr after 4 steps
+            torch.testing.assert_close(state['param'], ref[name]['param'], rtol=0, atol=0.01)
+
+
+def test_checkpoint_of_2_ranks_resumes_bitwise_on_2_and_on_1(runs):
+    straight = runs[2][0]['straight']
+    for r in runs[2]:
+        _assert_equal(r['resumed'], straight)
+    _assert_equal(runs[1][0]['resumed_on_1'], straight)
+
+
+def test_skipped_step_leaves_codes_and_absmax_unchanged(runs):
+    assert all(r['skip_unchanged'] for r in runs[2])
+
+
+def test_sharded_int8_state_converts_to_float32_and_back(runs):
+    from mp_wrappers.ops.reference.quant import (EXP_AVG_CODE, EXP_AVG_SQ_CODE,
+                                                 dequantize_blockwise)
+    codes = {'exp_avg': EXP_AVG_CODE, 'exp_avg_sq': EXP_AVG_SQ_CODE}
+    for r in runs[2]:
+        c = r['conversion']
+        for name in EIGHT_BIT:
+            int8, fp32, back = c['int8'][name], c['fp32'][name], c['back'][name]
+            assert c['placements'][name] == ('DTensor', '(Shard(dim=0),)')
+            for key, code in codes.items():
+                values = dequantize_blockwise(int8[key].reshape(-1),
+                                              int8[key + '_absmax'].reshape(-1), code)
+                assert fp32[key].dtype == torch.float32 and 'exp_avg_absmax' not in fp32
+                assert torch.equal(fp32[key].reshape(-1), values), (name, key)
+                # requantized: the same codes but where an absmax moved by one ulp
+                assert back[key].dtype == torch.uint8
+                assert (back[key] != int8[key]).float().mean() < 0.01, (name, key)
+                torch.testing.assert_close(back[key + '_absmax'], int8[key + '_absmax'],
+                                           rtol=1e-6, atol=0)
+
+
+def test_wrapper_under_fsdp2_trains_with_int8_states(runs):
+    for r in runs[2]:
+        w = r['wrapper']
+        assert all(torch.isfinite(torch.tensor(w['losses'])))
+        assert w['losses'][-1] < w['losses'][0]
+        assert {n for n, d in w['dtypes'].items() if d == torch.uint8} == set(EIGHT_BIT)
+    assert runs[2][0]['wrapper']['losses'] != runs[2][1]['wrapper']['losses']  # own batches
