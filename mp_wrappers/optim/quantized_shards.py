@@ -70,7 +70,8 @@ def local(t: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def like_param(param: Tensor, values: Tensor) -> Tensor:
-    """A DTensor laid out as ``param`` whose local tensor is ``values`` (the local shard's shape)."""
+    """A DTensor laid out as ``param`` whose local tensor is ``values`` (as many elements as
+    ``param``'s local shard)."""
     from torch.distributed.tensor import DTensor
     return DTensor.from_local(values.reshape(local(param).shape), param.device_mesh,
                               param.placements, run_check=False, shape=param.shape,

@@ -18,23 +18,30 @@ With a ``bf16_storage`` (the lean bf16 masters, a wrapper's ``master_weights='sp
 storage's aux state in the same pass (CPU only: lean bf16 params with 8-bit moments on another
 device are refused when the storage is set or the group added, before any step).
 
+FSDP2 params (DTensors) keep 8-bit moments where their blocks never straddle shards, as DTensors
+placed like the param (:mod:`.quantized_shards`, Note [8-bit blocks on FSDP2 shards]); the others
+keep float32 moments.
+
 Refused with ``state_dtype='int8'``: ``master_weights=True``, ``capturable=True`` (a tensor lr),
 params on a device without the 8-bit kernel (CUDA params with a build that has no CUDA kernels,
-:func:`~mp_wrappers.ops.quantized_states.check_quantized_device`) and params that are neither dense
-nor plain tensors (e.g. FSDP2 DTensors), and a model sharded by FSDP1 or FSDP2
-(:func:`check_not_sharded`, Note [8-bit states under FSDP]).
+:func:`~mp_wrappers.ops.quantized_states.check_quantized_device`), non-dense params, and a model
+sharded by FSDP1 (:func:`check_8bit_sharding`, Note [8-bit states under FSDP]).
 
 Note [8-bit states under FSDP]
-    Refused for FSDP1 and FSDP2 alike, by the wrappers in ``optim_context`` (before the first
-    forward, so before any step), naming the config line to change. FSDP2 params are DTensors,
-    which the 8-bit update has no path for. FSDP1 (``use_orig_params=True``, as the shipped configs
-    and mmengine use it) hands the optimizer each param's local 1-D shard, whose size differs per
-    rank (a param may be int8 on one rank and under ``min_8bit_size`` on another), and its 'full'
-    optimizer state dict all-gathers every state tensor shaped like the param shard: a per-block
-    absmax (one per 256 elements of the *local* shard) has no such shape, so a full checkpoint
-    could hold 8-bit states only dequantized, and resuming would not be bitwise (an absmax may
-    move by one ulp, docs/quantized_states.md). Lifting this needs blocks laid out per original
-    param and rank and a gather of the codes with their absmax in FSDP's state-dict path.
+    FSDP2 works (Note [8-bit blocks on FSDP2 shards]): it shards each param on dim 0, so a shard
+    is whole rows of the param and, for rows of a multiple of 256 elements, whole blocks. FSDP1 is
+    refused, by the wrappers in ``optim_context`` (before the first forward, so before any step),
+    naming the config line to change. FSDP1 (``use_orig_params=True``, as the shipped configs and
+    mmengine use it) flattens a unit's params into one flat parameter and hands each rank an equal
+    1-D slice of it: a param's local piece starts at an arbitrary element offset, which the 256-
+    element blocks of the whole param straddle, and its size differs per rank (a param may be int8
+    on one rank and under ``min_8bit_size`` on another). Per-rank blocks would make the codes and
+    absmax depend on the rank count, and FSDP1's 'full' optimizer state dict all-gathers every
+    state tensor shaped like the param piece: a per-block absmax has no such shape, so a full
+    checkpoint could hold 8-bit states only dequantized, and resuming would not be bitwise (an
+    absmax may move by one ulp, docs/quantized_states.md). Lifting this needs blocks laid out per
+    original param (padding each piece to a block boundary) and a gather of the codes with their
+    absmax in FSDP1's state-dict path; FSDP2 is the way to shard with 8-bit states.
 """
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -182,15 +189,17 @@ class QuantizedStateMixin:
 
     def _state_dtype(self, key: str, param: Tensor) -> torch.dtype:
         if key in ABSMAX_KEYS:
-            # an FSDP2 param's local shard (the slot's target) is no key of the state: its owner is
-            state = self.state.get(param) or self._shard_state(param)  # type: ignore[attr-defined]
+            state = self.state.get(param)  # type: ignore[attr-defined]
+            if state is None:  # an FSDP2 param's local shard (a slot's target) is no key: its owner
+                state = self._shard_state(param)
             codes = state.get(key) if state else None
             if codes is not None and codes.dtype == torch.uint8:
                 return torch.uint8
         return super()._state_dtype(key, param)  # type: ignore[misc]
 
     def _quantize_moments(self, param: Tensor, state: Dict[str, Any]) -> None:
-        sharded = is_dtensor(param)  # then on the local shards (Note [8-bit blocks on FSDP2 shards])
+        # a DTensor's on its local shards (Note [8-bit blocks on FSDP2 shards])
+        sharded = is_dtensor(param)
         target = shards.local(param) if sharded else param
         for key, absmax_key in ABSMAX_KEYS.items():
             value = self._local_state(param, state[key], key) if sharded else state[key]
@@ -325,7 +334,9 @@ class QuantizedStateMixin:
         """The state of slot ``i``: its param is the state's key, or a view of it found by its
         storage address (a channels_last param's flat view, an FSDP2 param's local shard)."""
         param = bucket.params[i]
-        state = self.state.get(param) or self._shard_state(param)  # type: ignore[attr-defined]
+        state = self.state.get(param)  # type: ignore[attr-defined]
+        if state is None:
+            state = self._shard_state(param)
         if state:
             return state
         ptr = param.data_ptr()

@@ -151,6 +151,30 @@ def test_state_dict_is_small_and_resume_is_bitwise():
     _assert_states_equal(_states(opt), _states(opt2))
 
 
+def test_absmax_of_a_consolidated_fsdp2_checkpoint_is_flattened_back():
+    """Under FSDP2 an absmax is (rows, row / 256) (Note [8-bit blocks on FSDP2 shards]); a
+    consolidated checkpoint of it loads into an unsharded optimizer and resumes bitwise."""
+    batches = _batches(4)
+    model = _mlp()
+    opt = FusedAdam(model.parameters(), state_dtype='int8', **ADAMW)
+    _train(model, opt, batches[:2])
+    saved = _roundtrip(opt.state_dict())[0]
+    for state in saved['state'].values():
+        if 'exp_avg_absmax' in state:  # 32 blocks each, 2-D as a consolidated checkpoint has them
+            for key in ('exp_avg_absmax', 'exp_avg_sq_absmax'):
+                state[key] = state[key].reshape(2, -1)
+    model_sd = copy.deepcopy(model.state_dict())
+    _train(model, opt, batches[2:])
+    resumed = _mlp(seed=5)
+    resumed.load_state_dict(model_sd)
+    opt2 = FusedAdam(resumed.parameters(), state_dtype='int8', **ADAMW)
+    opt2.load_state_dict(saved)
+    assert all(s['exp_avg_absmax'].dim() == 1 for s in opt2.state.values() if 'exp_avg_absmax' in s)
+    _train(resumed, opt2, batches[2:])
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+
+
 def _fp32_state_dict():
     model = _mlp()
     opt = FusedAdam(model.parameters(), **ADAMW)

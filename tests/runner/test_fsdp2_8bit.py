@@ -12,7 +12,14 @@ sharded optimizer is compared with one process bit for bit, codes and absmax inc
 * A skipped step (``found_inf``) leaves codes, absmax, params and step counters unchanged.
 * The sharded int8 state loads into a float32-state FusedAdam (dequantized) and back (quantized).
 * The wrapper under FSDP2 (ApexOptimWrapper O2 bf16 over FSDP's fp32 shards) no longer refuses
-  int8 and trains. (Through mmengine's Runner and a config: tests/runner/test_fsdp_runner.py.)
+  int8 and trains.
+* Through torchrun, tools/train.py and mmengine's Runner:
+  ``configs/digits/cnn_fsdp2_apex_O2_bf16.py`` plus ``optim_wrapper.optimizer.state_dtype=int8``
+  trains 2 epochs on 2 ranks, its DCP checkpoints hold the head's codes and absmax (the
+  convolutions, rows of 9 and 288 elements, keep float32 moments), and ``--resume`` of epoch 1
+  ends bitwise equal to the uninterrupted run.
+* A plain (unsharded) optimizer state dict loaded straight into the sharded optimizer is refused,
+  naming the sharded loader.
 """
 import os
 
@@ -24,6 +31,7 @@ from torch import nn
 
 import torchrun
 from test_fsdp import _free_port
+from test_fsdp_runner import torchrun_runs
 
 STEPS = 4  # a checkpoint after 2
 EIGHT_BIT = ('l2.weight', 'l3.weight', 'l4.weight')
@@ -186,6 +194,15 @@ def _one_process_cases(tmp):
     _ckpt(os.path.join(tmp, 'ckpt'), model, opt, load=True)
     _steps(model, opt, 2, STEPS)
     out['resumed_on_1'] = _record(model, opt)
+    # a plain (unsharded) optimizer state dict loaded straight into the sharded optimizer
+    plain = _Net()
+    plain_opt = _adam(plain, 'float32')
+    _steps(plain, plain_opt, 0, 1)
+    model = _shard(_Net())
+    try:
+        _adam(model).load_state_dict(plain_opt.state_dict())
+    except ValueError as exc:
+        out['plain_state_error'] = str(exc)
     return out
 
 
@@ -256,6 +273,12 @@ def test_checkpoint_of_2_ranks_resumes_bitwise_on_2_and_on_1(runs):
     _assert_equal(runs[1][0]['resumed_on_1'], straight)
 
 
+def test_plain_state_for_a_sharded_param_is_refused_naming_the_sharded_loader(runs):
+    msg = runs[1][0].get('plain_state_error', '')
+    assert "FusedAdam: state 'exp_avg' of a DTensor (FSDP2) param of shape (512, 256) is a plain " \
+           'tensor of shape (512, 256)' in msg and 'set_optimizer_state_dict' in msg, msg
+
+
 def test_skipped_step_leaves_codes_and_absmax_unchanged(runs):
     assert all(r['skip_unchanged'] for r in runs[2])
 
@@ -288,3 +311,30 @@ def test_wrapper_under_fsdp2_trains_with_int8_states(runs):
         assert w['losses'][-1] < w['losses'][0]
         assert {n for n, d in w['dtypes'].items() if d == torch.uint8} == set(EIGHT_BIT)
     assert runs[2][0]['wrapper']['losses'] != runs[2][1]['wrapper']['losses']  # own batches
+
+
+RUNNER_OPTIONS = ['train_cfg.max_epochs=2', 'train_cfg.val_interval=1',
+                  'default_hooks.checkpoint.interval=1', 'optim_wrapper.optimizer.state_dtype=int8']
+
+
+def _runner_spec(tmp, name, resume=None):
+    return dict(work_dir=tmp / name, result=tmp / f'{name}.pt', accumulate=1,
+                config='configs/digits/cnn_fsdp2_apex_O2_bf16.py', options=RUNNER_OPTIONS,
+                extra=['--resume', str(resume)] if resume else [])
+
+
+def test_runner_config_trains_saves_and_resumes_int8_states_bitwise(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+    epoch_1 = tmp_path / 'a' / 'epoch_1.pth'
+    (a, _), (b, _) = torchrun_runs(2, _runner_spec(tmp_path, 'a'),
+                                   _runner_spec(tmp_path, 'b', resume=epoch_1))
+    keys = FileSystemReader(str(epoch_1)).read_metadata().state_dict_metadata
+    codes = {k: m for k, m in keys.items() if k.startswith('optimizer.state.')
+             and k.endswith('.exp_avg')}
+    absmax = {k: m.size for k, m in keys.items() if k.endswith('.exp_avg_absmax')}
+    assert absmax == {'optimizer.state.head.weight.exp_avg_absmax': torch.Size([10, 4])}
+    assert codes['optimizer.state.head.weight.exp_avg'].properties.dtype == torch.uint8
+    assert codes['optimizer.state.features.3.weight.exp_avg'].properties.dtype == torch.float32
+    assert a['iters'] == b['iters'] and a['scale'] == b['scale'] and a['skipped'] == b['skipped']
+    for p, q in zip(a['params'], b['params'], strict=True):
+        assert torch.equal(p, q)

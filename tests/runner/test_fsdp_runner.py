@@ -277,13 +277,12 @@ def test_full_checkpoint_of_two_ranks_resumes_on_one_process_without_fsdp(runs, 
             assert torch.equal(value, saved['optimizer']['state'][name][key]), (name, key)
 
 
-@pytest.mark.parametrize('config,kind', [('configs/digits/cnn_fsdp_apex_O2_bf16.py', 'FSDP1'),
-                                         ('configs/digits/cnn_fsdp2_apex_O2_bf16.py', 'FSDP2')])
-def test_int8_optimizer_states_are_refused_before_the_first_step(tmp_path, config, kind):
-    """FusedAdam(state_dtype='int8') under FSDP1/FSDP2 (Note [8-bit states under FSDP] in
+def test_int8_optimizer_states_are_refused_before_the_first_step(tmp_path):
+    """FusedAdam(state_dtype='int8') under FSDP1 (Note [8-bit states under FSDP] in
     mp_wrappers/optim/quantized_state.py): the shipped config with the one line a user would add,
     2 gloo ranks, refused in optim_context on every rank, before the first forward and step,
-    naming the config line to change."""
+    naming the config line to change. (FSDP2 runs it: tests/runner/test_fsdp2_8bit.py.)"""
+    config, kind = 'configs/digits/cnn_fsdp_apex_O2_bf16.py', 'FSDP1'
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=os.pathsep.join(
         [REPO, os.environ.get('PYTHONPATH', '')]))
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',

@@ -10,6 +10,9 @@ the same global batch (computed in each worker), as in tests/runner/test_fsdp.py
   checkpoint (DCP) resumes bitwise.
 * mmengine's EMA of the HSDP model (Note [EMA of a sharded model]): sharded like it, equal to one
   process's bit for bit.
+* ``FusedAdam(state_dtype='int8')`` on the HSDP mesh (tests/runner/test_fsdp2_8bit.py's model and
+  seeded gradients): the 8-bit params' codes and absmax (DTensors placed like the params) and the
+  params equal one process's bit for bit.
 * A 2-D mesh laid out otherwise (``(Shard(0), Shard(0))``) is refused, naming HSDP's layout.
 * FSDP1 ``ShardingStrategy.HYBRID_SHARD`` on the same 2-D mesh: FP16OptimWrapper over FSDP's fp32
   shards (bf16 compute) with FusedSGD and clipping, against one process.
@@ -121,6 +124,19 @@ def _refused(mesh):
     return None
 
 
+def _int8_case(mesh):
+    from test_fsdp2_8bit import STEPS, _adam, _Net, _record, _shard, _steps
+    model = _shard(_Net(), mesh)
+    opt = _adam(model)
+    _steps(model, opt, 0, STEPS)
+    placements = {n: str(opt.state[p]['exp_avg_absmax'].placements)
+                  for n, p in model.named_parameters() if 'exp_avg_absmax' in opt.state[p]}
+    ref = _Net()
+    ref_opt = _adam(ref)
+    _steps(ref, ref_opt, 0, STEPS)
+    return dict(sharded=_record(model, opt), ref=_record(ref, ref_opt), placements=placements)
+
+
 def _worker(rank, port, out_dir):
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -128,7 +144,8 @@ def _worker(rank, port, out_dir):
     try:
         mesh = _mesh()
         result = dict(fsdp2=_fsdp2_cases(rank, mesh, out_dir), fsdp1=_fsdp1_hybrid(rank, mesh),
-                      refused=_refused(mesh), ema=_ema_case(rank, WORLD, lambda m: _hsdp(m, mesh)))
+                      refused=_refused(mesh), ema=_ema_case(rank, WORLD, lambda m: _hsdp(m, mesh)),
+                      int8=_int8_case(mesh))
         torch.save(result, os.path.join(out_dir, f'rank{rank}.pt'))
     finally:
         dist.destroy_process_group()
@@ -196,3 +213,10 @@ def test_other_2d_layouts_are_refused_with_the_supported_one(ranks):
 
 def test_ema_of_hsdp_model_matches_single_process(ranks):
     check_ema(ranks)
+
+
+def test_int8_states_on_hsdp_match_one_process_bitwise(ranks):
+    from test_fsdp2_8bit import EIGHT_BIT, _assert_equal
+    for r in ranks:
+        assert r['int8']['placements'] == {n: '(Replicate(), Shard(dim=0))' for n in EIGHT_BIT}
+        _assert_equal(r['int8']['sharded'], r['int8']['ref'], EIGHT_BIT)
