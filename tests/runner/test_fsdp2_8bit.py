@@ -17,7 +17,9 @@ sharded optimizer is compared with one process bit for bit, codes and absmax inc
   ``configs/digits/cnn_fsdp2_apex_O2_bf16.py`` plus ``optim_wrapper.optimizer.state_dtype=int8``
   trains 2 epochs on 2 ranks, its DCP checkpoints hold the head's codes and absmax (the
   convolutions, rows of 9 and 288 elements, keep float32 moments), and ``--resume`` of epoch 1
-  ends bitwise equal to the uninterrupted run.
+  ends bitwise equal to the uninterrupted run; on 1 rank, resuming the DCP directory (re-sliced)
+  and the same consolidated into one file (``tools/consolidate_checkpoint.py --resumable``) end
+  bitwise equal.
 * A plain (unsharded) optimizer state dict loaded straight into the sharded optimizer is refused,
   naming the sharded loader.
 """
@@ -325,9 +327,17 @@ def _runner_spec(tmp, name, resume=None):
 
 def test_runner_config_trains_saves_and_resumes_int8_states_bitwise(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
+    from test_runner_checkpoint import _consolidate
     epoch_1 = tmp_path / 'a' / 'epoch_1.pth'
     (a, _), (b, _) = torchrun_runs(2, _runner_spec(tmp_path, 'a'),
                                    _runner_spec(tmp_path, 'b', resume=epoch_1))
+    # 2 -> 1 rank: the DCP directory (re-sliced) and the same consolidated into one file agree
+    full = _consolidate(epoch_1, tmp_path / 'epoch_1_full.pth', '--resumable')
+    (c, _), (d, _) = torchrun_runs(1, _runner_spec(tmp_path, 'c', resume=epoch_1),
+                                   _runner_spec(tmp_path, 'd', resume=full))
+    assert c['world_size'] == 1 and c['iters'] == d['iters'] > a['iters']  # twice the steps
+    for p, q in zip(c['params'], d['params'], strict=True):
+        assert torch.equal(p, q)
     keys = FileSystemReader(str(epoch_1)).read_metadata().state_dict_metadata
     codes = {k: m for k, m in keys.items() if k.startswith('optimizer.state.')
              and k.endswith('.exp_avg')}
