@@ -23,6 +23,7 @@ sharded optimizer is compared with one process bit for bit, codes and absmax inc
 * A plain (unsharded) optimizer state dict loaded straight into the sharded optimizer is refused,
   naming the sharded loader.
 """
+import logging
 import os
 
 import pytest
@@ -163,14 +164,26 @@ def _wrapper_case(rank):
     return dict(losses=losses, dtypes=dtypes)
 
 
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def _sharded_cases(rank, tmp):
     ckpt = os.path.join(tmp, 'ckpt')
     model = _shard(_Net())
     opt = _adam(model)
+    records = _Records()
+    logging.getLogger('mp_wrappers.optim.quantized_shards').addHandler(records)
     _steps(model, opt, 0, 2)
+    logging.getLogger('mp_wrappers.optim.quantized_shards').removeHandler(records)
     _ckpt(ckpt, model, opt)
     _steps(model, opt, 2, STEPS)
-    out = dict(straight=_record(model, opt))
+    out = dict(straight=_record(model, opt), logged=records.messages)
     out['local_rows'] = {n: p.to_local().shape[0] for n, p in model.named_parameters()}
     model = _shard(_Net())
     opt = _adam(model)
@@ -266,6 +279,14 @@ def test_params_whose_blocks_would_straddle_shards_keep_float32_moments(runs):
             assert state['exp_avg'].dtype == torch.float32 and 'exp_avg_absmax' not in state
             # fp32 moments against the reference's 8-bit ones: within a step's lr after 4 steps
             torch.testing.assert_close(state['param'], ref[name]['param'], rtol=0, atol=0.01)
+
+
+def test_float32_moments_under_fsdp2_are_logged_once(runs):
+    for r in runs[2]:
+        assert len(r['logged']) == 1, r['logged']
+        assert ("FusedAdam: state_dtype='int8' under FSDP2 keeps float32 moments for params whose "
+                '256-element blocks would straddle shards') in r['logged'][0]
+        assert 'shape (256, 12) with placements (Shard(dim=0),)' in r['logged'][0]
 
 
 def test_checkpoint_of_2_ranks_resumes_bitwise_on_2_and_on_1(runs):
