@@ -62,9 +62,13 @@ def log_ineligible(owner: object, param: Tensor) -> None:
 
 def local(t: Optional[Tensor]) -> Optional[Tensor]:
     """The local tensor of a DTensor (the same storage), other tensors as they are."""
-    from ..sharding import is_dtensor
-    if t is None or not is_dtensor(t):
+    if t is None or type(t) is Tensor:  # noqa: E721 - plain tensors skip the DTensor import
         return t
+    from ..sharding import is_dtensor
+    if not is_dtensor(t):
+        return t
+    if not torch.is_grad_enabled():  # a step: already under no_grad
+        return t.to_local()
     with torch.no_grad():
         return t.to_local()
 
