@@ -165,6 +165,19 @@ def _optimizer_state(root: nn.Module, wrapper: Any) -> Dict[str, Any]:
     return state
 
 
+# DCP loads into templates of this run's optimizer state: 8-bit moments (codes + absmax) and
+# float32 ones do not convert there, only in load_state_dict of a consolidated checkpoint.
+_STATE_DTYPE_HINT = (
+    "(the checkpoint's and this run's optimizer state dtypes differ: 8-bit moments carry "
+    "'*_absmax' entries. Resume with the checkpoint's optim_wrapper.optimizer.state_dtype, or "
+    'consolidate it with tools/consolidate_checkpoint.py --resumable and resume from that file, '
+    'which converts the moments)')
+
+
+def _eight_bit(keys) -> bool:
+    return any(k.startswith('optimizer.') and k.endswith('_absmax') for k in keys)
+
+
 def _build_checkpoint(runner: Any, save_optimizer: bool, save_param_scheduler: bool,
                       meta: Dict[str, Any]) -> Dict[str, Any]:
     """mmengine's ``Runner.save_checkpoint`` dict, with FSDP2 state kept sharded."""
@@ -281,10 +294,12 @@ def _load_tensors(path: str, runner: Any, optimizer: bool) -> Dict[str, Any]:
     missing = sorted(k for k in asked if k not in saved)
     if missing:
         raise KeyError(f'{path} lacks {len(missing)} entries the model has: {missing[:8]} '
-                       '(a checkpoint of another model?)')
+                       + (_STATE_DTYPE_HINT if _eight_bit(missing) else
+                          '(a checkpoint of another model?)'))
     unexpected = sorted(k for k in saved if k.split('.')[0] in wanted and k not in asked)
     if unexpected and 'optimizer' in wanted:
-        raise KeyError(f'{path} has {len(unexpected)} entries the model lacks: {unexpected[:8]}')
+        raise KeyError(f'{path} has {len(unexpected)} entries the model lacks: {unexpected[:8]}'
+                       + (' ' + _STATE_DTYPE_HINT if _eight_bit(unexpected) else ''))
     # DCP loads in place: fresh buffers, so that nothing live changes before the hooks have run.
     templates = _clone_tree(templates)
     check_plain_tensors(templates)

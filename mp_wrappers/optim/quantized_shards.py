@@ -29,7 +29,8 @@ from torch import Tensor
 
 from ..ops.reference.quant import BLOCK_SIZE
 
-__all__ = ['blocks_follow_shards', 'log_ineligible', 'local', 'like_param', 'absmax_like']
+__all__ = ['blocks_follow_shards', 'log_ineligible', 'local', 'like_param', 'absmax_like',
+           'local_rows_of_full_absmax']
 
 _LOG = logging.getLogger(__name__)
 
@@ -91,6 +92,23 @@ def absmax_like(param: Tensor, values: Tensor) -> Tensor:
     return DTensor.from_local(values.reshape(rows, shape[1]), param.device_mesh,
                               param.placements, run_check=False, shape=torch.Size(shape),
                               stride=(shape[1], 1))
+
+
+def local_rows_of_full_absmax(param: Tensor, full: Tensor) -> Optional[Tensor]:
+    """This rank's rows of a whole (unsharded) absmax of DTensor ``param``, or None when ``full``
+    is not one (a size other than ``size(0) * row / 256``).
+
+    A consolidated checkpoint loaded into an optimizer whose state for ``param`` is float32 has
+    no absmax template to shard into (torch's ``set_optimizer_state_dict`` distributes only the
+    keys the live state has), so the absmax arrives whole; the rows of this rank's shard are the
+    ones its dequantization needs. No collective: the offset is computed as DTensor splits."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape = _absmax_shape(param)
+    if full.numel() != shape[0] * shape[1]:
+        return None
+    (rows, _), (first, _) = compute_local_shape_and_global_offset(
+        torch.Size(shape), param.device_mesh, param.placements)
+    return full.reshape(shape)[first:first + rows]
 
 
 def _absmax_shape(param: Tensor) -> Tuple[int, int]:

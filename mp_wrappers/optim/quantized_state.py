@@ -67,6 +67,7 @@ DEFAULT_MIN_8BIT_SIZE = 4096
 #: Optimizer-state key of each moment's per-block absmax.
 ABSMAX_KEYS = {'exp_avg': 'exp_avg_absmax', 'exp_avg_sq': 'exp_avg_sq_absmax'}
 _CODES = {'exp_avg': EXP_AVG_CODE, 'exp_avg_sq': EXP_AVG_SQ_CODE}
+_ABSMAX_NAMES = frozenset(ABSMAX_KEYS.values())
 _GROUP_STATE_DTYPES = ('float32', 'int8')
 
 
@@ -227,8 +228,13 @@ class QuantizedStateMixin:
                 state[key] = shards.like_param(param, state[key])
 
     def _local_state(self, param: Tensor, value: Tensor, key: str) -> Tensor:
-        """This rank's part of state ``key`` of DTensor ``param``, which must be a DTensor too."""
+        """This rank's part of state ``key`` of DTensor ``param``: a DTensor too, or a whole
+        absmax (a consolidated checkpoint converted to float32 moments)."""
         if not is_dtensor(value):
+            rows = (shards.local_rows_of_full_absmax(param, value) if key in _ABSMAX_NAMES
+                    else None)
+            if rows is not None:
+                return rows
             raise ValueError(f'{type(self).__name__}: state {key!r} of a DTensor (FSDP2) param of '
                              f'shape {tuple(param.shape)} is a plain tensor of shape '
                              f'{tuple(value.shape)}; load sharded optimizer state with '

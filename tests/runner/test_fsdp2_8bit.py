@@ -25,6 +25,8 @@ sharded optimizer is compared with one process bit for bit, codes and absmax inc
 """
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -34,7 +36,7 @@ from torch import nn
 
 import torchrun
 from test_fsdp import _free_port
-from test_fsdp_runner import torchrun_runs
+from test_fsdp_runner import REPO, torchrun_runs
 
 STEPS = 4  # a checkpoint after 2
 EIGHT_BIT = ('l2.weight', 'l3.weight', 'l4.weight')
@@ -337,12 +339,13 @@ def test_wrapper_under_fsdp2_trains_with_int8_states(runs):
 
 
 RUNNER_OPTIONS = ['train_cfg.max_epochs=2', 'train_cfg.val_interval=1',
-                  'default_hooks.checkpoint.interval=1', 'optim_wrapper.optimizer.state_dtype=int8']
+                  'default_hooks.checkpoint.interval=1']
 
 
-def _runner_spec(tmp, name, resume=None):
+def _runner_spec(tmp, name, resume=None, state_dtype='int8'):
     return dict(work_dir=tmp / name, result=tmp / f'{name}.pt', accumulate=1,
-                config='configs/digits/cnn_fsdp2_apex_O2_bf16.py', options=RUNNER_OPTIONS,
+                config='configs/digits/cnn_fsdp2_apex_O2_bf16.py',
+                options=RUNNER_OPTIONS + [f'optim_wrapper.optimizer.state_dtype={state_dtype}'],
                 extra=['--resume', str(resume)] if resume else [])
 
 
@@ -354,11 +357,15 @@ def test_runner_config_trains_saves_and_resumes_int8_states_bitwise(tmp_path):
                                    _runner_spec(tmp_path, 'b', resume=epoch_1))
     # 2 -> 1 rank: the DCP directory (re-sliced) and the same consolidated into one file agree
     full = _consolidate(epoch_1, tmp_path / 'epoch_1_full.pth', '--resumable')
-    (c, _), (d, _) = torchrun_runs(1, _runner_spec(tmp_path, 'c', resume=epoch_1),
-                                   _runner_spec(tmp_path, 'd', resume=full))
-    assert c['world_size'] == 1 and c['iters'] == d['iters'] > a['iters']  # twice the steps
-    for p, q in zip(c['params'], d['params'], strict=True):
+    # 'e': the consolidated file into float32 moments (load_state_dict dequantizes this rank's
+    # rows of each whole absmax)
+    (c, _), (d, _), (e, _) = torchrun_runs(
+        1, _runner_spec(tmp_path, 'c', resume=epoch_1), _runner_spec(tmp_path, 'd', resume=full),
+        _runner_spec(tmp_path, 'e', resume=full, state_dtype='float32'))
+    assert c['world_size'] == 1 and c['iters'] == d['iters'] == e['iters'] > a['iters']
+    for p, q, r in zip(c['params'], d['params'], e['params'], strict=True):
         assert torch.equal(p, q)
+        assert not torch.equal(p, r) and torch.allclose(p, r, atol=0.05)  # other moments, close
     keys = FileSystemReader(str(epoch_1)).read_metadata().state_dict_metadata
     codes = {k: m for k, m in keys.items() if k.startswith('optimizer.state.')
              and k.endswith('.exp_avg')}
@@ -369,3 +376,17 @@ def test_runner_config_trains_saves_and_resumes_int8_states_bitwise(tmp_path):
     assert a['iters'] == b['iters'] and a['scale'] == b['scale'] and a['skipped'] == b['skipped']
     for p, q in zip(a['params'], b['params'], strict=True):
         assert torch.equal(p, q)
+    # the DCP directory into float32 moments: DCP loads into this run's state, so it is refused
+    # before anything changes, naming both ways out
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=os.pathsep.join(
+        [REPO, os.environ.get('PYTHONPATH', '')]))
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=1',
+           'tools/train.py', 'configs/digits/cnn_fsdp2_apex_O2_bf16.py', '--launcher', 'pytorch',
+           '--work-dir', str(tmp_path / 'f'), '--resume', str(epoch_1), '--cfg-options',
+           *RUNNER_OPTIONS, 'optim_wrapper.optimizer.state_dtype=float32']
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "entries the model lacks: ['optimizer.state.head.weight.exp_avg_absmax'" in out, out[-3000:]
+    assert "Resume with the checkpoint's optim_wrapper.optimizer.state_dtype" in out
+    assert 'consolidate_checkpoint.py --resumable' in out
