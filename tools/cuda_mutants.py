@@ -69,11 +69,13 @@ TESTS = ['tests/kernels/test_cuda_host.py', 'tests/kernels/test_cuda_host_lean.p
          'tests/kernels/test_cuda_host_planner.py', 'tests/kernels/test_cuda_host_adam8bit.py',
          'tests/kernels/test_cuda_host_alignment.py', 'tests/kernels/test_cuda_host_traffic.py',
          'tests/kernels/test_cuda_host_boundaries.py',
-         'tests/kernels/test_cuda_host_lean_traffic.py']
+         'tests/kernels/test_cuda_host_lean_traffic.py',
+         'tests/kernels/test_cuda_host_adam8bit_lean.py']
 # The host tests that exercise a file's code, run first (most of its mutants die there); a file not
 # named here starts with test_cuda_host.py, which calls every other kernel.
 PRIMARY_TESTS = {'multi_tensor_adam8bit.cu': 'tests/kernels/test_cuda_host_adam8bit.py',
                  'multi_tensor_lean.cu': 'tests/kernels/test_cuda_host_lean.py',
+                 'lean_param.cuh': 'tests/kernels/test_cuda_host_lean.py',
                  'multi_tensor_apply.cuh': 'tests/kernels/test_cuda_host_planner.py',
                  'geometry.cuh': 'tests/kernels/test_cuda_host_planner.py'}
 
@@ -86,21 +88,21 @@ EQUIVALENT: Dict[str, str] = {
     'multi_tensor_scale.cu:37:rel:70b8d9ee': _TAIL + 'and 0 is finite (no found_inf)',
     'multi_tensor_scale.cu:81:rel:420d481b': _TAIL + 'and 0 is finite in x and y (no found_inf)',
     # multi_tensor_adam8bit.cu: the boundaries of the codes, where both branches give the same code.
-    'multi_tensor_adam8bit.cu:51:rel:b389cf53': 'code 2^M (the first normal) decoded as a subnormal '
+    'multi_tensor_adam8bit.cu:57:rel:b389cf53': 'code 2^M (the first normal) decoded as a subnormal '
                                                 'is 2^M * 2^(1-B-M) = 2^(1-B), its normal value',
-    'multi_tensor_adam8bit.cu:64:rel:50b71e5f': 'a magnitude equal to MAX is clamped to MAX',
-    'multi_tensor_adam8bit.cu:66:rel:d9d703f1': 'min_normal encoded as a subnormal rounds to code '
+    'multi_tensor_adam8bit.cu:70:rel:50b71e5f': 'a magnitude equal to MAX is clamped to MAX',
+    'multi_tensor_adam8bit.cu:72:rel:d9d703f1': 'min_normal encoded as a subnormal rounds to code '
                                                 '2^M, its normal code',
-    'multi_tensor_adam8bit.cu:188:rel:e5c568d0': 'the lane at i == n of a short block loaded p = g = 0 '
+    'multi_tensor_adam8bit.cu:212:rel:e5c568d0': 'the lane at i == n of a short block loaded p = g = 0 '
                                                  'and code 0: its new moments are 0 and do not '
                                                  'raise a max that starts at 0 (only an infinite '
                                                  'absmax in the state, which no finite step writes, '
                                                  'would make them NaN)',
-    'multi_tensor_adam8bit.cu:250:logic:ba1853d4': 'launch bounds are a register budget for nvcc '
+    'multi_tensor_adam8bit.cu:272:logic:ba1853d4': 'launch bounds are a register budget for nvcc '
                                                    '(empty in the host build); '
                                                    'tools/check_cuda_compile.sh checks it',
-    'multi_tensor_adam8bit.cu:282:rel:61e25f20': 'with size - b0 == 256 both branches give 256',
-    'multi_tensor_adam8bit.cu:225:rel:75579f15': 'the scalar encode loop runs once more per half: '
+    'multi_tensor_adam8bit.cu:373:rel:61e25f20': 'with size - b0 == 256 both branches give 256',
+    'multi_tensor_adam8bit.cu:247:rel:75579f15': 'the scalar encode loop runs once more per half: '
                                                  'element (h * kILP + kILP) * 32 + lane of h == 0 '
                                                  'is element (1 * kILP + 0) * 32 + lane, so it '
                                                  'writes the code h == 1 writes next, the same '

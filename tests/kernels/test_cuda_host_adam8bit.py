@@ -118,6 +118,26 @@ def _step_and_compare(host, st, hp, steps, what, found_inf=None):
         _assert_equal(st.tensors(), ref.tensors(), f'{what} step {i + 1} (reference)')
 
 
+def steps_then_skip(host, st, op, hp, what, step_and_compare, update):
+    """Three steps of ``step_and_compare`` (each against the CPU kernel and the reference) with a
+    zero found_inf, several `update` launches in the tiny geometry; then a found_inf step of `op`
+    that changes no bit and stores no byte (the decision is on the device: the kernels still
+    launch)."""
+    def updates():
+        return [r for r in host.launches() if r[0] == update]
+    host.module.traffic_reset()
+    step_and_compare(host, st, hp, 3, what, found_inf=guarded(torch.zeros(1)))
+    assert st.step.item() == 5.0
+    if host.geometry['name'] == 'TinyGeometry':
+        assert len(updates()) > 3, 'the tiny geometry must need several launches'
+    before = [t.clone() for t in st.tensors()]
+    host.module.traffic_reset()
+    st.run(op, st.grads(), hp, guarded(torch.ones(1)))
+    _assert_equal(st.tensors(), before, f'{what}: a skipped step')
+    assert len(updates()) > 0
+    assert sum(r[4] for r in host.launches()) == 0
+
+
 @pytest.mark.parametrize('shift', [0, 1])
 @pytest.mark.parametrize('hp', list(HP), ids=list(HP))
 @pytest.mark.parametrize('setup', list(SETUPS))
@@ -126,19 +146,8 @@ def test_adam8bit_matches_cpu_kernel_and_reference(host, setup, hp, shift):
     storage, the guarded path); then a found_inf step that changes no bit and stores no byte."""
     representative(host, setup == 'o2-bf16' and hp == 'adamw' and shift == 0)
     st = State(setup, sizes_of(host), seed=31, shift=shift)
-    host.module.traffic_reset()
-    _step_and_compare(host, st, HP[hp], 3, f'{setup} {hp} shift {shift}',
-                      found_inf=guarded(torch.zeros(1)))
-    assert st.step.item() == 5.0
-    if host.geometry['name'] == 'TinyGeometry':
-        assert len(_update_launches(host)) > 3, 'the tiny geometry must need several launches'
-    before = [t.clone() for t in st.tensors()]
-    host.module.traffic_reset()
-    st.run(host.ops.multi_tensor_adam8bit_, st.grads(), HP[hp], guarded(torch.ones(1)))
-    _assert_equal(st.tensors(), before, f'{setup} {hp}: a skipped step')
-    # The decision is on the device: the kernels still launch, but write nothing.
-    assert len(_update_launches(host)) > 0
-    assert sum(r[4] for r in host.launches()) == 0
+    steps_then_skip(host, st, host.ops.multi_tensor_adam8bit_, HP[hp],
+                    f'{setup} {hp} shift {shift}', _step_and_compare, _UPDATE)
 
 
 @pytest.mark.parametrize('hp', list(HP), ids=list(HP))

@@ -615,55 +615,26 @@ struct Adam8bitLeanChunk {
   }
 };
 
-// bf16 params, aux as the storage needs it, the 8-bit state lists as multi_tensor_adam8bit_'s.
-LeanArgs<AdamHyper> adam8bit_lean_args(
-    at::TensorList params, at::TensorList aux, at::TensorList grads, at::TensorList exp_avgs,
-    at::TensorList exp_avg_absmaxes, at::TensorList exp_avg_sqs,
-    at::TensorList exp_avg_sq_absmaxes, const at::Tensor& step, double lr, double beta1,
-    double beta2, double eps, double weight_decay, bool adam_w_mode, bool bias_correction,
-    c10::string_view storage_name, const c10::optional<at::Tensor>& grad_scale,
-    const c10::optional<at::Tensor>& found_inf) {
-  constexpr const char* op = "multi_tensor_adam8bit_lean_";
-  const LeanStorage storage = parse_lean_storage(op, storage_name);
-  const at::Device device = call_device(
-      check_tensor_lists(op, {{"params", params}, {"grads", grads}}), params.empty(), step);
-  check_lean_lists(op, storage, params, aux, device, {});
-  check_codes(op, "exp_avgs", exp_avgs, params, device);
-  check_codes(op, "exp_avg_sqs", exp_avg_sqs, params, device);
-  check_absmax(op, "exp_avg_absmaxes", exp_avg_absmaxes, params, device);
-  check_absmax(op, "exp_avg_sq_absmaxes", exp_avg_sq_absmaxes, params, device);
-  check_one_dtype(Backend::kCpu, op, {{"grads", grads}});
-  check_step(op, step, device);
-  return {device, storage, update_scalars(op, device, lr, grad_scale, found_inf, c10::nullopt),
-          adam_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction)};
-}
-
-void multi_tensor_adam8bit_lean_cpu(
-    at::TensorList params, at::TensorList aux, at::TensorList grads, at::TensorList exp_avgs,
-    at::TensorList exp_avg_absmaxes, at::TensorList exp_avg_sqs,
-    at::TensorList exp_avg_sq_absmaxes, const at::Tensor& step, double lr, double beta1,
-    double beta2, double eps, double weight_decay, bool adam_w_mode, bool bias_correction,
-    c10::string_view storage_name, int64_t seed, const c10::optional<at::Tensor>& grad_scale,
-    const c10::optional<at::Tensor>& found_inf) {
-  const LeanArgs<AdamHyper> set_up = adam8bit_lean_args(
-      params, aux, grads, exp_avgs, exp_avg_absmaxes, exp_avg_sqs, exp_avg_sq_absmaxes, step, lr,
-      beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, storage_name, grad_scale,
-      found_inf);
+// The update of multi_tensor_adam8bit_lean_ (op_args.h multi_tensor_adam8bit_lean_entry checked
+// its arguments).
+void adam8bit_lean_cpu(const LeanArgs<AdamHyper>& set_up, const Adam8bitLeanLists& l,
+                       const at::Tensor& step, int64_t seed) {
   if (optim::should_skip(set_up.scalars.found_inf)) return;
 
   const float count = optim::read_count(step);
-  const Adam8bitConsts c =
-      adam8bit_consts(set_up.hyper, set_up.scalars, count, beta1, beta2, bias_correction);
-  const std::vector<RawTensor> ps = raw_tensors(params), as = raw_tensors(aux),
-                               gs = raw_tensors(grads);
-  const std::vector<uint32_t> keys = tensor_keys(set_up.storage, seed, count, params.size());
-  const ChunkPlan plan(params);
+  const AdamHyper& h = set_up.hyper;
+  const Adam8bitConsts c = adam8bit_consts(h, set_up.scalars, count, h.beta1_d, h.beta2_d,
+                                           h.use_bias_correction);
+  const std::vector<RawTensor> ps = raw_tensors(l.params), as = raw_tensors(l.aux),
+                               gs = raw_tensors(l.grads);
+  const std::vector<uint32_t> keys = tensor_keys(set_up.storage, seed, count, l.params.size());
+  const ChunkPlan plan(l.params);
   const CpuIsa isa = cpu_isa();
   plan.parallel_for_each([&](int64_t, const TensorChunk& ch) {
     const int64_t t = ch.tensor;
     const LeanChunkArgs a{set_up.storage, &ps[t], optim::raw_at(as, t), &gs[t], keys[t]};
-    const Codes8bit q = codes_at(exp_avgs, exp_avg_absmaxes, exp_avg_sqs, exp_avg_sq_absmaxes,
-                                 static_cast<size_t>(t));
+    const Codes8bit q = codes_at(l.exp_avgs, l.exp_avg_absmaxes, l.exp_avg_sqs,
+                                 l.exp_avg_sq_absmaxes, static_cast<size_t>(t));
     with_lean_storage(a.storage, [&](auto s) {
       optim::with_typed(gs[t], [&](auto* g) {
         run_cpu_kernel<Adam8bitLeanChunk<decltype(s)::value>>(isa, g, a, q, ch, c);
@@ -679,5 +650,7 @@ void multi_tensor_adam8bit_lean_cpu(
 
 TORCH_LIBRARY_IMPL(mp_wrappers, CPU, m) {
   m.impl("multi_tensor_adam8bit_", &mp_wrappers::cpu::multi_tensor_adam8bit_cpu);
-  m.impl("multi_tensor_adam8bit_lean_", &mp_wrappers::cpu::multi_tensor_adam8bit_lean_cpu);
+  m.impl("multi_tensor_adam8bit_lean_",
+         &mp_wrappers::multi_tensor_adam8bit_lean_entry<mp_wrappers::Backend::kCpu,
+                                                        &mp_wrappers::cpu::adam8bit_lean_cpu>);
 }

@@ -1,9 +1,11 @@
-// CUDA kernel of multi_tensor_adam8bit_: Adam / AdamW with block-wise 8-bit moments (Note [8-bit
-// optimizer states] in mp_wrappers/ops/reference/quant.py, the executable definition; the CPU twin
-// is cpu/multi_tensor_adam8bit.cpp). Same structure as the other fused optimizers
-// (cuda/optim_apply.cuh): the one launch planner, the IEEE round-to-nearest arithmetic, the
-// device-side skip, unscale and step increment, per-block constants computed once by thread 0,
-// every global access through ld/st.
+// CUDA kernels of multi_tensor_adam8bit_ and multi_tensor_adam8bit_lean_: Adam / AdamW with
+// block-wise 8-bit moments (Note [8-bit optimizer states] in mp_wrappers/ops/reference/quant.py,
+// the executable definition; the CPU twin is cpu/multi_tensor_adam8bit.cpp), on fp32 / half params
+// (with an optional model copy) or on bf16 params with a lean storage (cuda/lean_param.cuh: the
+// same block update, each param element read and written as the lean kernels do). Same structure
+// as the other fused optimizers (cuda/optim_apply.cuh): the one launch planner, the IEEE
+// round-to-nearest arithmetic, the device-side skip, unscale and step increment, per-block
+// constants computed once by thread 0, every global access through ld/st.
 //
 // One warp per quantization block of 256 elements, one pass: each lane dequantizes 8 elements of
 // both moments, applies the fp32 Adam update (the CPU kernel's operations in its order, so the same
@@ -19,7 +21,10 @@
 // size. Elements are independent and the max is exact in any order, so both give the same bits.
 //
 // 16 bytes of traffic per fp32 parameter (p read and written, g read, one byte per moment read and
-// written) plus 16 bytes of absmaxes per block, against fp32 Adam's 28.
+// written) plus 16 bytes of absmaxes per block, against fp32 Adam's 28. Lean bf16 params with bf16
+// grads: 14 bytes per parameter (the bf16 param and its split low half or kahan compensation read
+// and written, 2 + 2 bytes each), 10 with stochastic rounding (no aux); their param elements are
+// read and written one at a time in either layout (2-byte params beside 1-byte codes).
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>  // Note [optional arguments] in bindings.cpp
 
@@ -27,6 +32,7 @@
 #include <optional>
 #include <type_traits>
 
+#include "mp_wrappers/cuda/lean_param.cuh"
 #include "mp_wrappers/cuda/optim_apply.cuh"
 #include "mp_wrappers/minifloat.h"
 #include "mp_wrappers/op_args.h"
@@ -96,8 +102,10 @@ struct Adam8bitOp : AdamHyper {
     float rbc1, rsbc2;
     DeviceUnscale unscale;
   };
-  __device__ __forceinline__ Ctx begin() const {
-    const float count = fadd(ld(step), 1.f);  // the number of this update, as the reference counts
+  // The number of this update, as the reference counts.
+  __device__ __forceinline__ float count() const { return fadd(ld(step), 1.f); }
+  __device__ __forceinline__ Ctx begin(int32_t /*tensor_index*/) const { return begin_at(count()); }
+  __device__ __forceinline__ Ctx begin_at(float count) const {
     Ctx c{1.f, 1.f, make_unscale(grad_scale)};
     if (use_bias_correction) {
       const double n = static_cast<double>(count);
@@ -106,7 +114,8 @@ struct Adam8bitOp : AdamHyper {
     }
     return c;
   }
-  // One element: g unscaled; m and v the dequantized moments in, the new ones out; -> new p.
+  // One element: g unscaled; m and v the dequantized moments in, the new ones out; -> the step
+  // lr * update (the param subtracts it: MasterParam, LeanParam).
   __device__ __forceinline__ float update(const Ctx& c, float p, float g, float& m,
                                           float& v) const {
     if (l2) g = fadd(g, fmul(weight_decay, p));
@@ -114,27 +123,42 @@ struct Adam8bitOp : AdamHyper {
     v = fadd(fmul(beta2, v), fmul(fmul(one_minus_beta2, g), g));
     float u = fdiv(fmul(m, c.rbc1), fadd(fmul(fsqrt(v), c.rsbc2), eps));
     if (decoupled) u = fadd(u, fmul(weight_decay, p));
-    return fsub(p, fmul(lr, u));
+    return fmul(lr, u);
   }
 };
 static_assert(std::is_trivial<Adam8bitOp::Ctx>::value, "Ctx lives in shared memory");
 
-constexpr int kLists = 7;  // params, grads, exp_avgs, their absmaxes, exp_avg_sqs, theirs, model
+// Lean bf16 params: the storage, and the stochastic rounding's per-tensor key in the constants.
+struct Adam8bitLeanOp : Adam8bitOp {
+  int storage;
+  uint32_t seed;
+
+  struct Ctx : Adam8bitOp::Ctx {
+    uint32_t key;
+  };
+  __device__ __forceinline__ Ctx begin(int32_t tensor_index) const {
+    const float c = count();
+    return Ctx{{begin_at(c)}, lean_key(seed, c, tensor_index)};
+  }
+};
+static_assert(std::is_trivial<Adam8bitLeanOp::Ctx>::value, "Ctx lives in shared memory");
+
+// params, grads, exp_avgs, their absmaxes, exp_avg_sqs, theirs, then the param's second list: the
+// model copy (fp32 / half params) or aux (lean bf16 params).
+constexpr int kLists = 7;
 using Meta = TensorListMeta<kLists, kQuantChunkSize>;
 
-// One quantization block's pointers (at the block's first element) and size.
 // A chunk's pointers (at its first element, or its first block's absmax) and one quantization block
 // in it: `b0` its first element, `n` its size (at most kQBlock). Offsets are 32-bit (chunks are at
 // most 64K elements): fewer registers than a pointer per list and block.
-template <class P, class G, class M>
+template <class PM, class G>
 struct QBlock {
-  P* p;
+  PM pm;
   const G* g;
   uint8_t* mc;
   float* ma;
   uint8_t* vc;
   float* va;
-  M* out;  // nullptr: no model copy
   int b0, n;
 };
 
@@ -146,20 +170,20 @@ __device__ __forceinline__ int lane_element(bool vector, int lane, int h, int j)
 
 // The lane's two groups of kILP elements are loaded, updated and stored one after the other (fewer
 // values live at once); only the new moments stay in registers for the encode.
-template <class P, class G, class M>
+template <class PM, class G>
 __device__ __forceinline__ void adam8bit_block(const Adam8bitOp& op, const Adam8bitOp::Ctx& ctx,
-                                               const QBlock<P, G, M>& b, bool vector, int lane) {
+                                               const QBlock<PM, G>& b, bool vector, int lane) {
   const float m_dec = fdiv(ld_warp_uniform(b.ma + b.b0 / kQBlock), ExpAvgCode::kMax);
   const float v_dec = fdiv(ld_warp_uniform(b.va + b.b0 / kQBlock), ExpAvgSqCode::kMax);
   float m[kPerLane], v[kPerLane];
   float m_abs = 0.f, v_abs = 0.f;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float rp[kILP], rg[kILP];
+    float rp[kILP], rg[kILP], step[kILP];
     uint32_t mk[kILP], vk[kILP];
     if (vector) {
       const int i0 = b.b0 + lane_element(true, lane, h, 0);
-      load_pack(rp, b.p, i0);
+      b.pm.load_pack(rp, i0);
       load_pack(rg, b.g, i0);
       const Pack<uint8_t> mpk = ld(reinterpret_cast<const Pack<uint8_t>*>(b.mc + i0));
       const Pack<uint8_t> vpk = ld(reinterpret_cast<const Pack<uint8_t>*>(b.vc + i0));
@@ -172,7 +196,7 @@ __device__ __forceinline__ void adam8bit_block(const Adam8bitOp& op, const Adam8
 #pragma unroll
       for (int j = 0; j < kILP; ++j) {
         const int i = lane_element(false, lane, h, j);
-        rp[j] = load_one(b.p + b.b0, i, b.n);
+        rp[j] = b.pm.load_one(b.b0 + i, b.b0 + b.n);
         rg[j] = load_one(b.g + b.b0, i, b.n);
         mk[j] = i < b.n ? ld(b.mc + b.b0 + i) : 0u;
         vk[j] = i < b.n ? ld(b.vc + b.b0 + i) : 0u;
@@ -184,7 +208,7 @@ __device__ __forceinline__ void adam8bit_block(const Adam8bitOp& op, const Adam8
       float& vj = v[h * kILP + j];
       mj = decode<ExpAvgCode>(mk[j], m_dec);
       vj = decode<ExpAvgSqCode>(vk[j], v_dec);
-      rp[j] = op.update(ctx, rp[j], ctx.unscale(rg[j]), mj, vj);
+      step[j] = op.update(ctx, rp[j], ctx.unscale(rg[j]), mj, vj);
       if (lane_element(vector, lane, h, j) < b.n) {  // elements past a short block do not count
         m_abs = max_nan(m_abs, fabsf(mj));
         v_abs = max_nan(v_abs, vj);
@@ -192,14 +216,12 @@ __device__ __forceinline__ void adam8bit_block(const Adam8bitOp& op, const Adam8
     }
     if (vector) {
       const int i0 = b.b0 + lane_element(true, lane, h, 0);
-      store_pack(b.p, i0, rp);
-      if (b.out != nullptr) store_pack(b.out, i0, rp);
+      b.pm.store_pack(i0, rp, step);
     } else {
 #pragma unroll
       for (int j = 0; j < kILP; ++j) {
         const int i = lane_element(false, lane, h, j);
-        store_one(b.p + b.b0, i, b.n, rp[j]);
-        if (b.out != nullptr) store_one(b.out + b.b0, i, b.n, rp[j]);
+        b.pm.store_one(b.b0 + i, b.b0 + b.n, rp[j], step[j]);
       }
     }
   }
@@ -249,39 +271,118 @@ template <class P, class M>
 constexpr int kMinBlocksPerSm =
     !std::is_same<P, float>::value && std::is_same<M, float>::value ? 1 : 2;
 
-template <class P, class G, class M>
-__global__ void __launch_bounds__(kBlockSize, (kMinBlocksPerSm<P, M>))
-    adam8bit_kernel(Meta meta, Adam8bitOp op) {
+// The param of the block update, as the block reads and writes it: element `i` of the chunk (the
+// vector forms: i0..i0+kILP-1), `n` the guarded forms' bound. store* write p32 - step.
+//
+// fp32 or half params at the chunk's first element, with the optional model copy.
+template <class P, class M>
+struct MasterParam {
+  static constexpr int kMinBlocksPerSm = cuda::kMinBlocksPerSm<P, M>;
+  P* p;
+  M* out;  // nullptr: no model copy
+
+  template <class Op>
+  __device__ __forceinline__ static MasterParam at_chunk(const Op&, const typename Op::Ctx&,
+                                                         void* p, void* out, int64_t begin) {
+    return {offset_ptr<P>(p, begin), at_element<M>(out, begin)};
+  }
+  __device__ __forceinline__ bool aligned() const {
+    return pack_aligned(p) && (out == nullptr || pack_aligned(out));
+  }
+  __device__ __forceinline__ void load_pack(float (&r)[kILP], int i0) const {
+    cuda::load_pack(r, p, i0);
+  }
+  __device__ __forceinline__ float load_one(int i, int n) const { return cuda::load_one(p, i, n); }
+  __device__ __forceinline__ void store_pack(int i0, const float (&p32)[kILP],
+                                             const float (&step)[kILP]) const {
+    float r[kILP];
+#pragma unroll
+    for (int j = 0; j < kILP; ++j) r[j] = fsub(p32[j], step[j]);
+    cuda::store_pack(p, i0, r);
+    if (out != nullptr) cuda::store_pack(out, i0, r);
+  }
+  __device__ __forceinline__ void store_one(int i, int n, float p32, float step) const {
+    const float r = fsub(p32, step);
+    cuda::store_one(p, i, n, r);
+    if (out != nullptr) cuda::store_one(out, i, n, r);
+  }
+};
+
+// bf16 params stored the lean way (cuda/lean_param.cuh), at the tensor's first element: the
+// stochastic hash takes the element's index in the tensor. Element by element in either layout.
+struct LeanParam {
+  static constexpr int kMinBlocksPerSm = 2;
+  uint16_t* p;
+  uint16_t* aux;  // nullptr for 'stochastic'
+  int64_t begin;  // the chunk's first element
+  int storage;
+  uint32_t key;
+
+  __device__ __forceinline__ static LeanParam at_chunk(const Adam8bitLeanOp& op,
+                                                       const Adam8bitLeanOp::Ctx& ctx, void* p,
+                                                       void* aux, int64_t begin) {
+    return {static_cast<uint16_t*>(p), static_cast<uint16_t*>(aux), begin, op.storage, ctx.key};
+  }
+  __device__ __forceinline__ bool aligned() const { return true; }
+  __device__ __forceinline__ void load_pack(float (&r)[kILP], int i0) const {
+#pragma unroll
+    for (int j = 0; j < kILP; ++j) r[j] = lean_load(storage, p, aux, begin + i0 + j);
+  }
+  __device__ __forceinline__ float load_one(int i, int n) const {
+    return i < n ? lean_load(storage, p, aux, begin + i) : 0.f;
+  }
+  __device__ __forceinline__ void store_pack(int i0, const float (&p32)[kILP],
+                                             const float (&step)[kILP]) const {
+#pragma unroll
+    for (int j = 0; j < kILP; ++j)
+      lean_store(storage, p, aux, begin + i0 + j, p32[j], step[j], key);
+  }
+  __device__ __forceinline__ void store_one(int i, int n, float p32, float step) const {
+    if (i < n) lean_store(storage, p, aux, begin + i, p32, step, key);
+  }
+};
+
+template <class Op, class PM, class G>
+__global__ void __launch_bounds__(kBlockSize, PM::kMinBlocksPerSm)
+    adam8bit_kernel(Meta meta, Op op) {
   const auto ch = meta.chunk_of_block();
-  __shared__ Adam8bitOp::Ctx shared_ctx;
+  __shared__ typename Op::Ctx shared_ctx;
   __shared__ bool shared_skip;
   if (threadIdx.x == 0) {
     shared_skip = skip_update(op.found_inf);
-    if (!shared_skip) shared_ctx = op.begin();
+    if (!shared_skip) shared_ctx = op.begin(ch.tensor_index);
   }
   __syncthreads();
   if (shared_skip) return;
-  const Adam8bitOp::Ctx ctx = shared_ctx;
+  const typename Op::Ctx ctx = shared_ctx;
   const int slot = ch.slot;
-  P* p = offset_ptr<P>(meta.addresses[0][slot], ch.begin);
+  const PM pm = PM::at_chunk(op, ctx, meta.addresses[0][slot], meta.addresses[6][slot], ch.begin);
   const G* g = offset_ptr<G>(meta.addresses[1][slot], ch.begin);
   uint8_t* mc = offset_ptr<uint8_t>(meta.addresses[2][slot], ch.begin);
   float* ma = offset_ptr<float>(meta.addresses[3][slot], ch.begin / kQBlock);
   uint8_t* vc = offset_ptr<uint8_t>(meta.addresses[4][slot], ch.begin);
   float* va = offset_ptr<float>(meta.addresses[5][slot], ch.begin / kQBlock);
-  M* out = at_element<M>(meta.addresses[6][slot], ch.begin);
   // Chunks start at multiples of 256 elements: a block is aligned if its chunk is.
-  const bool aligned = pack_aligned(p) && pack_aligned(g) && pack_aligned(mc) &&
-                       pack_aligned(vc) && (out == nullptr || pack_aligned(out));
+  const bool aligned = pm.aligned() && pack_aligned(g) && pack_aligned(mc) && pack_aligned(vc);
   const int lane = static_cast<int>(threadIdx.x) % kWarp;
   const int warps = static_cast<int>(blockDim.x) / kWarp;
   const int size = static_cast<int>(ch.size);  // at most kQuantChunkSize
-  QBlock<P, G, M> b{p, g, mc, ma, vc, va, out, 0, 0};
+  QBlock<PM, G> b{pm, g, mc, ma, vc, va, 0, 0};
   for (int q = static_cast<int>(threadIdx.x) / kWarp; q * kQBlock < size; q += warps) {
     b.b0 = q * static_cast<int>(kQBlock);
     b.n = size - b.b0 < kQBlock ? size - b.b0 : static_cast<int>(kQBlock);
     adam8bit_block(op, ctx, b, aligned && b.n == kQBlock, lane);
   }
+}
+
+// The update launches of one call: `lists` in Meta's order, the param read and written as PM does.
+template <class Op, class PM, class G>
+void launch_adam8bit(const char* name, const std::array<at::TensorList, kLists>& lists,
+                     const Op& op) {
+  const Stream stream = current_stream();
+  for_each_launch<kLists, kQuantChunkSize>(lists, [&](int blocks, const Meta& meta) {
+    launch(name, &adam8bit_kernel<Op, PM, G>, blocks, kBlockSize, stream, meta, op);
+  });
 }
 
 void multi_tensor_adam8bit_cuda(at::TensorList params, at::TensorList grads,
@@ -306,18 +407,38 @@ void multi_tensor_adam8bit_cuda(at::TensorList params, at::TensorList grads,
           using P = std::remove_pointer_t<decltype(p_tag)>;
           using G = std::remove_pointer_t<decltype(g_tag)>;
           using M = std::remove_pointer_t<decltype(m_tag)>;
-          const Stream stream = current_stream();
-          for_each_launch<kLists, kQuantChunkSize>(
+          launch_adam8bit<Adam8bitOp, MasterParam<P, M>, G>(
+              "adam8bit",
               {params, grads, exp_avgs, exp_avg_absmaxes, exp_avg_sqs, exp_avg_sq_absmaxes,
                model_params},
-              [&](int blocks, const Meta& meta) {
-                launch("adam8bit", &adam8bit_kernel<P, G, M>, blocks, kBlockSize, stream, meta,
-                       a);
-              });
+              a);
         });
       });
     });
   }
+  launch_increment_step(step, a.found_inf);
+}
+
+// bf16 params stored the lean way (op_args.h multi_tensor_adam8bit_lean_entry checked the
+// arguments): aux takes the model copy's place in the lists.
+void adam8bit_lean_cuda(const LeanArgs<AdamHyper>& args, const Adam8bitLeanLists& l,
+                        const at::Tensor& step, int64_t seed) {
+  const DeviceGuard guard(step.device());
+  const Adam8bitLeanOp a{{{args.hyper}, args.scalars.found_inf, args.scalars.grad_scale,
+                          step.data_ptr<float>(), args.scalars.lr},
+                         static_cast<int>(args.storage),
+                         static_cast<uint32_t>(seed)};
+  if (!l.params.empty()) {
+    dispatch_dtype(l.grads, [&](auto* g_tag) {
+      using G = std::remove_pointer_t<decltype(g_tag)>;
+      launch_adam8bit<Adam8bitLeanOp, LeanParam, G>(
+          "adam8bit_lean",
+          {l.params, l.grads, l.exp_avgs, l.exp_avg_absmaxes, l.exp_avg_sqs,
+           l.exp_avg_sq_absmaxes, l.aux},
+          a);
+    });
+  }
+  // After the update kernels: they read step for the bias corrections and the stochastic key.
   launch_increment_step(step, a.found_inf);
 }
 
@@ -327,4 +448,7 @@ void multi_tensor_adam8bit_cuda(at::TensorList params, at::TensorList grads,
 
 MP_WRAPPERS_CUDA_OPS(m) {
   m.impl("multi_tensor_adam8bit_", &mp_wrappers::cuda::multi_tensor_adam8bit_cuda);
+  m.impl("multi_tensor_adam8bit_lean_",
+         &mp_wrappers::multi_tensor_adam8bit_lean_entry<mp_wrappers::Backend::kCuda,
+                                                        &mp_wrappers::cuda::adam8bit_lean_cuda>);
 }

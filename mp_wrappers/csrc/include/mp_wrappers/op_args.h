@@ -523,6 +523,41 @@ inline LeanArgs<AdamHyper> multi_tensor_adam_lean_args(
           adam_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction)};
 }
 
+// multi_tensor_adam8bit_lean_'s lists, in its schema's order.
+struct Adam8bitLeanLists {
+  at::TensorList params, aux, grads, exp_avgs, exp_avg_absmaxes, exp_avg_sqs, exp_avg_sq_absmaxes;
+};
+using Adam8bitLeanRun = void (*)(const LeanArgs<AdamHyper>& args, const Adam8bitLeanLists& lists,
+                                 const at::Tensor& step, int64_t seed);
+
+// The entry point of multi_tensor_adam8bit_lean_ on kBackend (the schema's signature, once for
+// both backends): bf16 params, aux as the storage needs it, the 8-bit state lists as
+// multi_tensor_adam8bit_'s; then kRun does the update.
+template <Backend kBackend, Adam8bitLeanRun kRun>
+void multi_tensor_adam8bit_lean_entry(
+    at::TensorList params, at::TensorList aux, at::TensorList grads, at::TensorList exp_avgs,
+    at::TensorList exp_avg_absmaxes, at::TensorList exp_avg_sqs,
+    at::TensorList exp_avg_sq_absmaxes, const at::Tensor& step, double lr, double beta1,
+    double beta2, double eps, double weight_decay, bool adam_w_mode, bool bias_correction,
+    c10::string_view storage_name, int64_t seed, const c10::optional<at::Tensor>& grad_scale,
+    const c10::optional<at::Tensor>& found_inf) {
+  constexpr const char* op = "multi_tensor_adam8bit_lean_";
+  const LeanStorage storage = parse_lean_storage(op, storage_name);
+  const at::Device device = call_device(
+      check_tensor_lists(op, {{"params", params}, {"grads", grads}}), params.empty(), step);
+  check_lean_lists(op, storage, params, aux, device, {});
+  check_codes(op, "exp_avgs", exp_avgs, params, device);
+  check_codes(op, "exp_avg_sqs", exp_avg_sqs, params, device);
+  check_absmax(op, "exp_avg_absmaxes", exp_avg_absmaxes, params, device);
+  check_absmax(op, "exp_avg_sq_absmaxes", exp_avg_sq_absmaxes, params, device);
+  check_one_dtype(kBackend, op, {{"grads", grads}});
+  check_step(op, step, device);
+  kRun({device, storage, update_scalars(op, device, lr, grad_scale, found_inf, c10::nullopt),
+        adam_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction)},
+       {params, aux, grads, exp_avgs, exp_avg_absmaxes, exp_avg_sqs, exp_avg_sq_absmaxes}, step,
+       seed);
+}
+
 inline LeanArgs<SgdHyper> multi_tensor_sgd_lean_args(
     Backend backend, at::TensorList params, at::TensorList aux, at::TensorList grads,
     at::TensorList momentum_buffers, const at::Tensor& step, double lr, double momentum,
