@@ -7,8 +7,10 @@ For every op this prints bytes per parameter against the minimum (each tensor th
 once, each tensor it must write written once), and for the fused O2 Adam step (a read-only inf/norm
 pass over the half grads, then one update pass writing the fp32 master, moments and the half model)
 against docs/semantics.md section 7: fp32 Adam 28 B/param, fused O2 ~30, the composed torch pipeline
-~44; and the same with 8-bit moments (``multi_tensor_adam8bit_``: 16.06 B/param at least). The implied step time uses the H100 SXM's *nominal* HBM3 bandwidth (3.35 TB/s), not a
-measurement: a real kernel reaches some fraction of it.
+~44; and the same with 8-bit moments (``multi_tensor_adam8bit_``: 16.06 B/param at least), also on
+lean bf16 masters (``multi_tensor_adam8bit_lean_``: 14.06 B/param with a 'kahan' compensation, 10.06
+with 'stochastic' rounding). The implied step time uses the H100 SXM's *nominal* HBM3 bandwidth
+(3.35 TB/s), not a measurement: a real kernel reaches some fraction of it.
 
 Usage: python benchmarks/bench_cuda_traffic.py [--params N]   (builds the 'real' variant if needed)
 """
@@ -54,14 +56,22 @@ def main():
 
     one, zero = torch.ones(1), torch.zeros(1)
 
-    def adam8bit(param_dtype, grad_dtype, model_dtype):
+    def moments8():
         # codes of 0.5-ish moments (any codes do: the traffic does not depend on the values)
         codes = [torch.full((s,), 60, dtype=torch.uint8) for s in sizes]
         blocks = [torch.full(((s + 255) // 256,), 0.5) for s in sizes]
+        return [codes, blocks, [c.clone() for c in codes], [b.clone() for b in blocks]]
+
+    def adam8bit(param_dtype, grad_dtype, model_dtype):
         return lambda: ops.multi_tensor_adam8bit_(
-            t(param_dtype), t(grad_dtype), codes, blocks, [c.clone() for c in codes],
-            [b.clone() for b in blocks], t(model_dtype) if model_dtype else [], step(), 1e-3,
-            0.9, 0.999, 1e-8, 0.01, True, True, one, zero)
+            t(param_dtype), t(grad_dtype), *moments8(), t(model_dtype) if model_dtype else [],
+            step(), 1e-3, 0.9, 0.999, 1e-8, 0.01, True, True, one, zero)
+
+    def adam8bit_lean(storage):
+        aux = t(BF16, 0.0) if storage == 'kahan' else []
+        return lambda: ops.multi_tensor_adam8bit_lean_(
+            t(BF16), aux, t(BF16), *moments8(), step(), 1e-3, 0.9, 0.999, 1e-8, 0.01, True, True,
+            storage, 0, one, zero)
 
     # 8-bit moments: 1 byte per moment read and written, one fp32 absmax per 256 elements and
     # moment read and written (2 x 2 x 4 / 256 = 0.0625 B/param)
@@ -85,6 +95,9 @@ def main():
         ('adam 8-bit states fp32', 16 + eight_bit, adam8bit(F32, F32, None)),
         ('adam 8-bit O2 update (bf16 grad, bf16 model)', 16 + eight_bit,
          adam8bit(F32, BF16, BF16)),
+        # lean bf16 masters: the bf16 param (2 + 2), its compensation (2 + 2), the bf16 grad
+        ('adam 8-bit lean kahan (bf16 grad)', 14 + eight_bit, adam8bit_lean('kahan')),
+        ('adam 8-bit lean stochastic (bf16 grad)', 10 + eight_bit, adam8bit_lean('stochastic')),
         ('sgd momentum fp32', 20,
          lambda: ops.multi_tensor_sgd_(t(F32), t(F32), t(F32), [], step(), 0.1, 0.9, 0.0, 0.0,
                                        False, False, one, zero)),
@@ -125,6 +138,10 @@ def main():
     for label, bpp in (('fp32 Adam', results['adam fp32']), ('fused O2 Adam', o2),
                        ('8-bit Adam, fp32 params', results['adam 8-bit states fp32']),
                        ('fused O2 Adam, 8-bit states', o2_8bit),
+                       ('lean kahan masters, 8-bit states (update)',
+                        results['adam 8-bit lean kahan (bf16 grad)']),
+                       ('lean stochastic masters, 8-bit states (update)',
+                        results['adam 8-bit lean stochastic (bf16 grad)']),
                        ('composed torch O2 (docs/semantics.md)', 44.0)):
         ms = bpp * args.model_params / H100_NOMINAL_BYTES_PER_S * 1e3
         print(f'  implied H100 time, {args.model_params / 1e6:.1f}M params, {label}: {ms:.3f} ms '

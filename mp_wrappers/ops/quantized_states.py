@@ -39,21 +39,22 @@ def check_quantized_device(owner: str, device: torch.device,
                            bf16_storage: Optional[str] = None) -> None:
     """Refuse a device without 8-bit state kernels (:func:`has_quantized_kernel`); with a
     ``bf16_storage`` (lean bf16 params), a device without the lean 8-bit kernel."""
-    if bf16_storage is not None and not has_quantized_kernel(device.type, lean=True):
-        raise NotImplementedError(
-            f"{owner}: 8-bit optimizer states (state_dtype='int8') with bf16_storage="
-            f"{bf16_storage!r} (a wrapper's master_weights={bf16_storage!r}) run on CPU tensors "
-            f'only; got tensors on {device}. Allowed on {device.type}: state_dtype=\'int8\' with '
-            "fp32 masters (master_weights=True / opt_level='O2', bf16_storage=None), or "
-            f"state_dtype='float32' with bf16_storage={bf16_storage!r}")
-    if has_quantized_kernel(device.type):
+    if has_quantized_kernel(device.type, lean=bf16_storage is not None):
         return
     why = ('this mp_wrappers build has no CUDA kernels (rebuild it with MP_WRAPPERS_CUDA=1 '
            'against a CUDA torch, docs/cuda.md)' if device.type == 'cuda' else
            f'there is no {device.type} kernel')
+    where = (f'run on CPU tensors, and on CUDA tensors with a build that has CUDA kernels; got '
+             f'tensors on {device} and {why}')
+    if bf16_storage is not None:
+        raise NotImplementedError(
+            f"{owner}: 8-bit optimizer states (state_dtype='int8') with bf16_storage="
+            f"{bf16_storage!r} (a wrapper's master_weights={bf16_storage!r}) {where}. Allowed on "
+            f"{device.type}: state_dtype='int8' with fp32 masters (master_weights=True / "
+            f"opt_level='O2', bf16_storage=None), or state_dtype='float32' with "
+            f'bf16_storage={bf16_storage!r}')
     raise NotImplementedError(
-        f"{owner}: 8-bit optimizer states (state_dtype='int8') run on CPU tensors, and on CUDA "
-        f"tensors with a build that has CUDA kernels; got tensors on {device} and {why}. Use "
+        f"{owner}: 8-bit optimizer states (state_dtype='int8') {where}. Use "
         f"state_dtype='float32' on {device.type}")
 
 
@@ -137,7 +138,8 @@ def multi_tensor_adam8bit_lean(params: Sequence[Tensor], aux: Sequence[Tensor],
                                found_inf: Optional[Tensor] = None) -> None:
     """:func:`multi_tensor_adam8bit` on bfloat16 ``params`` stored the ``storage`` way, in one pass
     (no fp32 master: ``aux``, ``storage`` and ``seed`` as in
-    :func:`~mp_wrappers.ops.multi_tensor_adam_lean`). CPU tensors only.
+    :func:`~mp_wrappers.ops.multi_tensor_adam_lean`). On CUDA tensors where the loaded build has
+    the CUDA kernel (``csrc/cuda/multi_tensor_adam8bit.cu``), as :func:`multi_tensor_adam8bit`.
 
     Examples:
         >>> comps = [torch.zeros_like(p) for p in params]          # 'kahan': bf16 compensation

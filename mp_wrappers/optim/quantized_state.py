@@ -15,8 +15,9 @@ optimizer (or a param that now wants float32 moments) is dequantized.
 
 With a ``bf16_storage`` (the lean bf16 masters, a wrapper's ``master_weights='split'|'kahan'|
 'stochastic'``) the bf16 params' 8-bit moments are stepped by ``multi_tensor_adam8bit_lean_``, the
-storage's aux state in the same pass (CPU only: lean bf16 params with 8-bit moments on another
-device are refused when the storage is set or the group added, before any step).
+storage's aux state in the same pass (on the CPU, and on CUDA with a build that has CUDA kernels:
+lean bf16 params with 8-bit moments on another device are refused when the storage is set or the
+group added, before any step).
 
 FSDP2 params (DTensors) keep 8-bit moments where their blocks never straddle shards, as DTensors
 placed like the param (:mod:`.quantized_shards`, Note [8-bit blocks on FSDP2 shards]); the others
@@ -146,7 +147,7 @@ class QuantizedStateMixin:
 
     def _check_lean_devices(self, group: Dict[str, Any]) -> None:
         """Refuse, before any step, lean bf16 params with 8-bit moments where no kernel runs them
-        (CUDA: the lean 8-bit update is CPU-only)."""
+        (CUDA with a build that has no CUDA kernels, any other device)."""
         storage = getattr(self, 'bf16_storage', None)
         if storage is None:
             return

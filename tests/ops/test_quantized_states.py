@@ -13,6 +13,8 @@ of ``multi_tensor_adam8bit_`` against its reference.
 * The same for ``multi_tensor_adam8bit_lean_`` (bf16 params stored 'split', 'kahan' or
   'stochastic'), whose reference is the 8-bit moments plus the lean master update.
 """
+import copy
+
 import pytest
 import torch
 
@@ -200,29 +202,34 @@ def test_kernel_matches_reference_bitwise(setup, hp):
     assert k.step.item() == 5.0
 
 
+def _cuda_matches_cpu(device, case, cuda_op, cpu_op, what):
+    """Two steps of ``cuda_op`` (the public op) on CUDA copies of ``case``'s tensors against the CPU
+    kernel ``cpu_op`` on ``case``, bit for bit without bias correction (ADAM_L2: no float64 pow on
+    the device); then a found_inf step changes nothing."""
+    twin = copy.copy(case)
+    for k, v in vars(case).items():
+        if isinstance(v, list) and all(isinstance(t, torch.Tensor) for t in v):
+            setattr(twin, k, [t.to(device) for t in v])
+    twin.step = case.step.to(device)
+    twin.scale = None if case.scale is None else case.scale.to(device)
+    for _ in range(2):
+        grads = case.grads()
+        case.run(cpu_op, grads, ADAM_L2)
+        twin.run(cuda_op, [g.to(device) for g in grads], ADAM_L2)
+    _assert_equal([t.cpu() for t in twin.tensors()], case.tensors(), what)
+    twin.run(cuda_op, [g.to(device) for g in case.grads()], ADAM_L2,
+             found_inf=torch.ones(1, device=device))
+    _assert_equal([t.cpu() for t in twin.tensors()], case.tensors(), what)
+
+
 @needs_kernel
 @pytest.mark.parametrize('setup', ['fp32', 'o2-bf16', 'o2-fp16-scaled', 'bf16-params'])
 @pytest.mark.parametrize('device', ['cuda'])
 def test_cuda_kernel_matches_the_cpu_kernel(device, setup):
     """The CUDA kernel through the public op (a build with CUDA kernels, on a GPU; skipped
-    otherwise): bit for bit with the CPU kernel without bias correction (ADAM_L2: no float64 pow on
-    the device), edge blocks included; then a found_inf step changes nothing."""
+    otherwise): _cuda_matches_cpu, edge blocks included."""
     for case in (Case(setup), EdgeCase(setup)):
-        cuda = [[t.to(device) for t in lst] for lst in (case.params, case.model, case.mc, case.ma,
-                                                         case.vc, case.va)]
-        step, scale = case.step.to(device), None if case.scale is None else case.scale.to(device)
-        for _ in range(2):
-            grads = case.grads()
-            case.run(_kernel(), grads, ADAM_L2)
-            multi_tensor_adam8bit(cuda[0], [g.to(device) for g in grads], cuda[2], cuda[3],
-                                  cuda[4], cuda[5], cuda[1], step, **ADAM_L2, grad_scale=scale)
-        got = [t.cpu() for lst in cuda for t in lst] + [step.cpu()]
-        want = case.params + case.model + case.mc + case.ma + case.vc + case.va + [case.step]
-        _assert_equal(got, want, setup)
-        multi_tensor_adam8bit(cuda[0], [g.to(device) for g in case.grads()], cuda[2], cuda[3],
-                              cuda[4], cuda[5], cuda[1], step, **ADAM_L2, grad_scale=scale,
-                              found_inf=torch.ones(1, device=device))
-        _assert_equal([t.cpu() for lst in cuda for t in lst] + [step.cpu()], want, setup)
+        _cuda_matches_cpu(device, case, multi_tensor_adam8bit, _kernel(), setup)
 
 
 @pytest.mark.parametrize('use_kernel', [pytest.param(True, marks=needs_kernel), False],
@@ -322,6 +329,15 @@ def test_cuda_tensors_need_a_build_with_the_cuda_kernel(monkeypatch):
     assert quantized_states.has_quantized_kernel('cuda')
     quantized_states.check_quantized_device('FusedAdam', torch.device('cuda:0'))
     assert quantized_states.has_quantized_kernel('cpu')
+    # Lean bf16 params need the lean op's CUDA kernel (csrc/cuda/multi_tensor_adam8bit.cu).
+    with pytest.raises(NotImplementedError, match=r"with bf16_storage='split' \(a wrapper's "
+                       r"master_weights='split'\) run on CPU tensors, and on CUDA tensors with a "
+                       r"build that has CUDA kernels; got tensors on cuda:0.*Allowed on cuda"):
+        quantized_states.check_quantized_device('FusedAdam', torch.device('cuda:0'), 'split')
+    monkeypatch.setattr(quantized_states, '_op_has_kernel',
+                        lambda name, device_type: device_type == 'cuda')
+    assert quantized_states.has_quantized_kernel('cuda', lean=True)
+    quantized_states.check_quantized_device('FusedAdam', torch.device('cuda:0'), 'split')
 
 
 def test_other_devices_are_refused():
@@ -412,6 +428,17 @@ def test_lean_kernel_matches_reference_bitwise(storage, setup, hp, edge):
     assert k.step.item() == 5.0
 
 
+@needs_kernel
+@pytest.mark.parametrize('storage', LEAN_STORAGES)
+@pytest.mark.parametrize('device', ['cuda'])
+def test_cuda_lean_kernel_matches_the_cpu_kernel(device, storage):
+    """The lean CUDA kernel through the public op (a build with CUDA kernels, on a GPU; skipped
+    otherwise): _cuda_matches_cpu for each storage, scaled fp32 grads and edge blocks."""
+    for case in (LeanCase(storage, grad_dtype=torch.float32, scale=1024.0),
+                 LeanCase(storage, edge=True)):
+        _cuda_matches_cpu(device, case, multi_tensor_adam8bit_lean, _lean_kernel(), storage)
+
+
 @pytest.mark.parametrize('storage', LEAN_STORAGES)
 def test_lean_reference_is_8bit_moments_plus_lean_master_update(storage):
     """The reference composes the two references: its codes are multi_tensor_adam8bit_'s on the
@@ -495,7 +522,7 @@ def test_lean_errors_name_the_argument(change, err, match):
         multi_tensor_adam8bit_lean(**_lean_args(**change))
 
 
-def test_lean_params_must_be_bf16_and_on_the_cpu():
+def test_lean_params_must_be_bf16_and_on_a_device_with_the_kernel():
     kw = _lean_args()
     kw['params'] = [p.float() for p in kw['params']]
     with pytest.raises(TypeError, match=r"params\[0\] has dtype torch.float32; storage='kahan' "
@@ -504,8 +531,9 @@ def test_lean_params_must_be_bf16_and_on_the_cpu():
     meta = {k: ([t.to('meta') for t in v] if isinstance(v, list) else
                 v.to('meta') if isinstance(v, torch.Tensor) else v)
             for k, v in _lean_args().items()}
-    with pytest.raises(NotImplementedError, match=r"bf16_storage='kahan'.*run on CPU tensors only; "
-                                                  r"got tensors on meta"):
+    with pytest.raises(NotImplementedError, match=r"bf16_storage='kahan'.*run on CPU tensors, and "
+                                                  r"on CUDA tensors with a build that has CUDA "
+                                                  r"kernels; got tensors on meta"):
         multi_tensor_adam8bit_lean(**meta)
 
 

@@ -493,7 +493,8 @@ def test_lean_8bit_params_without_a_kernel_are_refused_before_any_step():
     p = nn.Parameter(torch.zeros(64, 128, device='meta', dtype=torch.bfloat16))
     with pytest.raises(NotImplementedError, match=r"state_dtype='int8'\) with bf16_storage='kahan' "
                                                   r"\(a wrapper's master_weights='kahan'\) run on "
-                                                  r'CPU tensors only; got tensors on meta'):
+                                                  r'CPU tensors, and on CUDA tensors with a build '
+                                                  r'that has CUDA kernels; got tensors on meta'):
         FusedAdam([p], state_dtype='int8', bf16_storage='kahan')
     opt = FusedAdam([p], state_dtype='int8')  # the wrapper sets the storage later
     with pytest.raises(NotImplementedError, match=r"Allowed on meta: state_dtype='int8' with fp32 "
