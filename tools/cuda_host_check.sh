@@ -16,7 +16,8 @@ MIN=${CUDA_HOST_MIN_COVERAGE:-95}
 TESTS=(tests/kernels/test_cuda_host.py tests/kernels/test_cuda_host_planner.py tests/kernels/test_cuda_host_lean.py
        tests/kernels/test_cuda_host_adam8bit.py tests/kernels/test_cuda_host_alignment.py
        tests/kernels/test_cuda_host_traffic.py tests/kernels/test_cuda_host_boundaries.py
-       tests/kernels/test_cuda_host_lean_traffic.py tests/kernels/test_cuda_host_adam8bit_lean.py)
+       tests/kernels/test_cuda_host_lean_traffic.py tests/kernels/test_cuda_host_adam8bit_lean.py
+       tests/kernels/test_cuda_host_adam8bit_edges.py)
 
 echo "== cuda host: building real, tiny (gcov)"
 python - <<'PY'

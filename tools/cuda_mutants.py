@@ -70,7 +70,8 @@ TESTS = ['tests/kernels/test_cuda_host.py', 'tests/kernels/test_cuda_host_lean.p
          'tests/kernels/test_cuda_host_alignment.py', 'tests/kernels/test_cuda_host_traffic.py',
          'tests/kernels/test_cuda_host_boundaries.py',
          'tests/kernels/test_cuda_host_lean_traffic.py',
-         'tests/kernels/test_cuda_host_adam8bit_lean.py']
+         'tests/kernels/test_cuda_host_adam8bit_lean.py',
+         'tests/kernels/test_cuda_host_adam8bit_edges.py']
 # The host tests that exercise a file's code, run first (most of its mutants die there); a file not
 # named here starts with test_cuda_host.py, which calls every other kernel.
 PRIMARY_TESTS = {'multi_tensor_adam8bit.cu': 'tests/kernels/test_cuda_host_adam8bit.py',
@@ -101,6 +102,11 @@ EQUIVALENT: Dict[str, str] = {
     'multi_tensor_adam8bit.cu:272:logic:ba1853d4': 'launch bounds are a register budget for nvcc '
                                                    '(empty in the host build); '
                                                    'tools/check_cuda_compile.sh checks it',
+    'multi_tensor_adam8bit.cu:168:arith:1b25fc34': 'the vector layout\'s index is used with j == 0 '
+                                                   '(a pack\'s first element, where + j and - j '
+                                                   'agree) and in the absmax guard `< b.n`, where '
+                                                   'the vector path has b.n == 256 (line 374) and '
+                                                   'both indices (0..255, -3..252) are below it',
     'multi_tensor_adam8bit.cu:373:rel:61e25f20': 'with size - b0 == 256 both branches give 256',
     'multi_tensor_adam8bit.cu:247:rel:75579f15': 'the scalar encode loop runs once more per half: '
                                                  'element (h * kILP + kILP) * 32 + lane of h == 0 '
