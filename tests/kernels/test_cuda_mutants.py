@@ -182,3 +182,16 @@ def test_a_kill_depends_on_the_failed_tests_file_only(monkeypatch):
     # The process died (no test named): the whole group decided it.
     outputs = iter([(-6, 'Fatal Python error: Aborted')])
     assert cm.run_tests('m.so', '/tmp', 10, groups[:1])[3] == groups[0]
+
+
+def test_inputs_do_not_depend_on_the_checkout(mutants, monkeypatch):
+    """The generated wrapper (build/.../src/X.cpp includes the .cu by absolute path) and files
+    outside the repository are not inputs: results.json holds in any checkout of the same sources."""
+    m = next(m for m in mutants if m.path.endswith('multi_tensor_sgd.cu'))
+    b = cm.Builder.__new__(cm.Builder)
+    root = '/somewhere/else'
+    monkeypatch.setattr(cm, 'ROOT', root)
+    b.deps = {'sgd.o': [f'{root}/build/cuda_host/tiny/src/multi_tensor_sgd.cpp',
+                        f'{root}/{m.path}', '/usr/include/torch/x.h']}
+    b.objects = {'sgd.o': f'{root}/build/cuda_host/tiny/src/multi_tensor_sgd.cpp'}
+    assert b.inputs(m) == [m.path]
