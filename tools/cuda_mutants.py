@@ -176,6 +176,15 @@ def _in_string(line: str, pos: int) -> bool:
     return line[:pos].count('"') % 2 == 1
 
 
+def _declares(line: str, start: int) -> bool:
+    """Whether the name at ``start`` is a function's definition or declaration (its return type
+    before it: ``bool skip_update(const float* found_inf) {``), not a call: a ``skip``, ``unscale``
+    or ``flag`` mutant there does not compile. (A ``swap`` there is a real mutant: the definition's
+    parameters swapped swap every call's arguments.)"""
+    before = re.search(r'([\w>&*]+)\s+$', line[:start])
+    return before is not None and before.group(1) not in ('return', 'else', 'case')
+
+
 def _call_args(line: str, open_paren: int) -> Optional[List[tuple]]:
     """(start, end) of the top-level arguments of the call whose '(' is at open_paren."""
     depth, start, args = 0, open_paren + 1, []
@@ -254,7 +263,7 @@ def generate(paths: Optional[List[str]] = None) -> List[Mutant]:
             for op, pat in _CALLS.items():
                 for m in pat.finditer(code):
                     args = _call_args(code, m.end() - 1)
-                    if args is None:
+                    if args is None or (op != 'swap' and _declares(code, m.start())):
                         continue
                     if op == 'swap' and len(args) == 2:
                         (a0, a1), (b0, b1) = args

@@ -1,6 +1,7 @@
 """The mutant generator of tools/cuda_mutants.py (no build: the mutants themselves run in
 ``python tools/cuda_mutants.py``, docs/cuda.md "Mutants")."""
 import os
+import re
 import sys
 
 import pytest
@@ -195,3 +196,15 @@ def test_inputs_do_not_depend_on_the_checkout(mutants, monkeypatch):
                         f'{root}/{m.path}', '/usr/include/torch/x.h']}
     b.objects = {'sgd.o': f'{root}/build/cuda_host/tiny/src/multi_tensor_sgd.cpp'}
     assert b.inputs(m) == [m.path]
+
+
+def test_definitions_are_not_mutated_as_calls(mutants):
+    """``bool skip_update(const float* found_inf) {`` is no call: its skip / unscale / flag mutant
+    would not compile. A definition's swapped parameters are a mutant (every call swapped)."""
+    befores = {(m.op, m.before.strip()) for m in mutants}
+    for op, name in (('skip', 'skip_update'), ('unscale', 'make_unscale'),
+                     ('flag', 'launch_increment_step')):
+        assert not any(o == op and re.search(r'\w+ ' + name + r'\(', b) for o, b in befores)
+        assert any(o == op and name + '(' in b for o, b in befores)  # the calls still are
+    assert any(o == 'swap' and b.startswith('__device__ __forceinline__ float fsub(float a')
+               for o, b in befores)
