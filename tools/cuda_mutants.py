@@ -116,13 +116,13 @@ EQUIVALENT: Dict[str, str] = {
                                                  'written (the i < n guard)',
 }
 
-# The tiny geometry's tensors per launch: the host tests' launch configuration, not kernel logic. The
-# module reports it (cuda_host/module.cpp, compiled from the same header) and the planner tests
+# The tiny geometry's tensors per launch: the host tests' launch configuration, not kernel logic.
+# The module reports it (cuda_host/module.cpp, compiled from the same header) and the planner tests
 # derive the launches they expect from the report; another value is another valid test rig.
 # RealGeometry, the one nvcc builds, is never mutated (``_real_geometry``).
-_TINY_DEPTHS = ('TinyGeometry::max_tensors: the host tests\' launch configuration, not kernel logic '
-                '(reported by cuda_host/module.cpp from the same header; the planner tests expect '
-                'the launches of the reported value); %s is another valid rig')
+_TINY_DEPTHS = ('TinyGeometry::max_tensors: the host tests\' launch configuration, not kernel '
+                'logic (reported by cuda_host/module.cpp from the same header; the planner tests '
+                'expect the launches of the reported value); %s is another valid rig')
 EQUIVALENT.update({
     'geometry.cuh:35:rel:ed79cf39': _TINY_DEPTHS % '4 tensors per launch at depth 1',
     'geometry.cuh:35:rel:63926e23': _TINY_DEPTHS % '3 tensors per launch at depth 3',

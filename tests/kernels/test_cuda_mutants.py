@@ -187,7 +187,8 @@ def test_a_kill_depends_on_the_failed_tests_file_only(monkeypatch):
 
 def test_inputs_do_not_depend_on_the_checkout(mutants, monkeypatch):
     """The generated wrapper (build/.../src/X.cpp includes the .cu by absolute path) and files
-    outside the repository are not inputs: results.json holds in any checkout of the same sources."""
+    outside the repository are not inputs: results.json holds in any checkout of the same
+    sources."""
     m = next(m for m in mutants if m.path.endswith('multi_tensor_sgd.cu'))
     b = cm.Builder.__new__(cm.Builder)
     root = '/somewhere/else'
