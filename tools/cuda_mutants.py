@@ -71,7 +71,8 @@ TESTS = ['tests/kernels/test_cuda_host.py', 'tests/kernels/test_cuda_host_lean.p
          'tests/kernels/test_cuda_host_boundaries.py',
          'tests/kernels/test_cuda_host_lean_traffic.py',
          'tests/kernels/test_cuda_host_adam8bit_lean.py',
-         'tests/kernels/test_cuda_host_adam8bit_edges.py']
+         'tests/kernels/test_cuda_host_adam8bit_edges.py',
+         'tests/kernels/test_cuda_host_optim_traffic.py']
 # The host tests that exercise a file's code, run first (most of its mutants die there); a file not
 # named here starts with test_cuda_host.py, which calls every other kernel.
 PRIMARY_TESTS = {'multi_tensor_adam8bit.cu': 'tests/kernels/test_cuda_host_adam8bit.py',
@@ -107,6 +108,10 @@ EQUIVALENT: Dict[str, str] = {
                                                    'agree) and in the absmax guard `< b.n`, where '
                                                    'the vector path has b.n == 256 (line 374) and '
                                                    'both indices (0..255, -3..252) are below it',
+    'optim_apply.cuh:111:rel:7b4c2f91': 'the state pointer loop runs once more: state has S + 1 '
+                                        'slots and state[S] gets addresses[N - 1] (the model '
+                                        'copy\'s list, in bounds) but is never read: every use '
+                                        'loops k < S',
     'multi_tensor_adam8bit.cu:373:rel:61e25f20': 'with size - b0 == 256 both branches give 256',
     'multi_tensor_adam8bit.cu:247:rel:75579f15': 'the scalar encode loop runs once more per half: '
                                                  'element (h * kILP + kILP) * 32 + lane of h == 0 '
