@@ -35,8 +35,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchrun
+from _compat import requires
 from test_fsdp import _free_port
 from test_fsdp_runner import REPO, torchrun_runs
+
+pytestmark = requires('fsdp2_cpu')  # every case shards with fully_shard on CPU
 
 STEPS = 4  # a checkpoint after 2
 EIGHT_BIT = ('l2.weight', 'l3.weight', 'l4.weight')
