@@ -139,16 +139,25 @@ def test_state_dict_is_small_and_resume_is_bitwise():
     saved, nbytes = _roundtrip(opt.state_dict())
     _, fp32_bytes = _roundtrip(_fp32_state_dict())
     assert nbytes < 0.4 * fp32_bytes
+    opt2 = _resume_bitwise(model, opt, saved, batches[3:])
+    _assert_states_equal(_states(opt), _states(opt2))
+
+
+def _resume_bitwise(model, opt, saved, rest, check_loaded=None):
+    """Train ``model`` on ``rest``; a fresh model with its weights of now and an int8 FusedAdam
+    loaded from ``saved`` (``check_loaded`` sees it) train on ``rest`` too and end bitwise alike."""
     model_sd = copy.deepcopy(model.state_dict())
-    _train(model, opt, batches[3:])
+    _train(model, opt, rest)
     resumed = _mlp(seed=5)
     resumed.load_state_dict(model_sd)
     opt2 = FusedAdam(resumed.parameters(), state_dtype='int8', **ADAMW)
     opt2.load_state_dict(saved)
-    _train(resumed, opt2, batches[3:])
+    if check_loaded is not None:
+        check_loaded(opt2)
+    _train(resumed, opt2, rest)
     for p, q in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(p, q)
-    _assert_states_equal(_states(opt), _states(opt2))
+    return opt2
 
 
 def test_absmax_of_a_consolidated_fsdp2_checkpoint_is_flattened_back():
@@ -163,16 +172,11 @@ def test_absmax_of_a_consolidated_fsdp2_checkpoint_is_flattened_back():
         if 'exp_avg_absmax' in state:  # 32 blocks each, 2-D as a consolidated checkpoint has them
             for key in ('exp_avg_absmax', 'exp_avg_sq_absmax'):
                 state[key] = state[key].reshape(2, -1)
-    model_sd = copy.deepcopy(model.state_dict())
-    _train(model, opt, batches[2:])
-    resumed = _mlp(seed=5)
-    resumed.load_state_dict(model_sd)
-    opt2 = FusedAdam(resumed.parameters(), state_dtype='int8', **ADAMW)
-    opt2.load_state_dict(saved)
-    assert all(s['exp_avg_absmax'].dim() == 1 for s in opt2.state.values() if 'exp_avg_absmax' in s)
-    _train(resumed, opt2, batches[2:])
-    for p, q in zip(model.parameters(), resumed.parameters()):
-        assert torch.equal(p, q)
+
+    def flat_again(opt2):
+        assert all(s['exp_avg_absmax'].dim() == 1 for s in opt2.state.values()
+                   if 'exp_avg_absmax' in s)
+    _resume_bitwise(model, opt, saved, batches[2:], flat_again)
 
 
 def _fp32_state_dict():
