@@ -10,10 +10,11 @@ says every rank got to its end. Any other failure, or a second abort, fails the 
 ``PYTHONFAULTHANDLER=1`` makes such an abort print every thread's Python stack, so the log of a
 failing run says where each rank was.
 """
+import contextlib
 import os
 import subprocess
 import warnings
-from typing import Callable, Dict, Sequence
+from typing import Callable, Dict, Iterator, Sequence
 
 EXIT_ABORT = 'terminate called without an active exception'
 
@@ -56,3 +57,18 @@ def spawn(worker: Callable, make_args: Callable[[], tuple], nprocs: int,
         for p in results:
             os.remove(p)
         mp.spawn(worker, args=make_args(), nprocs=nprocs, join=True)
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, world: int, port: int) -> Iterator[None]:
+    """The process group of a ``spawn`` worker: gloo on localhost at ``port``, one intra-op thread
+    (2 cores shared by every rank), destroyed however the worker leaves."""
+    import torch
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group('gloo', rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -20,7 +20,6 @@ import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -345,10 +344,7 @@ def _ema_case(rank, world, shard=None):
 
 
 def _worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group('gloo', rank=rank, world_size=world)
-    try:
+    with torchrun.gloo_group(rank, world, port):
         if not (compat.has('fsdp2') and compat.has('fsdp2_cpu')):  # the FSDP1 cases only
             result = dict(fsdp1=_fsdp1_cases(rank, world))
             torch.save(result, os.path.join(out_dir, f'rank{rank}.pt'))
@@ -367,8 +363,6 @@ def _worker(rank, world, port, out_dir):
             lean=_lean_cases(rank, world),
             ema=_ema_case(rank, world))
         torch.save(result, os.path.join(out_dir, f'rank{rank}.pt'))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope='module', params=[2, 3], ids=['2ranks', '3ranks'])

@@ -30,7 +30,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -227,14 +226,9 @@ def _one_process_cases(tmp):
 
 
 def _worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group('gloo', rank=rank, world_size=world)
-    try:
+    with torchrun.gloo_group(rank, world, port):
         result = _sharded_cases(rank, out_dir) if world == 2 else _one_process_cases(out_dir)
         torch.save(result, os.path.join(out_dir, f'world{world}_rank{rank}.pt'))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope='module')

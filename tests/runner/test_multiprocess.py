@@ -217,16 +217,11 @@ def _sharded_run(rank, sync):
 
 
 def _worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group('gloo', rank=rank, world_size=world)
-    try:
+    with torchrun.gloo_group(rank, world, port):
         result = {f'accum_{lv}': _accum_run(lv, rank, world) for lv in ('O0', 'O2')}
         for sync in (True, None, False):
             result[f'sharded_{sync}'] = _sharded_run(rank, sync)
         torch.save(result, os.path.join(out_dir, f'rank{rank}.pt'))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope='module')
