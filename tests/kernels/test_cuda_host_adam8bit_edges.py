@@ -1,14 +1,14 @@
 """Edges of the 8-bit Adam CUDA kernel (cuda/multi_tensor_adam8bit.cu, executed on the host; see
 tests/kernels/test_cuda_host_adam8bit.py for the state and the comparisons) that equal results
-under ``torch.equal`` or equal results alone do not show: the sign of a zero, and a byte loaded past
-a short block's end. Each kills a mutant the other host tests let live (docs/cuda_mutants.md).
+under ``torch.equal`` or equal results alone do not show: the sign of a zero, a byte loaded past
+a short block's end, and the path a block takes (the same bits and bytes either way). Each kills a mutant the other host tests let live (docs/cuda_mutants.md).
 """
 import pytest
 import torch
 
 from _guards import guarded
 from test_cuda_host import host, representative  # noqa: F401 (host is a fixture)
-from test_cuda_host_adam8bit import (HP, OP, State, _step_and_compare,  # noqa: F401
+from test_cuda_host_adam8bit import (_UPDATE, HP, OP, State, _step_and_compare,  # noqa: F401
                                      _update_launches)
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.ops.mp_wrappers, OP),
@@ -58,3 +58,24 @@ def test_adam8bit_short_blocks_load_nothing_past_their_end(host, shift):
     assert launches and sum(r[3] for r in launches) == n * (4 + 4 + 2) + qblocks * 8 + \
         cuda_blocks * 12
     assert sum(r[4] for r in launches) == n * (4 + 2) + qblocks * 8
+
+
+def _stores(host, setup, n, shift=0):
+    st = State(setup, [n], seed=44, shift=shift)
+    host.module.traffic_reset()
+    st.run(host.ops.multi_tensor_adam8bit_, st.grads(), HP['adamw'])
+    return sum(count for kernel, count in host.module.store_log() if kernel == _UPDATE)
+
+
+def test_adam8bit_model_copy_keeps_the_vector_path(host):
+    """Whole aligned blocks take the vector path with or without a model copy: p, the copy and
+    each moment's codes are stored 4 elements a store (fp32 and bf16 packs, 4 codes), each block's
+    two absmaxes once. A misaligned copy sends every block down the element path: one store per
+    element of each. Both paths give the same bits and bytes, so only the number of stores tells
+    a copy that wrongly takes the element path (on a GPU: no vector stores on the O2 path)."""
+    n = 2 * 256
+    blocks = n // 256
+    vector = _stores(host, 'fp32', n)
+    assert vector == n // 4 + 2 * (n // 4) + 2 * blocks
+    assert _stores(host, 'o2-bf16', n) == vector + n // 4
+    assert _stores(host, 'o2-bf16', n, shift=1) == 4 * n + 2 * blocks

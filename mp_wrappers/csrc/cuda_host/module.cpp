@@ -43,4 +43,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "The launches since traffic_reset(): (kernel, blocks, threads per block, bytes read, "
       "bytes written).");
+  m.def(
+      "store_log",
+      [] {
+        std::vector<std::tuple<std::string, uint64_t>> out;
+        for (const host::LaunchRecord& r : host::traffic_log()) out.emplace_back(r.kernel, r.stores);
+        return out;
+      },
+      "The launches since traffic_reset(): (kernel, global stores issued), one per access "
+      "whatever its width (16-byte packs count one).");
 }

@@ -139,6 +139,9 @@ struct ThreadState {
   dim3 thread_idx, block_idx;
   Block* block = nullptr;
   uint64_t bytes_read = 0, bytes_written = 0;
+  // Global stores as issued (one per st()/store_pack access, whatever its width): with the bytes,
+  // which path a kernel took (16-byte packs or element stores), which the bytes alone cannot tell.
+  uint64_t stores = 0;
 };
 inline thread_local ThreadState t_state;
 inline dim3 g_block_dim, g_grid_dim;
@@ -151,13 +154,16 @@ inline void check_aligned(const void* p, uint64_t align) {
     t_state.block->report("misaligned global access: " + std::to_string(align) +
                           "-byte access at an address that is not a multiple of it");
 }
-inline void count_store(uint64_t bytes) { t_state.bytes_written += bytes; }
+inline void count_store(uint64_t bytes) {
+  t_state.bytes_written += bytes;
+  ++t_state.stores;
+}
 
 // ---- traffic log ----------------------------------------------------------------------------------
 struct LaunchRecord {
   std::string kernel;
   unsigned int grid, block;
-  uint64_t bytes_read, bytes_written;
+  uint64_t bytes_read, bytes_written, stores;
 };
 inline std::mutex g_log_mutex;
 inline std::vector<LaunchRecord> g_log;
@@ -187,19 +193,19 @@ class Team {
     start_.notify_all();
     for (std::thread& t : threads_) t.join();
   }
-  // Returns the bytes read and written by the block.
-  std::pair<uint64_t, uint64_t> run_block(dim3 block_idx, const std::function<void()>& body,
+  // Returns the bytes read and written and the stores issued by the block.
+  std::tuple<uint64_t, uint64_t, uint64_t> run_block(dim3 block_idx, const std::function<void()>& body,
                                           Block* block) {
     std::unique_lock<std::mutex> lock(mutex_);
     block_idx_ = block_idx;
     body_ = &body;
     block_ = block;
     done_ = 0;
-    read_ = written_ = 0;
+    read_ = written_ = stores_ = 0;
     ++epoch_;
     start_.notify_all();
     done_cv_.wait(lock, [&] { return done_ == n_; });
-    return {read_, written_};
+    return std::make_tuple(read_, written_, stores_);
   }
 
  private:
@@ -212,7 +218,7 @@ class Team {
         if (stop_) return;
         seen = epoch_;
       }
-      t_state = ThreadState{dim3(tid), block_idx_, block_, 0, 0};
+      t_state = ThreadState{dim3(tid), block_idx_, block_, 0, 0, 0};
       (*body_)();
       const int warp = tid / kWarpSize;
       block_->warps[warp]->live[tid % kWarpSize] = false;
@@ -221,6 +227,7 @@ class Team {
       std::lock_guard<std::mutex> lock(mutex_);
       read_ += t_state.bytes_read;
       written_ += t_state.bytes_written;
+      stores_ += t_state.stores;
       if (++done_ == n_) done_cv_.notify_one();
     }
   }
@@ -235,7 +242,7 @@ class Team {
   dim3 block_idx_;
   const std::function<void()>* body_ = nullptr;
   Block* block_ = nullptr;
-  uint64_t read_ = 0, written_ = 0;
+  uint64_t read_ = 0, written_ = 0, stores_ = 0;
 };
 
 // One launch at a time: __shared__ statics and the block state belong to the running block.
@@ -260,16 +267,17 @@ inline void run_grid(const char* kernel, dim3 grid, dim3 block, const std::funct
   g_block_dim = block;
   static Block state;
   Team& team = team_of_size(static_cast<int>(block.x));
-  uint64_t read = 0, written = 0;
+  uint64_t read = 0, written = 0, stores = 0;
   for (unsigned int b = 0; b < grid.x; ++b) {
     state.reset(static_cast<int>(block.x));
-    const auto bytes = team.run_block(dim3(b), body, &state);
-    read += bytes.first;
-    written += bytes.second;
+    const auto traffic = team.run_block(dim3(b), body, &state);
+    read += std::get<0>(traffic);
+    written += std::get<1>(traffic);
+    stores += std::get<2>(traffic);
     if (!state.error.empty()) fail(std::string(kernel) + ": " + state.error);
   }
   std::lock_guard<std::mutex> log_lock(g_log_mutex);
-  g_log.push_back(LaunchRecord{kernel, grid.x, block.x, read, written});
+  g_log.push_back(LaunchRecord{kernel, grid.x, block.x, read, written, stores});
 }
 
 // kernel<<<grid, block>>>(args...): the arguments are copied once, as the driver copies them into
