@@ -31,6 +31,9 @@ Usage::
     python tools/cuda_mutants.py                        # all of them (hours)
     python tools/cuda_mutants.py --only ID [--only ID]  # chosen mutants
     python tools/cuda_mutants.py --file multi_tensor_sgd.cu  # one file's mutants
+    # Both cores busy: a test run uses one, so two runs on disjoint files, one build job each,
+    # share the workdir (results.json is written under a lock) and finish sooner than one.
+    MAX_JOBS=1 python tools/cuda_mutants.py --files cu & MAX_JOBS=1 python tools/cuda_mutants.py --files cuh
 
 Resumable: every outcome goes into ``--workdir``/results.json, keyed by the mutant id and a digest of
 what decides it (``outcome_key``: the files of the recompiled translation units, the host-test files
@@ -49,6 +52,7 @@ per file and per mutant. Exit status 1 when a mutant of this run survived (not e
 import argparse
 import concurrent.futures
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -571,16 +575,20 @@ class Results:
 
     def put(self, mutant_id: str, key: str, tests: List[str], status: str, seconds: float,
             detail: str) -> None:
-        if os.path.exists(self.path):  # another run on the same workdir may have added some
-            with open(self.path) as f:
-                self.data = json.load(f)
-        self.data[mutant_id] = dict(key=key, tests=sorted(tests), status=status,
-                                    seconds=round(seconds, 1), detail=detail,
-                                    when=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()))
-        tmp = f'{self.path}.{os.getpid()}.tmp'
-        with open(tmp, 'w') as f:
-            json.dump(self.data, f, indent=1, sort_keys=True)
-        os.replace(tmp, self.path)
+        # Runs on the same workdir (e.g. one per file, to use both cores while a test runs on one)
+        # read, add and write under one lock, so none loses another's outcome.
+        with open(self.path + '.lock', 'w') as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if os.path.exists(self.path):
+                with open(self.path) as f:
+                    self.data = json.load(f)
+            self.data[mutant_id] = dict(key=key, tests=sorted(tests), status=status,
+                                        seconds=round(seconds, 1), detail=detail,
+                                        when=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()))
+            tmp = f'{self.path}.{os.getpid()}.tmp'
+            with open(tmp, 'w') as f:
+                json.dump(self.data, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)
 
 
 STATUSES = ('killed', 'survived', 'equivalent', 'does not compile', 'not run')

@@ -209,3 +209,25 @@ def test_definitions_are_not_mutated_as_calls(mutants):
         assert any(o == op and name + '(' in b for o, b in befores)  # the calls still are
     assert any(o == 'swap' and b.startswith('__device__ __forceinline__ float fsub(float a')
                for o, b in befores)
+
+
+def _put_many(path, prefix, n):
+    results = cm.Results(path)
+    for i in range(n):
+        results.put(f'{prefix}:{i}', 'k', [], 'killed', 1.0, '')
+
+
+def test_runs_sharing_a_workdir_lose_no_outcome(tmp_path):
+    # Two runs on one workdir (one per file, both cores busy) write results.json in turns: each
+    # put reads, adds and replaces the file under a lock, so neither drops the other's outcomes.
+    import multiprocessing
+    path = str(tmp_path / 'results.json')
+    ctx = multiprocessing.get_context('fork')
+    procs = [ctx.Process(target=_put_many, args=(path, name, 40)) for name in ('a', 'b')]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    data = cm.Results(path).data
+    assert sorted(data) == sorted(f'{x}:{i}' for x in 'ab' for i in range(40))
