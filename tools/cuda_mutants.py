@@ -116,6 +116,11 @@ EQUIVALENT: Dict[str, str] = {
                                         'slots and state[S] gets addresses[N - 1] (the model '
                                         'copy\'s list, in bounds) but is never read: every use '
                                         'loops k < S',
+    'optim_apply.cuh:149:rel:2c61dc71': 'the guarded path\'s strided loop runs once more when n '
+                                        'is a multiple of its stride, with every i >= n: '
+                                        'load_one returns 0 (no load), store_one stores nothing, '
+                                        'and the ops\' update is a pure function of its lanes '
+                                        '(no flag, no counter): nothing observable changes',
     'multi_tensor_adam8bit.cu:373:rel:61e25f20': 'with size - b0 == 256 both branches give 256',
     'multi_tensor_adam8bit.cu:247:rel:75579f15': 'the scalar encode loop runs once more per half: '
                                                  'element (h * kILP + kILP) * 32 + lane of h == 0 '
