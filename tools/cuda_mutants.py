@@ -76,14 +76,18 @@ TESTS = ['tests/kernels/test_cuda_host.py', 'tests/kernels/test_cuda_host_lean.p
          'tests/kernels/test_cuda_host_lean_traffic.py',
          'tests/kernels/test_cuda_host_adam8bit_lean.py',
          'tests/kernels/test_cuda_host_adam8bit_edges.py',
-         'tests/kernels/test_cuda_host_optim_traffic.py']
+         'tests/kernels/test_cuda_host_optim_traffic.py',
+         'tests/kernels/test_cuda_host_param_limit.py',
+         'tests/kernels/test_cuda_host_nonfinite.py',
+         'tests/kernels/test_cuda_host_partials.py']
 # The host tests that exercise a file's code, run first (most of its mutants die there); a file not
 # named here starts with test_cuda_host.py, which calls every other kernel.
 PRIMARY_TESTS = {'multi_tensor_adam8bit.cu': 'tests/kernels/test_cuda_host_adam8bit.py',
                  'multi_tensor_lean.cu': 'tests/kernels/test_cuda_host_lean.py',
                  'lean_param.cuh': 'tests/kernels/test_cuda_host_lean.py',
                  'multi_tensor_apply.cuh': 'tests/kernels/test_cuda_host_planner.py',
-                 'geometry.cuh': 'tests/kernels/test_cuda_host_planner.py'}
+                 'geometry.cuh': 'tests/kernels/test_cuda_host_planner.py',
+                 'runtime.cuh': 'tests/kernels/test_cuda_host_param_limit.py'}
 
 # Mutants that cannot change what the kernels compute, by id, with the reason.
 _TAIL = ('the tail loop runs once more, with i == n: load_one returns 0 for i >= n and store_one '
@@ -121,6 +125,35 @@ EQUIVALENT: Dict[str, str] = {
                                         'load_one returns 0 (no load), store_one stores nothing, '
                                         'and the ops\' update is a pure function of its lanes '
                                         '(no flag, no counter): nothing observable changes',
+    # compute(): s and rs have S + 1 slots (no zero-length array for S == 0); the ops read and
+    # write s[0..S-1] only (adam s[0], s[1]; lamb s[0], s[1]; adagrad, novograd and SGD with
+    # momentum s[0]; SGD without momentum none), and rs[S] is never loaded or stored.
+    'optim_apply.cuh:181:rel:54bb612e': 'the copy into the op\'s slots runs once more: s[S] = '
+                                        'rs[S][j], both in bounds, and no op reads s[S]',
+    'optim_apply.cuh:184:rel:f1188f09': 'the copy back runs once more: rs[S][j] = s[S], both in '
+                                        'bounds, and rs[S] is never stored (every store loops '
+                                        'k < S)',
+    'multi_tensor_apply.cuh:58:rel:05503f0f': 'a chunk\'s size min(left, kChunk): with left == '
+                                              'kChunk both branches give kChunk',
+    'multi_tensor_apply.cuh:256:arith:6b574a8a': 'NanMaxOp\'s NaN branch: with a NaN operand a + b '
+                                                 'and a - b are the same NaN (IEEE 754 returns '
+                                                 'the NaN operand, quieted, sign unchanged, on '
+                                                 'x86; CUDA returns its canonical NaN for both)',
+    'multi_tensor_apply.cuh:256:rel:737c0a0a': 'NanMaxOp with a == b returns a instead of b, the '
+                                               'same bits: both users reduce values that are '
+                                               'never -0 (NovoGrad fabsf(g) and 0.0; the 8-bit '
+                                               'absmax fabsf(m) and v = b2 * v_old + (1 - b2) * '
+                                               'g * g with v_old >= +0, from 0.f), so equal '
+                                               'operands are equal bit patterns',
+    'multi_tensor_apply.cuh:270:rel:b3ee76ab': 'block_reduce\'s second stage by every warp but '
+                                               'the first instead of the first: each reads the '
+                                               'same per-warp values from shared memory, reduces '
+                                               'them in the same order and lane 0 writes the '
+                                               'same value to shared[0] before the barrier; the '
+                                               'same bits, only redundant work on a GPU (shared '
+                                               'memory, which the host build does not count). '
+                                               'A one-warp block (no such launch reduces) would '
+                                               'keep its first stage, equal but for -0 + 0',
     'multi_tensor_adam8bit.cu:373:rel:61e25f20': 'with size - b0 == 256 both branches give 256',
     'multi_tensor_adam8bit.cu:247:rel:75579f15': 'the scalar encode loop runs once more per half: '
                                                  'element (h * kILP + kILP) * 32 + lane of h == 0 '
