@@ -5,7 +5,7 @@ Usage: torchrun --nproc_per_node=N tests/fsdp_train_check.py CONFIG RESULT_PT [-
 Builds the runner as tools/train.py does (FlexibleRunner for ``runner_type``), trains, then gathers
 the full fp32 weights (FSDP1 ``summon_full_params``, FSDP2 ``full_tensor``) and rank 0 saves ``{'params': [...],
 'iters': i, 'world_size': N, 'scale': s, 'skipped': k, 'opt_numel': [...per rank...],
-'val': [...each rank's last val/accuracy...]}``.
+'val': [...each rank's last val/accuracy...], 'state_dtypes': [rank 0's optimizer state dtypes]}``.
 
 ``--plain`` builds the runner as an OpenMMLab toolbox's ``tools/train.py`` does (mmengine's template:
 the config, ``--cfg-options``, ``--work-dir``, ``--resume``, ``cfg.launcher``, then ``Runner.from_cfg``
@@ -120,6 +120,9 @@ def _train_and_save(runner, result) -> None:
                         scale=wrapper.loss_scale,
                         skipped=sum(s.skipped_steps for s in wrapper.loss_scalers),
                         opt_numel=[int(g) for g in gathered], val=accuracies,
+                        state_dtypes=sorted({str(local_tensor(v).dtype) for st in opt.state.values()
+                                             for k, v in st.items() if torch.is_tensor(v)
+                                             and k != 'step'}),
                         total=sum(p.numel() for p in params)), result)
     dist.barrier()
 

@@ -21,28 +21,33 @@ group added, before any step).
 
 FSDP2 params (DTensors) keep 8-bit moments where their blocks never straddle shards, as DTensors
 placed like the param (:mod:`.quantized_shards`, Note [8-bit blocks on FSDP2 shards]); the others
-keep float32 moments.
+keep float32 moments. Under FSDP1 every param is this rank's flat piece of it, quantized in blocks
+of its own, and ``state_dict()`` writes 8-bit moments as float32 (Note [8-bit states under FSDP1]).
 
 Refused with ``state_dtype='int8'``: ``master_weights=True``, ``capturable=True`` (a tensor lr),
 params on a device without the 8-bit kernel (CUDA params with a build that has no CUDA kernels,
-:func:`~mp_wrappers.ops.quantized_states.check_quantized_device`), non-dense params, and a model
-sharded by FSDP1 (:func:`check_8bit_sharding`, Note [8-bit states under FSDP]).
+:func:`~mp_wrappers.ops.quantized_states.check_quantized_device`) and non-dense params.
 
-Note [8-bit states under FSDP]
-    FSDP2 works (Note [8-bit blocks on FSDP2 shards]): it shards each param on dim 0, so a shard
-    is whole rows of the param and, for rows of a multiple of 256 elements, whole blocks. FSDP1 is
-    refused, by the wrappers in ``optim_context`` (before the first forward, so before any step),
-    naming the config line to change. FSDP1 (``use_orig_params=True``, as the shipped configs and
+Note [8-bit states under FSDP1]
+    FSDP1 (``FullyShardedDataParallel``, ``use_orig_params=True`` as the shipped configs and
     mmengine use it) flattens a unit's params into one flat parameter and hands each rank an equal
-    1-D slice of it: a param's local piece starts at an arbitrary element offset, which the 256-
-    element blocks of the whole param straddle, and its size differs per rank (a param may be int8
-    on one rank and under ``min_8bit_size`` on another). Per-rank blocks would make the codes and
-    absmax depend on the rank count, and FSDP1's 'full' optimizer state dict all-gathers every
-    state tensor shaped like the param piece: a per-block absmax has no such shape, so a full
-    checkpoint could hold 8-bit states only dequantized, and resuming would not be bitwise (an
-    absmax may move by one ulp, docs/quantized_states.md). Lifting this needs blocks laid out per
-    original param (padding each piece to a block boundary) and a gather of the codes with their
-    absmax in FSDP1's state-dict path; FSDP2 is the way to shard with 8-bit states.
+    1-D slice: the optimizer's param is this rank's piece of the original param, starting at any
+    element offset. The piece is quantized in blocks of 256 from its own first element, so no block
+    straddles two ranks, and ``min_8bit_size`` applies to the piece (a param may keep 8-bit moments
+    on one rank and float32 on another). Codes and absmax therefore depend on the rank count:
+    results match one process closely, not bit for bit (FSDP2's row blocks do, Note [8-bit blocks
+    on FSDP2 shards]).
+
+    FSDP1's optimizer state dicts (``FSDP.optim_state_dict``, 'full' and 'local', which mmengine's
+    ``FSDPStrategy`` and ours call) gather every state tensor as per-element state shaped like the
+    param piece; a per-block absmax has no such shape. So once the wrapper sees an FSDP1 model
+    (:func:`adapt_8bit_to_sharding`, in ``optim_context``) or our strategy saves,
+    ``save_float32_moments`` is set and ``state_dict()`` writes every 8-bit moment as float32 by
+    :func:`~mp_wrappers.ops.reference.quant.dequantize_invertibly`, which loading quantizes back to
+    the same codes and absmax when the pieces are the same (the same rank count): resume is bit for
+    bit; on another rank count the moments are requantized in the new pieces' blocks. The price is
+    the checkpoint's size (float32 moments, 8 bytes per param); memory while training is the 8-bit
+    state's.
 """
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -51,7 +56,7 @@ from torch import Tensor
 
 from ..sharding import is_dtensor
 from ..ops.quantized_states import check_quantized_device
-from ..ops.reference.quant import (EXP_AVG_CODE, EXP_AVG_SQ_CODE, dequantize_blockwise,
+from ..ops.reference.quant import (EXP_AVG_CODE, EXP_AVG_SQ_CODE, dequantize_invertibly,
                                    quantize_blockwise)
 from . import layout
 from . import quantized_shards as shards
@@ -59,7 +64,7 @@ from .buckets import _Bucket
 from .lean import AUX_STATE_KEYS
 
 __all__ = ['QuantizedStateMixin', 'STATE_DTYPES', 'DEFAULT_MIN_8BIT_SIZE', 'ABSMAX_KEYS',
-           'check_8bit_sharding']
+           'adapt_8bit_to_sharding']
 
 #: The values of ``state_dtype`` (FusedAdam's argument and a param group's override).
 STATE_DTYPES = ('float32', 'bfloat16', 'int8')
@@ -72,31 +77,16 @@ _ABSMAX_NAMES = frozenset(ABSMAX_KEYS.values())
 _GROUP_STATE_DTYPES = ('float32', 'int8')
 
 
-def check_8bit_sharding(optimizer: torch.optim.Optimizer, kind: str) -> None:
-    """Refuse an optimizer with 8-bit states in any param group over FSDP1 flat shards (FSDP2 is
-    fine: Note [8-bit states under FSDP]).
+def adapt_8bit_to_sharding(optimizer: torch.optim.Optimizer, kind: str) -> None:
+    """Under FSDP1, make ``optimizer`` save its 8-bit moments as float32 (Note [8-bit states under
+    FSDP1]); nothing for FSDP2 or for optimizers without 8-bit states.
 
     Args:
         optimizer: Any optimizer; only :class:`QuantizedStateMixin` ones can hold 8-bit states.
         kind: ``'fsdp1'`` or ``'fsdp2'`` (:attr:`mp_wrappers.sharding.Sharding.kind`).
-
-    Raises:
-        NotImplementedError: FSDP1 and a param group would keep 8-bit moments, naming the config
-            line to change.
     """
-    if kind != 'fsdp1' or not isinstance(optimizer, QuantizedStateMixin):
-        return
-    default = 'int8' if optimizer.int8_states else 'float32'
-    groups = [i for i, g in enumerate(optimizer.param_groups)
-              if g.get('state_dtype', default) == 'int8']
-    if groups:
-        raise NotImplementedError(
-            f"{type(optimizer).__name__}: state_dtype='int8' (8-bit optimizer states, param "
-            f'groups {groups}) is not supported under FSDP1 (its flat shards cut the 256-element '
-            'blocks anywhere, docs/quantized_states.md). Set '
-            "optim_wrapper.optimizer.state_dtype='float32' in the config (and remove "
-            "state_dtype='int8' from paramwise_cfg), or shard with FSDP2 "
-            "(model_wrapper_cfg=dict(type='mp_wrappers.FullyShardedModel'))")
+    if kind == 'fsdp1' and isinstance(optimizer, QuantizedStateMixin):
+        optimizer.save_float32_moments = True
 
 
 class QuantizedStateMixin:
@@ -108,6 +98,8 @@ class QuantizedStateMixin:
 
     int8_states: bool = False
     min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE
+    #: ``state_dict()`` writes 8-bit moments as float32 (Note [8-bit states under FSDP1])
+    save_float32_moments: bool = False
     #: local-shard address -> FSDP2 param (:meth:`_state_of`)
     _shard_owners: Dict[int, Tensor] = {}
 
@@ -206,7 +198,8 @@ class QuantizedStateMixin:
         for key, absmax_key in ABSMAX_KEYS.items():
             value = self._local_state(param, state[key], key) if sharded else state[key]
             flat = layout.flat(value) if layout.is_dense(value) else value.reshape(-1)
-            codes, absmax = quantize_blockwise(flat.to(torch.float32), _CODES[key])
+            codes, absmax = quantize_blockwise(flat.to(torch.float32), _CODES[key],
+                                               signed_zeros=True)
             state[key] = layout.like(target, torch.uint8)
             layout.flat(state[key]).copy_(codes)
             state[absmax_key] = absmax.to(param.device)
@@ -222,7 +215,7 @@ class QuantizedStateMixin:
             if sharded:
                 codes = self._local_state(param, codes, key)
                 absmax = self._local_state(param, absmax, absmax_key)
-            values = dequantize_blockwise(layout.flat(codes), absmax.reshape(-1), _CODES[key])
+            values = dequantize_invertibly(layout.flat(codes), absmax.reshape(-1), _CODES[key])
             state[key] = layout.like(target, torch.float32)
             layout.flat(state[key]).copy_(values)
             if sharded:
@@ -242,6 +235,30 @@ class QuantizedStateMixin:
                              'torch.distributed.checkpoint.state_dict.set_optimizer_state_dict '
                              '(mp_wrappers.distributed.checkpoint), which keeps it sharded')
         return shards.local(value)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The optimizer's state dict: 8-bit moments as codes and absmax, or as float32 values
+        when ``save_float32_moments`` is set (Note [8-bit states under FSDP1])."""
+        saved = super().state_dict()  # type: ignore[misc]
+        if not self.save_float32_moments:
+            return saved
+        for key, slot in saved['state'].items():  # new dicts: torch's may be the live state's
+            if isinstance(slot.get('exp_avg'), Tensor) and slot['exp_avg'].dtype == torch.uint8:
+                saved['state'][key] = {k: v for k, v in dict(slot, **self._float32_moments(slot))
+                                       .items() if k not in _ABSMAX_NAMES}
+        return saved
+
+    @staticmethod
+    def _float32_moments(slot: Dict[str, Any]) -> Dict[str, Tensor]:
+        """The 8-bit moments of a saved ``slot`` (plain tensors) as float32 values shaped alike."""
+        out = {}
+        for key, absmax_key in ABSMAX_KEYS.items():
+            codes = slot[key]
+            values = dequantize_invertibly(layout.flat(codes), slot[absmax_key].reshape(-1),
+                                           _CODES[key])
+            out[key] = layout.like(codes, torch.float32)
+            layout.flat(out[key]).copy_(values)
+        return out
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load, then quantize or dequantize each param's moments to what it wants now."""

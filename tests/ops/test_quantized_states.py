@@ -23,8 +23,8 @@ from mp_wrappers.ops import backend, multi_tensor_adam8bit, multi_tensor_adam8bi
 from mp_wrappers.ops._dispatch import _op_has_kernel
 from mp_wrappers.ops.reference.lean import bf16_join, bf16_split
 from mp_wrappers.ops.reference.quant import (BLOCK_SIZE, EXP_AVG_CODE, EXP_AVG_SQ_CODE,
-                                             code_table, dequantize_blockwise, num_blocks,
-                                             quantize_blockwise)
+                                             code_table, dequantize_blockwise,
+                                             dequantize_invertibly, num_blocks, quantize_blockwise)
 
 HAS_KERNEL = backend()['extension'] and _op_has_kernel('multi_tensor_adam8bit_', 'cpu')
 needs_kernel = pytest.mark.skipif(not HAS_KERNEL, reason='8-bit kernel not built')
@@ -81,6 +81,37 @@ def test_zero_blocks_and_partial_blocks():
     codes, absmax = quantize_blockwise(x, EXP_AVG_CODE)
     assert absmax.tolist() == [0.0, 0.0, 2.0] and absmax.numel() == num_blocks(x.numel())
     assert torch.equal(dequantize_blockwise(codes, absmax, EXP_AVG_CODE), x)
+
+
+@pytest.mark.parametrize('code', [EXP_AVG_CODE, EXP_AVG_SQ_CODE], ids=['exp_avg', 'exp_avg_sq'])
+def test_invertible_dequantization_quantizes_back_to_the_same_codes_and_absmax(code):
+    """Codes and absmax as a quantization writes them (every nonzero block holds its MAX code;
+    absmax over 60 binades), a block of zeros, signed zeros (0x80) and a partial block: through
+    float32 and back, bit for bit. Plain dequantization moves an absmax by an ulp in some blocks."""
+    g = torch.Generator().manual_seed(1)
+    n = 40 * BLOCK_SIZE + 77
+    x = torch.randn(n, generator=g) * torch.exp(2 * torch.randn(n, generator=g))
+    x = x if code.signed else x.abs()
+    x = x * torch.exp2(torch.randint(-30, 30, (num_blocks(n),), generator=g).float()
+                       ).repeat_interleave(BLOCK_SIZE)[:n]
+    x[BLOCK_SIZE:2 * BLOCK_SIZE] = 0.0
+    if code.signed:  # magnitudes that round to 0 keep their sign: code 0x80
+        x[5 * BLOCK_SIZE:5 * BLOCK_SIZE + 9] = -1e-30
+    codes, absmax = quantize_blockwise(x, code)
+    if code.signed:
+        assert (codes == 0x80).sum() >= 9
+    values = dequantize_invertibly(codes, absmax, code)
+    assert values.dtype == torch.float32 and values.shape == codes.shape
+    back_codes, back_absmax = quantize_blockwise(values, code, signed_zeros=True)
+    assert torch.equal(back_codes, codes) and torch.equal(back_absmax, absmax)
+    # the values differ from dequantize_blockwise's at MAX codes only, by at most an ulp
+    plain = dequantize_blockwise(codes, absmax, code)
+    differ = values != plain
+    assert torch.all((codes[differ].int() & 0x7F) == (codes.int() & 0x7F).max())
+    torch.testing.assert_close(values, plain, rtol=2 ** -23, atol=0)
+    assert not torch.equal(quantize_blockwise(plain, code)[1], absmax)
+    if code.signed:  # the kernels' x < 0 gives -0.0 code 0
+        assert (quantize_blockwise(values, code)[0] == 0x80).sum() == 0
 
 
 # ---- the update ------------------------------------------------------------------------------------

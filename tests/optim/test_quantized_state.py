@@ -196,19 +196,13 @@ def test_checkpoints_convert_between_int8_and_float32_states():
     w8 = opt8.state[model[0].weight]
     w32 = opt32.state[opt32.param_groups[0]['params'][0]]
     assert w32['exp_avg'].dtype == torch.float32 and 'exp_avg_absmax' not in w32
-    from mp_wrappers.ops.reference.quant import EXP_AVG_CODE, dequantize_blockwise
+    from mp_wrappers.ops.reference.quant import EXP_AVG_CODE, dequantize_invertibly
     assert torch.equal(w32['exp_avg'],
-                       dequantize_blockwise(w8['exp_avg'], w8['exp_avg_absmax'], EXP_AVG_CODE))
+                       dequantize_invertibly(w8['exp_avg'], w8['exp_avg_absmax'], EXP_AVG_CODE))
     # ... and back: the same codes and absmax, bit for bit.
     back = FusedAdam(_mlp().parameters(), state_dtype='int8', **ADAMW)
     back.load_state_dict(_roundtrip(opt32.state_dict())[0])
-    # The same codes; an absmax may move by an ulp (the top code's value times absmax / MAX).
-    for (k, x), (k2, y) in zip(_states(opt8), _states(back)):
-        assert k == k2 and x.dtype == y.dtype
-        if k.endswith('_absmax'):
-            torch.testing.assert_close(x, y, rtol=2 ** -23, atol=0)
-        else:
-            assert torch.equal(x, y), k
+    _assert_states_equal(_states(opt8), _states(back))
     # float32 -> int8 from a float32-state run: quantized, and training continues.
     model = _mlp()
     fp32 = FusedAdam(model.parameters(), **ADAMW)
@@ -218,7 +212,7 @@ def test_checkpoints_convert_between_int8_and_float32_states():
     st = opt.state[model[0].weight]
     assert st['exp_avg'].dtype == torch.uint8
     m = fp32.state[model[0].weight]['exp_avg']
-    got = dequantize_blockwise(st['exp_avg'], st['exp_avg_absmax'], EXP_AVG_CODE)
+    got = dequantize_invertibly(st['exp_avg'], st['exp_avg_absmax'], EXP_AVG_CODE)
     assert (got - m).norm() < 0.05 * m.norm()
     _train(model, opt, _batches(2))
 
@@ -284,28 +278,35 @@ def test_cuda_params_step_like_the_cpu(device):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=ka)
 
 
-def test_fsdp1_is_refused_naming_the_config_line():
-    """Note [8-bit states under FSDP]: under FSDP1 any group that would keep 8-bit moments is
-    refused; a FusedAdam whose groups all say float32, other optimizers, and FSDP2 pass (FSDP2
-    runs: tests/runner/test_fsdp2_8bit.py). (The wrappers call this in optim_context:
-    tests/runner/test_fsdp_runner.py runs it through torchrun and the Runner.)"""
-    from mp_wrappers.optim.quantized_state import check_8bit_sharding
+def test_under_fsdp1_state_dict_writes_float32_moments_that_load_back_bitwise():
+    """Note [8-bit states under FSDP1]: ``adapt_8bit_to_sharding`` (the wrappers call it in
+    optim_context) makes a FusedAdam under FSDP1 save float32 moments and no absmax; loading them
+    gives the codes and absmax back bit for bit, and training goes on as if never saved. FSDP2 and
+    other optimizers are left alone. (Sharded runs: tests/runner/test_fsdp1_8bit.py.)"""
+    from mp_wrappers.optim.quantized_state import adapt_8bit_to_sharding
     model = _mlp()
-    with pytest.raises(NotImplementedError, match=r"FusedAdam: state_dtype='int8' \(8-bit optimizer "
-                                                  r"states, param groups \[0\]\) is not supported "
-                                                  r"under FSDP1.*optim_wrapper.optimizer.state_dtype="
-                                                  r"'float32'.*mp_wrappers.FullyShardedModel"):
-        check_8bit_sharding(FusedAdam(model.parameters(), state_dtype='int8'), 'fsdp1')
-    first, *rest = model.parameters()
-    groups = [dict(params=[first], state_dtype='int8'), dict(params=rest)]
-    with pytest.raises(NotImplementedError, match=r'param groups \[0\]\) is not supported under '
-                                                  r'FSDP1.*remove state_dtype=.int8. from paramwise'):
-        check_8bit_sharding(FusedAdam(groups), 'fsdp1')
-    check_8bit_sharding(FusedAdam(groups), 'fsdp2')
-    check_8bit_sharding(FusedAdam([dict(params=model.parameters(), state_dtype='float32')],
-                                  state_dtype='int8'), 'fsdp1')
-    check_8bit_sharding(FusedAdam(model.parameters()), 'fsdp1')
-    check_8bit_sharding(torch.optim.SGD(model.parameters(), lr=0.1), 'fsdp1')
+    opt = FusedAdam(model.parameters(), state_dtype='int8', **ADAMW)
+    _train(model, opt, _batches(3))
+    adapt_8bit_to_sharding(opt, 'fsdp2')
+    assert 'exp_avg_absmax' in opt.state_dict()['state'][0]
+    adapt_8bit_to_sharding(opt, 'fsdp1')
+    saved = _roundtrip(opt.state_dict())[0]
+    for slot in saved['state'].values():
+        assert set(slot) == {'step', 'exp_avg', 'exp_avg_sq'}
+        assert slot['exp_avg'].dtype == slot['exp_avg_sq'].dtype == torch.float32
+    assert opt.state[model[0].weight]['exp_avg'].dtype == torch.uint8  # the live state stays
+    twin = _mlp()
+    twin.load_state_dict(model.state_dict())
+    back = FusedAdam(twin.parameters(), state_dtype='int8', **ADAMW)
+    back.load_state_dict(saved)
+    _assert_states_equal(_states(opt), _states(back))
+    _train(model, opt, _batches(2, seed=5))
+    _train(twin, back, _batches(2, seed=5))
+    _assert_states_equal(_states(opt), _states(back))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    adapt_8bit_to_sharding(sgd, 'fsdp1')
+    assert not hasattr(sgd, 'save_float32_moments')
 
 
 # ---- the wrappers ----------------------------------------------------------------------------------
@@ -460,7 +461,7 @@ def test_lean_storage_with_8bit_states_skipped_step_changes_nothing(mode):
 
 @pytest.mark.parametrize('mode', ['split', 'kahan'])
 def test_lean_storage_converts_between_int8_and_float32_states(mode):
-    from mp_wrappers.ops.reference.quant import EXP_AVG_CODE, dequantize_blockwise
+    from mp_wrappers.ops.reference.quant import EXP_AVG_CODE, dequantize_invertibly
     model = _lean_mlp()
     opt8 = FusedAdam(model.parameters(), state_dtype='int8', bf16_storage=mode, **ADAMW)
     _lean_train(model, opt8, _batches(3))
@@ -469,16 +470,11 @@ def test_lean_storage_converts_between_int8_and_float32_states(mode):
     w8 = opt8.state[model[0].weight]
     w32 = opt32.state[opt32.param_groups[0]['params'][0]]
     assert torch.equal(w32['exp_avg'],
-                       dequantize_blockwise(w8['exp_avg'], w8['exp_avg_absmax'], EXP_AVG_CODE))
+                       dequantize_invertibly(w8['exp_avg'], w8['exp_avg_absmax'], EXP_AVG_CODE))
     assert torch.equal(w32[AUX_KEY[mode]], w8[AUX_KEY[mode]])  # the aux state travels as it is
     back = FusedAdam(_lean_mlp().parameters(), state_dtype='int8', bf16_storage=mode, **ADAMW)
     back.load_state_dict(_roundtrip(opt32.state_dict())[0])
-    for (k, x), (k2, y) in zip(_states(opt8), _states(back)):
-        assert k == k2 and x.dtype == y.dtype
-        if k.endswith('_absmax'):
-            torch.testing.assert_close(x, y, rtol=2 ** -23, atol=0)
-        else:
-            assert torch.equal(x, y), k
+    _assert_states_equal(_states(opt8), _states(back))
     _lean_train(_lean_mlp(), back, _batches(1))
 
 

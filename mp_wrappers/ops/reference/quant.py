@@ -42,7 +42,8 @@ from ._common import _commit_, _skip_mask, _unscaled
 from .lean import _check_storage, _read_param, _write_param
 
 __all__ = ['BLOCK_SIZE', 'Minifloat', 'EXP_AVG_CODE', 'EXP_AVG_SQ_CODE', 'num_blocks',
-           'quantize_blockwise', 'dequantize_blockwise', 'code_table', 'multi_tensor_adam8bit_',
+           'quantize_blockwise', 'dequantize_blockwise', 'dequantize_invertibly', 'code_table',
+           'multi_tensor_adam8bit_',
            'multi_tensor_adam8bit_lean_']
 
 #: Elements per absmax block (the kernels' constant too; docs/quantized_states.md says why 256).
@@ -118,9 +119,14 @@ def _block_factors(absmax: Tensor, code: Minifloat):
     return enc, absmax / maxv
 
 
-def quantize_blockwise(x: Tensor, code: Minifloat) -> tuple:
+def quantize_blockwise(x: Tensor, code: Minifloat, signed_zeros: bool = False) -> tuple:
     """(uint8 codes shaped like ``x``, float32 absmax per block) of float32 ``x`` (memory order of
-    a contiguous ``x``)."""
+    a contiguous ``x``).
+
+    ``signed_zeros``: a -0.0 gets the negative zero code 0x80 (a signed code), as
+    :func:`dequantize_invertibly` needs; the kernels (and so the update's reference) test
+    ``x < 0`` and give it code 0, which reads back as +0.0.
+    """
     blocks = _blocks(x.to(torch.float32))
     absmax = blocks.abs().amax(dim=1)
     enc, _ = _block_factors(absmax, code)
@@ -128,7 +134,8 @@ def quantize_blockwise(x: Tensor, code: Minifloat) -> tuple:
     a = torch.clamp(scaled.abs(), max=code.max_value)
     c = _encode_magnitude(a, code)
     if code.signed:
-        c = c | torch.where(scaled < 0, 0x80, 0).to(torch.int32)
+        negative = torch.signbit(scaled) if signed_zeros else scaled < 0
+        c = c | torch.where(negative, 0x80, 0).to(torch.int32)
     codes = c.reshape(-1)[:x.numel()].to(torch.uint8).view(x.shape)
     return codes, absmax
 
@@ -142,6 +149,30 @@ def dequantize_blockwise(codes: Tensor, absmax: Tensor, code: Minifloat) -> Tens
     if code.signed:
         x = torch.where(c >= 0x80, -x, x)
     return x.reshape(-1)[:codes.numel()].view(codes.shape)
+
+
+def dequantize_invertibly(codes: Tensor, absmax: Tensor, code: Minifloat) -> Tensor:
+    """:func:`dequantize_blockwise`, except that the largest magnitude code reads as the block's
+    absmax itself (with the code's sign): float32 values that
+    ``quantize_blockwise(values, code, signed_zeros=True)`` maps back to exactly ``codes`` and
+    ``absmax``, for codes and absmax as a quantization wrote them (finite, and every nonzero block
+    holds its largest magnitude as the MAX code).
+
+    Used where 8-bit moments pass through float32 (a checkpoint for FSDP1, a param group switched
+    to float32 states and back), so that a round trip resumes bit for bit. ``MAX * (absmax / MAX)``
+    rounds to absmax or to a neighbour (one ulp); a neighbour would become the block's new absmax
+    and could move codes. The other codes decode to at most ``(MAX - 2**-M) / MAX`` of absmax, and
+    each value times ``MAX / absmax`` is within a few ulp of its code's value, which rounds to it.
+    """
+    values = dequantize_blockwise(codes, absmax, code)
+    c = codes.to(torch.int32)
+    mag = c & 0x7F if code.signed else c
+    top = int(_encode_magnitude(torch.tensor([code.max_value]), code)[0])
+    per_element = _blocks(torch.ones_like(codes, dtype=torch.float32)) * absmax.to(
+        torch.float32).reshape(-1, 1)
+    block_absmax = per_element.reshape(-1)[:codes.numel()].view(codes.shape)
+    exact = torch.where(values < 0, -block_absmax, block_absmax) if code.signed else block_absmax
+    return torch.where(mag == top, exact, values)
 
 
 def code_table(code: Minifloat) -> Tensor:
