@@ -179,6 +179,11 @@ def test_each_ranks_piece_is_quantized_in_blocks_of_its_own(runs):
         assert state['exp_avg'].dtype == state['exp_avg_sq'].dtype == torch.uint8
         assert state['exp_avg_absmax'].numel() == -(-r['pieces']['l2.weight'] // 256)
     assert runs[2][0]['saved_local']['l1.bias']['exp_avg'].dtype == torch.float32  # 256 < 512
+    # the memory of 8-bit moments on each rank: 2 B per element of its piece + 2 absmax per block
+    for r in runs[2]:
+        n = r['pieces']['l2.weight']
+        state = r['saved_local']['l2.weight']
+        assert sum(v.nbytes for k, v in state.items() if k != 'step') == 2 * n + 8 * -(-n // 256)
 
 
 def test_full_optimizer_state_dict_holds_float32_moments_shaped_like_the_params(runs):
