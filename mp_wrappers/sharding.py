@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 __all__ = ['Sharding', 'sharding_of', 'dtensor_type', 'is_dtensor', 'local_tensor', 'local_tensors',
-           'is_sharded', 'global_norm', 'clip_grad_norm_sharded', 'no_sync_for_backward',
+           'is_sharded', 'is_fsdp1_flattened', 'global_norm', 'clip_grad_norm_sharded', 'no_sync_for_backward',
            'check_elementwise_optimizer']
 
 
@@ -101,6 +101,12 @@ def local_tensor(t: Optional[Tensor], what: str = 'a tensor') -> Optional[Tensor
 def local_tensors(ts: Sequence[Optional[Tensor]], what: str = 'a tensor') -> List[Optional[Tensor]]:
     """:func:`local_tensor` of every element."""
     return [local_tensor(t, what) for t in ts]
+
+
+def is_fsdp1_flattened(t: Tensor) -> bool:
+    """Whether FSDP1 (``FullyShardedDataParallel``) manages ``t``: a flat parameter, or an original
+    parameter it flattened into one (the attribute torch's FSDP1 sets on both since 1.12)."""
+    return bool(getattr(t, '_fsdp_flattened', False))
 
 
 def is_sharded(t: Tensor) -> bool:

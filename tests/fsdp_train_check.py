@@ -5,7 +5,8 @@ Usage: torchrun --nproc_per_node=N tests/fsdp_train_check.py CONFIG RESULT_PT [-
 Builds the runner as tools/train.py does (FlexibleRunner for ``runner_type``), trains, then gathers
 the full fp32 weights (FSDP1 ``summon_full_params``, FSDP2 ``full_tensor``) and rank 0 saves ``{'params': [...],
 'iters': i, 'world_size': N, 'scale': s, 'skipped': k, 'opt_numel': [...per rank...],
-'val': [...each rank's last val/accuracy...], 'state_dtypes': [rank 0's optimizer state dtypes]}``.
+'val': [...each rank's last val/accuracy...], 'state_dtypes': [rank 0's optimizer state dtypes],
+'opt_state': [rank 0's optimizer state of each param, in order]}``.
 
 ``--plain`` builds the runner as an OpenMMLab toolbox's ``tools/train.py`` does (mmengine's template:
 the config, ``--cfg-options``, ``--work-dir``, ``--resume``, ``cfg.launcher``, then ``Runner.from_cfg``
@@ -123,6 +124,9 @@ def _train_and_save(runner, result) -> None:
                         state_dtypes=sorted({str(local_tensor(v).dtype) for st in opt.state.values()
                                              for k, v in st.items() if torch.is_tensor(v)
                                              and k != 'step'}),
+                        opt_state=[{k: local_tensor(v).clone() for k, v in opt.state[p].items()
+                                    if torch.is_tensor(v)}
+                                   for g in opt.param_groups for p in g['params'] if p in opt.state],
                         total=sum(p.numel() for p in params)), result)
     dist.barrier()
 

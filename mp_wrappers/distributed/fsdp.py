@@ -19,7 +19,6 @@ from torch import nn
 
 from .. import compat
 from ..launch import init_gloo
-from ..optim.quantized_state import adapt_8bit_to_sharding
 from ..optim_config import optim_cfg_properties
 from ..registry import STRATEGIES
 from .sharded_ema import install_flat_shard_deepcopy
@@ -133,9 +132,6 @@ class MixedPrecisionFSDPStrategy(FSDPStrategy):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         wrapper = self.optim_wrapper
         extra = _wrapper_extras(wrapper)
-        # 8-bit moments as float32: FSDP gathers per-element state only (Note [8-bit states
-        # under FSDP1] in mp_wrappers/optim/quantized_state.py)
-        adapt_8bit_to_sharding(wrapper.optimizer, 'fsdp1')
         state = FSDP.optim_state_dict(self.model, wrapper.optimizer)
         state.update(extra)
         return state

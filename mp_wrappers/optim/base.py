@@ -90,6 +90,9 @@ class FusedOptimizer(Optimizer):
     _tensor_state: ClassVar[Tuple[str, ...]] = ()
     #: Per-parameter 1-element float32 state (NovoGrad's running grad norm).
     _scalar_state: ClassVar[Tuple[str, ...]] = ()
+    #: ``state_dict()`` writes every state tensor as float32, as it does by itself when a param is
+    #: flattened by FSDP1 (Note [optimizer state under FSDP1] in :mod:`.saved_state`).
+    save_float32_state: bool = False
 
     def __init__(self, params: ParamsT, defaults: Dict[str, Any], set_grad_none: bool,
                  capturable: bool = False) -> None:
@@ -219,8 +222,16 @@ class FusedOptimizer(Optimizer):
         self._update(grads, model_params, grad_scale, found_inf)
 
     def state_dict(self) -> Dict[str, Any]:
-        """torch's optimizer state dict plus a layout version key (:mod:`.saved_state`)."""
-        return saved_state.versioned(super().state_dict())
+        """torch's optimizer state dict plus a layout version key (:mod:`.saved_state`); under FSDP1
+        every state tensor as float32 (Note [optimizer state under FSDP1] there)."""
+        saved = saved_state.versioned(super().state_dict())
+        if self.save_float32_state or saved_state.holds_fsdp1_params(self.param_groups):
+            saved = saved_state.with_float32_state(saved, self._float32_slot)
+        return saved
+
+    def _float32_slot(self, slot: Dict[str, Any]) -> Dict[str, Any]:
+        """A saved param state as float32 tensors (subclasses convert what a cast cannot)."""
+        return saved_state.float32_slot(slot)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a state dict of this optimizer (or of the matching torch.optim one).

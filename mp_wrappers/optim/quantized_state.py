@@ -38,16 +38,16 @@ Note [8-bit states under FSDP1]
     results match one process closely, not bit for bit (FSDP2's row blocks do, Note [8-bit blocks
     on FSDP2 shards]).
 
-    FSDP1's optimizer state dicts (``FSDP.optim_state_dict``, 'full' and 'local', which mmengine's
-    ``FSDPStrategy`` and ours call) gather every state tensor as per-element state shaped like the
-    param piece; a per-block absmax has no such shape. So once the wrapper sees an FSDP1 model
-    (:func:`adapt_8bit_to_sharding`, in ``optim_context``) or our strategy saves,
-    ``save_float32_moments`` is set and ``state_dict()`` writes every 8-bit moment as float32 by
-    :func:`~mp_wrappers.ops.reference.quant.dequantize_invertibly`, which loading quantizes back to
-    the same codes and absmax when the pieces are the same (the same rank count): resume is bit for
-    bit; on another rank count the moments are requantized in the new pieces' blocks. The price is
-    the checkpoint's size (float32 moments, 8 bytes per param); memory while training is the 8-bit
-    state's.
+    FSDP1's optimizer state dicts gather per-element state only (Note [optimizer state under
+    FSDP1] in :mod:`.saved_state`); a per-block absmax has no such shape. So under FSDP1
+    ``state_dict()`` writes each 8-bit moment as float32 values and no absmax:
+    :func:`~mp_wrappers.ops.reference.quant.dequantize_invertibly`, which loading quantizes back
+    to the same codes and absmax when the pieces are the same (the same rank count) and the block's
+    smallest nonzero code decodes to a normal float32 (absmax >= 2**-92 for ``exp_avg_sq``,
+    2**-116 for ``exp_avg``; below that, moments under ~1e-28 that no update can tell from 0, a
+    value may come back a code lower): resume is bit for bit. On another rank count the moments are
+    requantized in the new pieces' blocks. The price is the checkpoint's size (float32 moments, 8
+    bytes per param); memory while training is the 8-bit state's.
 """
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -63,8 +63,7 @@ from . import quantized_shards as shards
 from .buckets import _Bucket
 from .lean import AUX_STATE_KEYS
 
-__all__ = ['QuantizedStateMixin', 'STATE_DTYPES', 'DEFAULT_MIN_8BIT_SIZE', 'ABSMAX_KEYS',
-           'adapt_8bit_to_sharding']
+__all__ = ['QuantizedStateMixin', 'STATE_DTYPES', 'DEFAULT_MIN_8BIT_SIZE', 'ABSMAX_KEYS']
 
 #: The values of ``state_dtype`` (FusedAdam's argument and a param group's override).
 STATE_DTYPES = ('float32', 'bfloat16', 'int8')
@@ -77,18 +76,6 @@ _ABSMAX_NAMES = frozenset(ABSMAX_KEYS.values())
 _GROUP_STATE_DTYPES = ('float32', 'int8')
 
 
-def adapt_8bit_to_sharding(optimizer: torch.optim.Optimizer, kind: str) -> None:
-    """Under FSDP1, make ``optimizer`` save its 8-bit moments as float32 (Note [8-bit states under
-    FSDP1]); nothing for FSDP2 or for optimizers without 8-bit states.
-
-    Args:
-        optimizer: Any optimizer; only :class:`QuantizedStateMixin` ones can hold 8-bit states.
-        kind: ``'fsdp1'`` or ``'fsdp2'`` (:attr:`mp_wrappers.sharding.Sharding.kind`).
-    """
-    if kind == 'fsdp1' and isinstance(optimizer, QuantizedStateMixin):
-        optimizer.save_float32_moments = True
-
-
 class QuantizedStateMixin:
     """``state_dtype='int8'`` for :class:`~mp_wrappers.optim.FusedAdam` (see the module docstring).
 
@@ -98,8 +85,6 @@ class QuantizedStateMixin:
 
     int8_states: bool = False
     min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE
-    #: ``state_dict()`` writes 8-bit moments as float32 (Note [8-bit states under FSDP1])
-    save_float32_moments: bool = False
     #: local-shard address -> FSDP2 param (:meth:`_state_of`)
     _shard_owners: Dict[int, Tensor] = {}
 
@@ -236,17 +221,13 @@ class QuantizedStateMixin:
                              '(mp_wrappers.distributed.checkpoint), which keeps it sharded')
         return shards.local(value)
 
-    def state_dict(self) -> Dict[str, Any]:
-        """The optimizer's state dict: 8-bit moments as codes and absmax, or as float32 values
-        when ``save_float32_moments`` is set (Note [8-bit states under FSDP1])."""
-        saved = super().state_dict()  # type: ignore[misc]
-        if not self.save_float32_moments:
-            return saved
-        for key, slot in saved['state'].items():  # new dicts: torch's may be the live state's
-            if isinstance(slot.get('exp_avg'), Tensor) and slot['exp_avg'].dtype == torch.uint8:
-                saved['state'][key] = {k: v for k, v in dict(slot, **self._float32_moments(slot))
-                                       .items() if k not in _ABSMAX_NAMES}
-        return saved
+    def _float32_slot(self, slot: Dict[str, Any]) -> Dict[str, Any]:
+        """A saved param state as float32: 8-bit moments by ``dequantize_invertibly`` (Note [8-bit
+        states under FSDP1]), their absmax dropped."""
+        if isinstance(slot.get('exp_avg'), Tensor) and slot['exp_avg'].dtype == torch.uint8:
+            slot = {k: v for k, v in dict(slot, **self._float32_moments(slot)).items()
+                    if k not in _ABSMAX_NAMES}
+        return super()._float32_slot(slot)  # type: ignore[misc]
 
     @staticmethod
     def _float32_moments(slot: Dict[str, Any]) -> Dict[str, Tensor]:

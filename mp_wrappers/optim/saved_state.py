@@ -5,6 +5,17 @@ order): the saved dict is torch's plus a layout version key, with ``step`` as to
 loading re-reads the saved state tensors in the dtypes the optimizer keeps (torch's loader would cast
 fp32 moments to a half param's dtype), completes and checks the param groups, and shares the step
 counters of equal value again (Note [step cohorts] in :mod:`mp_wrappers.optim.base`).
+
+Note [optimizer state under FSDP1]
+    FSDP1's optimizer state dicts (``FSDP.optim_state_dict``, 'full' and 'local'/sharded, as
+    mmengine's ``FSDPStrategy`` and ours call them) gather every non-scalar state tensor of a param
+    as per-element state shaped like the param piece, through one buffer per param and key whose
+    dtype must be the same for all of the param's states on every rank. So when any param is
+    flattened by FSDP1 (or ``save_float32_state`` is set), ``state_dict()`` writes every state tensor
+    but ``step`` as float32: a lean storage's uint16 low half or bf16 compensation and bf16 moments
+    exactly (float32 holds their values), 8-bit moments by ``dequantize_invertibly`` (Note [8-bit
+    states under FSDP1] in :mod:`mp_wrappers.optim.quantized_state`). Loading turns each back into
+    the dtype the optimizer keeps (:func:`reload_saved_tensors`, and the 8-bit conversion).
 """
 from collections import defaultdict
 from itertools import chain
@@ -13,8 +24,11 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ['VERSION_KEY', 'VERSION', 'versioned', 'check_version', 'reload_saved_tensors',
-           'complete_group', 'check_loaded_state', 'merge_step_cohorts']
+from ..sharding import is_fsdp1_flattened
+
+__all__ = ['VERSION_KEY', 'VERSION', 'versioned', 'check_version', 'holds_fsdp1_params',
+           'with_float32_state', 'float32_slot', 'reload_saved_tensors', 'complete_group',
+           'check_loaded_state', 'merge_step_cohorts']
 
 #: Top-level key of ``state_dict()``: the layout version of the per-parameter state written here.
 VERSION_KEY = 'mp_wrappers_fused_optimizer_version'
@@ -29,6 +43,26 @@ def versioned(state: Dict[str, Any]) -> Dict[str, Any]:
                       if isinstance(v.get('step'), Tensor) and v['step'].numel() == 1 else v
                       for k, v in state['state'].items()}
     state[VERSION_KEY] = VERSION
+    return state
+
+
+def holds_fsdp1_params(param_groups: Sequence[Dict[str, Any]]) -> bool:
+    """Whether any param of ``param_groups`` is managed by FSDP1 (Note [optimizer state under
+    FSDP1])."""
+    return any(is_fsdp1_flattened(p) for g in param_groups for p in g['params'])
+
+
+def float32_slot(slot: Dict[str, Any]) -> Dict[str, Any]:
+    """A saved param state with every tensor but ``step`` as float32 (a new dict)."""
+    return {k: v.to(torch.float32) if isinstance(v, Tensor) and k != 'step' else v
+            for k, v in slot.items()}
+
+
+def with_float32_state(state: Dict[str, Any],
+                       to_float32: Callable[[Dict[str, Any]], Dict[str, Any]]) -> Dict[str, Any]:
+    """``state`` (a state dict) with each param's state replaced by ``to_float32(it)``: new dicts,
+    since torch's may be the optimizer's live ones."""
+    state['state'] = {k: to_float32(slot) for k, slot in state['state'].items()}
     return state
 
 

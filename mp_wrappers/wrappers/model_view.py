@@ -14,7 +14,6 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from .. import sharding as _sharding
-from ..optim.quantized_state import adapt_8bit_to_sharding
 
 __all__ = ['ModelView']
 
@@ -48,7 +47,6 @@ class ModelView:
             self.sharding = _sharding.sharding_of(model)
             if self.sharding is not None:
                 _sharding.check_elementwise_optimizer(optimizer, self.sharding)
-                adapt_8bit_to_sharding(optimizer, self.sharding.kind)
             module = model.module if is_model_wrapper(model) else model
             self._seen = (weakref.ref(model), module)
         if self._names_for != id(module):

@@ -86,14 +86,23 @@ def test_zero_blocks_and_partial_blocks():
 @pytest.mark.parametrize('code', [EXP_AVG_CODE, EXP_AVG_SQ_CODE], ids=['exp_avg', 'exp_avg_sq'])
 def test_invertible_dequantization_quantizes_back_to_the_same_codes_and_absmax(code):
     """Codes and absmax as a quantization writes them (every nonzero block holds its MAX code;
-    absmax over 60 binades), a block of zeros, signed zeros (0x80) and a partial block: through
-    float32 and back, bit for bit. Plain dequantization moves an absmax by an ulp in some blocks."""
+    absmax from the documented lower bound, 2**-116 / 2**-92, up to near FLT_MAX), a block of
+    zeros, signed zeros (0x80) and a partial block: through float32 and back, bit for bit. Plain
+    dequantization moves an absmax by an ulp in some blocks."""
     g = torch.Generator().manual_seed(1)
-    n = 40 * BLOCK_SIZE + 77
+    blocks = 400
+    n = blocks * BLOCK_SIZE - 179
     x = torch.randn(n, generator=g) * torch.exp(2 * torch.randn(n, generator=g))
     x = x if code.signed else x.abs()
-    x = x * torch.exp2(torch.randint(-30, 30, (num_blocks(n),), generator=g).float()
-                       ).repeat_interleave(BLOCK_SIZE)[:n]
+    # each block scaled to an absmax in [2**e, 2**(e + 1)), e from the bound to 2**127
+    lowest = -116 if code.signed else -92
+    e = torch.randint(lowest, 127, (blocks,), generator=g).double()
+    e[:2] = torch.tensor([lowest, 126.0])
+    rows = torch.cat([x, x.new_zeros(blocks * BLOCK_SIZE - n)]).view(blocks, -1).double()
+    rows = rows / rows.abs().amax(1, keepdim=True) * torch.exp2(e)[:, None] * (1 + 0.999 * torch.rand(
+        blocks, 1, generator=g, dtype=torch.float64))
+    x = rows.reshape(-1)[:n].float()
+    assert torch.isfinite(x).all()
     x[BLOCK_SIZE:2 * BLOCK_SIZE] = 0.0
     if code.signed:  # magnitudes that round to 0 keep their sign: code 0x80
         x[5 * BLOCK_SIZE:5 * BLOCK_SIZE + 9] = -1e-30

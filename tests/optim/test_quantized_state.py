@@ -278,35 +278,50 @@ def test_cuda_params_step_like_the_cpu(device):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=ka)
 
 
-def test_under_fsdp1_state_dict_writes_float32_moments_that_load_back_bitwise():
-    """Note [8-bit states under FSDP1]: ``adapt_8bit_to_sharding`` (the wrappers call it in
-    optim_context) makes a FusedAdam under FSDP1 save float32 moments and no absmax; loading them
-    gives the codes and absmax back bit for bit, and training goes on as if never saved. FSDP2 and
-    other optimizers are left alone. (Sharded runs: tests/runner/test_fsdp1_8bit.py.)"""
-    from mp_wrappers.optim.quantized_state import adapt_8bit_to_sharding
-    model = _mlp()
-    opt = FusedAdam(model.parameters(), state_dtype='int8', **ADAMW)
-    _train(model, opt, _batches(3))
-    adapt_8bit_to_sharding(opt, 'fsdp2')
-    assert 'exp_avg_absmax' in opt.state_dict()['state'][0]
-    adapt_8bit_to_sharding(opt, 'fsdp1')
+def _one_dominant_grad_per_block(model):
+    """Grads where one element of every 256 dwarfs the rest: the others' new exp_avg rounds to
+    magnitude 0, the negative ones to the negative zero code 0x80."""
+    for p in model.parameters():
+        g = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 1e-6
+        g.view(-1)[::256] = 1e3
+        p.grad = g.to(p.dtype)
+
+
+@pytest.mark.parametrize('storage,state_dtype', [(None, 'int8'), ('split', 'int8'),
+                                                 ('kahan', 'float32'), ('kahan', 'int8')])
+def test_float32_state_dict_loads_back_bitwise(storage, state_dtype):
+    """Note [optimizer state under FSDP1] (set by itself for FSDP1's params;
+    ``save_float32_state`` here): every state tensor saved as float32 (8-bit moments by
+    ``dequantize_invertibly``, no absmax; a lean storage's uint16 low half or bf16 compensation as
+    their values), loaded back to the same dtypes and bits, codes 0x80 included, and training goes
+    on as if never saved. (Under FSDP1 itself: tests/runner/test_fsdp1_optimizer_state.py.)"""
+    make = _lean_mlp if storage else _mlp
+    train = _lean_train if storage else _train
+    kw = dict(ADAMW, state_dtype=state_dtype, bf16_storage=storage)
+    model = make()
+    opt = FusedAdam(model.parameters(), **kw)
+    train(model, opt, _batches(3))
+    _one_dominant_grad_per_block(model)
+    opt.step()
+    opt.zero_grad()
+    first = opt.state[model[0].weight]
+    if state_dtype == 'int8':
+        assert (first['exp_avg'] == 0x80).any()
+    opt.save_float32_state = True
     saved = _roundtrip(opt.state_dict())[0]
     for slot in saved['state'].values():
-        assert set(slot) == {'step', 'exp_avg', 'exp_avg_sq'}
-        assert slot['exp_avg'].dtype == slot['exp_avg_sq'].dtype == torch.float32
-    assert opt.state[model[0].weight]['exp_avg'].dtype == torch.uint8  # the live state stays
-    twin = _mlp()
+        assert 'exp_avg_absmax' not in slot
+        assert all(v.dtype == torch.float32 for k, v in slot.items() if k != 'step')
+    assert first['exp_avg'].dtype == (torch.uint8 if state_dtype == 'int8' else torch.float32)
+    twin = make()
     twin.load_state_dict(model.state_dict())
-    back = FusedAdam(twin.parameters(), state_dtype='int8', **ADAMW)
+    back = FusedAdam(twin.parameters(), **kw)
     back.load_state_dict(saved)
     _assert_states_equal(_states(opt), _states(back))
-    _train(model, opt, _batches(2, seed=5))
-    _train(twin, back, _batches(2, seed=5))
+    train(model, opt, _batches(2, seed=5))
+    train(twin, back, _batches(2, seed=5))
     _assert_states_equal(_states(opt), _states(back))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    adapt_8bit_to_sharding(sgd, 'fsdp1')
-    assert not hasattr(sgd, 'save_float32_moments')
 
 
 # ---- the wrappers ----------------------------------------------------------------------------------

@@ -284,7 +284,7 @@ def test_int8_optimizer_states_train_and_resume_bitwise(tmp_path):
     train script with 'local' ones (each rank's ShardedTensors), each trained 2 epochs and resumed
     from epoch 1 to a bitwise equal end (params and EMA); the 'full' checkpoint holds float32
     moments shaped like the params and no absmax. (The moments through FSDP's state dicts in detail:
-    tests/runner/test_fsdp1_8bit.py.)"""
+    tests/runner/test_fsdp1_optimizer_state.py.)"""
     int8 = ['optim_wrapper.optimizer.state_dtype=int8', 'optim_wrapper.optimizer.min_8bit_size=1024']
     full, local = [*OPTIONS, *int8], [*OPTIONS, *int8, 'strategy.state_dict_cfg=local']
     (a, log), (b, _), (la, _), (lb, _) = torchrun_runs(
@@ -303,6 +303,10 @@ def test_int8_optimizer_states_train_and_resume_bitwise(tmp_path):
                         [*resumed['params'], *resumed['ema']['params']]):
             assert torch.equal(x, y)
         assert resumed['val'] == first['val']
+        # rank 0's optimizer state at the end, codes and absmax included, bit for bit
+        assert len(resumed['opt_state']) == len(first['opt_state'])
+        for x, y in zip(first['opt_state'], resumed['opt_state']):
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
     logged = accuracies(log)
     assert sorted(logged) == [1, 2] and logged[2] > 80.0
     saved = torch.load(tmp_path / 'a' / 'epoch_2.pth', map_location='cpu', weights_only=False)

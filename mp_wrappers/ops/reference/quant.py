@@ -155,14 +155,18 @@ def dequantize_invertibly(codes: Tensor, absmax: Tensor, code: Minifloat) -> Ten
     """:func:`dequantize_blockwise`, except that the largest magnitude code reads as the block's
     absmax itself (with the code's sign): float32 values that
     ``quantize_blockwise(values, code, signed_zeros=True)`` maps back to exactly ``codes`` and
-    ``absmax``, for codes and absmax as a quantization wrote them (finite, and every nonzero block
-    holds its largest magnitude as the MAX code).
+    ``absmax``, for codes and absmax as a quantization wrote them (every nonzero block holds its
+    largest magnitude as the MAX code) whose block's smallest nonzero code decodes to a normal
+    float32: absmax >= 2**-116 for ``EXP_AVG_CODE``, >= 2**-92 for ``EXP_AVG_SQ_CODE``, up to
+    FLT_MAX. Below that a subnormal value has fewer bits than its code and may come back a code
+    lower (moments too small for any update to tell from 0); NaN and inf have no such promise.
 
-    Used where 8-bit moments pass through float32 (a checkpoint for FSDP1, a param group switched
+    Used where 8-bit moments pass through float32 (checkpoints under FSDP1, a param group switched
     to float32 states and back), so that a round trip resumes bit for bit. ``MAX * (absmax / MAX)``
     rounds to absmax or to a neighbour (one ulp); a neighbour would become the block's new absmax
     and could move codes. The other codes decode to at most ``(MAX - 2**-M) / MAX`` of absmax, and
-    each value times ``MAX / absmax`` is within a few ulp of its code's value, which rounds to it.
+    each normal value times ``MAX / absmax`` is within a few ulp of its code's value, which rounds
+    to it. ``tests/ops/test_quantized_states.py`` checks blocks down to those bounds.
     """
     values = dequantize_blockwise(codes, absmax, code)
     c = codes.to(torch.int32)

@@ -1,18 +1,22 @@
-"""8-bit Adam moments under FSDP1 on CPU with gloo (Note [8-bit states under FSDP1] in
-mp_wrappers/optim/quantized_state.py).
+"""Optimizer state under FSDP1 on CPU with gloo: 8-bit Adam moments and lean bf16 storages
+(Note [optimizer state under FSDP1] in mp_wrappers/optim/saved_state.py, Note [8-bit states under
+FSDP1] in mp_wrappers/optim/quantized_state.py).
 
 ``FusedAdam(state_dtype='int8', min_8bit_size=512)`` over ``FullyShardedDataParallel``
 (``use_orig_params=True``, one flat parameter split over 2 ranks): each rank's piece of a param is
 quantized in blocks of its own, so ``l2.weight`` (cut between the ranks at an element offset that
 is no multiple of 256) keeps 8-bit moments on both, and ``l1.bias`` (256 elements) float32 ones.
 
-* FSDP's full optimizer state dict (``FSDP.optim_state_dict``) holds float32 moments shaped like
-  the params, no absmax; loaded back (``optim_state_dict_to_load``) on 2 ranks, the codes and absmax
-  are those that were saved, bit for bit, and 2 more steps end bitwise equal to the uninterrupted
-  run.
+* FSDP's full optimizer state dict (``FSDP.optim_state_dict``, nothing set on the optimizer: it
+  sees FSDP1's params) holds float32 moments shaped like the params, no absmax; loaded back
+  (``optim_state_dict_to_load``) on 2 ranks, the codes and absmax are those that were saved, bit
+  for bit, and 2 more steps end bitwise equal to the uninterrupted run.
+* The same for a bf16 model with a lean storage (``bf16_storage='split'``: a uint16 low half per
+  param, and 8-bit moments; ``'kahan'``: a bf16 compensation), whose states FSDP could not gather
+  in their own dtypes.
 * The 2 ranks' params stay within quantization error of one unsharded process (blocks differ).
-* ApexOptimWrapper O2 bf16 over FSDP's fp32 shards with int8 states trains (no refusal), and its
-  optimizer then saves float32 moments whichever strategy calls ``optim_state_dict``.
+* ApexOptimWrapper O2 bf16 over FSDP's fp32 shards with int8 states trains, and its optimizer saves
+  float32 moments.
 (Through torchrun, tools/train.py and a toolbox's own train script with mmengine's FlexibleRunner:
 tests/runner/test_fsdp_runner.py.)
 """
@@ -42,10 +46,10 @@ class _Net(nn.Module):
         return self.l3(F.relu(self.l2(F.relu(self.l1(x)))))
 
 
-def _adam(model, state_dtype='int8'):
+def _adam(model, state_dtype='int8', bf16_storage=None):
     from mp_wrappers import FusedAdam
     return FusedAdam(model.parameters(), lr=0.01, weight_decay=0.01, state_dtype=state_dtype,
-                     min_8bit_size=512)
+                     min_8bit_size=512, bf16_storage=bf16_storage)
 
 
 def _batch(step, rank, world):
@@ -57,9 +61,10 @@ def _batch(step, rank, world):
 
 
 def _steps(model, opt, first, last, rank, world):
+    dtype = next(model.parameters()).dtype
     for step in range(first, last):
         x, y = _batch(step, rank, world)
-        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(model(x.to(dtype)).float(), y).backward()
         opt.step()
         opt.zero_grad()
 
@@ -92,22 +97,26 @@ def _full_state_dicts(model):
                                 FullOptimStateDictConfig(offload_to_cpu=False))
 
 
-def _checkpoint_case(rank, world):
+def _checkpoint_case(rank, world, state_dtype='int8', bf16_storage=None):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    model = _fsdp1(_Net())
-    opt = _adam(model)
+    from mp_wrappers import cast_model
+
+    def build():
+        net = _Net()
+        return _fsdp1(cast_model(net, torch.bfloat16) if bf16_storage else net)
+    model = build()
+    opt = _adam(model, state_dtype, bf16_storage)
     _steps(model, opt, 0, 2, rank, world)
     saved_local = _local_state(model, opt)
-    opt.save_float32_moments = True  # as the wrapper sets it under FSDP1, or our strategy
     with _full_state_dicts(model):
         model_sd, optim_sd = model.state_dict(), FSDP.optim_state_dict(model, opt)
     _steps(model, opt, 2, STEPS, rank, world)
     out = dict(saved_local=saved_local, optim_sd=optim_sd, straight=_full_params(model),
                straight_state=_local_state(model, opt),
                pieces={n: p.numel() for n, p in _named(model)})
-    model = _fsdp1(_Net())
+    model = build()
     model.load_state_dict(model_sd)
-    opt = _adam(model)
+    opt = _adam(model, state_dtype, bf16_storage)
     with _full_state_dicts(model):
         opt.load_state_dict(FSDP.optim_state_dict_to_load(model=model, optim=opt,
                                                           optim_state_dict=optim_sd))
@@ -133,8 +142,9 @@ def _wrapper_case(rank, world):
         losses.append(float(loss.detach()))
     opt = wrapper.optimizer
     dtypes = {n: opt.state[p]['exp_avg'].dtype for n, p in _named(model) if p in opt.state}
-    saved = {k: sorted(v) for k, v in opt.state_dict()['state'].items()}
-    return dict(losses=losses, dtypes=dtypes, flag=opt.save_float32_moments, saved_keys=saved)
+    saved = {k: {n: v.dtype for n, v in slot.items()}
+             for k, slot in opt.state_dict()['state'].items()}
+    return dict(losses=losses, dtypes=dtypes, saved=saved)
 
 
 def _worker(rank, world, port, out_dir):
@@ -145,13 +155,15 @@ def _worker(rank, world, port, out_dir):
             _steps(model, opt, 0, STEPS, 0, 1)
             result = dict(reference={n: p.detach().clone() for n, p in model.named_parameters()})
         else:
-            result = dict(_checkpoint_case(rank, world), wrapper=_wrapper_case(rank, world))
+            result = dict(_checkpoint_case(rank, world), wrapper=_wrapper_case(rank, world),
+                          lean={storage: _checkpoint_case(rank, world, dtype, storage)
+                                for storage, dtype in (('split', 'int8'), ('kahan', 'float32'))})
         torch.save(result, os.path.join(out_dir, f'world{world}_rank{rank}.pt'))
 
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp('fsdp1_8bit')
+    out = tmp_path_factory.mktemp('fsdp1_state')
     results = {}
     for world in (2, 1):
         files = [out / f'world{world}_rank{r}.pt' for r in range(world)]
@@ -199,6 +211,7 @@ def test_full_optimizer_state_dict_holds_float32_moments_shaped_like_the_params(
 
 def test_loading_it_back_gives_the_saved_codes_and_absmax_and_a_bitwise_resume(runs):
     for r in runs[2]:
+        assert r['saved_local']['l2.weight']['exp_avg'].dtype == torch.uint8
         _assert_same_state(r['loaded_local'], r['saved_local'])
         _assert_same_state(r['resumed_state'], r['straight_state'])
         for name, value in r['straight'].items():
@@ -216,9 +229,26 @@ def test_two_ranks_stay_within_quantization_error_of_one_process(runs):
             assert (value - ref[name]).norm() < 0.05 * moved, name
 
 
+@pytest.mark.parametrize('storage', ['split', 'kahan'])
+def test_lean_storages_save_as_float32_and_resume_bitwise(runs, storage):
+    aux = {'split': ('master_low', torch.uint16), 'kahan': ('kahan_comp', torch.bfloat16)}[storage]
+    for r in runs[2]:
+        case = r['lean'][storage]
+        assert case['saved_local']['l2.weight'][aux[0]].dtype == aux[1]
+        if storage == 'split':
+            assert case['saved_local']['l2.weight']['exp_avg'].dtype == torch.uint8
+        for slot in case['optim_sd']['state'].values():
+            assert all(v.dtype == torch.float32 for k, v in slot.items() if k != 'step')
+        _assert_same_state(case['loaded_local'], case['saved_local'])
+        _assert_same_state(case['resumed_state'], case['straight_state'])
+        for name, value in case['straight'].items():
+            assert torch.equal(case['resumed'][name], value), name
+
+
 def test_wrapper_trains_with_int8_states_and_saves_float32_moments(runs):
     for r in runs[2]:
         w = r['wrapper']
         assert all(torch.isfinite(torch.tensor(w['losses']))) and w['losses'][-1] < w['losses'][0]
-        assert w['dtypes']['l2.weight'] == torch.uint8 and w['flag']
-        assert all('exp_avg_absmax' not in keys for keys in w['saved_keys'].values())
+        assert w['dtypes']['l2.weight'] == torch.uint8
+        for slot in w['saved'].values():
+            assert 'exp_avg_absmax' not in slot and slot['exp_avg'] == torch.float32
