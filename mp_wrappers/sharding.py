@@ -46,8 +46,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 __all__ = ['Sharding', 'sharding_of', 'dtensor_type', 'is_dtensor', 'local_tensor', 'local_tensors',
-           'is_sharded', 'is_fsdp1_flattened', 'global_norm', 'clip_grad_norm_sharded', 'no_sync_for_backward',
-           'check_elementwise_optimizer']
+           'is_sharded', 'is_fsdp1_flattened', 'global_norm', 'clip_grad_norm_sharded',
+           'no_sync_for_backward', 'check_elementwise_optimizer']
 
 
 def dtensor_type() -> Optional[type]:
