@@ -218,6 +218,41 @@ def test_kernel_matches_reference_on_edge_blocks(setup, hp):
         _assert_equal(k.tensors(), r.tensors(), f'{setup} step {step}')
 
 
+class LargeAbsmaxCase(Case):
+    """Whole blocks of normal codes whose absmax is near or past where the kernels' re-based decode
+    factor overflows (Note [normal decode without the re-base] in
+    csrc/cpu/multi_tensor_adam8bit.cpp: exp_avg ~1.2e5, exp_avg_sq ~8e9), one moment at a time:
+    just below both bounds, exp_avg past it, exp_avg_sq past it, both far past (1e30 / 1e37)."""
+
+    SCALES = [(7e4, 5e9), (2e5, 1.0), (1.0, 1e10), (1e30, 1e37)]
+
+    def __init__(self, setup, seed=5):
+        B = BLOCK_SIZE
+        super().__init__(setup, sizes=[len(self.SCALES) * B], seed=seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        m, v = [], []
+        for sm, sv in self.SCALES:  # codes all normal: within [0.5, 1.5) of the scale
+            sign = torch.where(torch.rand(B, generator=g) < 0.5, -1.0, 1.0)
+            m.append(sign * (0.5 + torch.rand(B, generator=g)) * sm)
+            v.append((0.5 + torch.rand(B, generator=g)) * sv)
+        mc, ma = quantize_blockwise(torch.cat(m), EXP_AVG_CODE)
+        vc, va = quantize_blockwise(torch.cat(v), EXP_AVG_SQ_CODE)
+        self.mc, self.ma, self.vc, self.va = ([guarded(t)] for t in (mc, ma, vc, va))
+
+
+@needs_kernel
+@pytest.mark.parametrize('setup', ['fp32', 'o2-fp16-scaled', 'bf16-params'])
+def test_kernel_matches_reference_where_the_rebased_decode_factor_overflows(setup):
+    k = LargeAbsmaxCase(setup)
+    assert float(k.ma[0][0]) < 1.2e5 < float(k.ma[0][1]) and float(k.va[0][0]) < 8e9 < float(k.va[0][2])
+    r = k.clone()
+    for step in range(2):
+        grads = k.grads()
+        k.run(_kernel(), grads, ADAM)
+        r.run(reference.multi_tensor_adam8bit_, grads, ADAM)
+        _assert_equal(k.tensors(), r.tensors(), f'{setup} step {step}')
+
+
 def _kernel():
     return checked(torch.ops.mp_wrappers).multi_tensor_adam8bit_
 

@@ -20,8 +20,9 @@
 //
 // Speed (docs/quantized_states.md): on one core the step is bound by vector instructions, not by
 // memory, so the common case gets shorter paths that give the same bits. A whole block whose codes
-// of both moments all have a nonzero exponent field decodes without the subnormal lanes (3-4
-// instructions per moment); the encode needs no clamp when the block factor is finite (the block's
+// of both moments all have a nonzero exponent field decodes without the subnormal lanes and without
+// the exponent re-base (2-3 instructions and the multiply per moment; Note [normal decode without
+// the re-base]); the encode needs no clamp when the block factor is finite (the block's
 // own absmax bounds every scaled value by MAX (1 + 2^-23), which rounds to MAX) and no absolute
 // value for exp_avg_sq (never negative), and whole blocks store their codes packed 32 or 64 at a
 // time; the block's absmax of exp_avg is one VRANGEPS per vector; g * 1 (no loss scale) is skipped.
@@ -94,6 +95,17 @@ inline uint8_t encode_scalar(float x, float enc) {
 template <class V>
 struct Quant;
 
+// Note [normal decode without the re-base]
+//   A normal code's bits, shifted into an fp32's exponent and mantissa fields, are a normal fp32
+//   value 2^(127 - kBias) times too small (its exponent field is the code's, not re-based by
+//   kRebase). Multiplying it by the block's decode factor times 2^(127 - kBias) (exact: a power of
+//   two, when the product is finite) is the same real product as code value times decode factor,
+//   so it rounds to the same bits, and the integer add of the re-base is saved. A block whose
+//   re-based factor would overflow (absmax above ~1.2e5 for exp_avg, ~8e9 for exp_avg_sq) takes the
+//   general decode.
+template <class C>
+constexpr float kDecodeRebase = quant::pow2(127 - C::kBias);
+
 template <>
 struct Quant<VecBaseline> {
   using V = VecBaseline;
@@ -107,8 +119,8 @@ struct Quant<VecBaseline> {
   template <class C>
   static inline bool all_normal(const uint8_t*) { return false; }
   template <class C>
-  static inline V::F decode_normal(const uint8_t* p, V::F dec) {
-    return decode<C>(p, V::kWidth, dec.v[0]);
+  static inline V::F decode_normal(const uint8_t* p, V::F dec_rebased) {
+    return decode<C>(p, V::kWidth, dec_rebased.v[0] / kDecodeRebase<C>);
   }
   template <class C>
   static inline void encode(uint8_t* p, V::F x, V::F enc, bool, int64_t n) {
@@ -127,6 +139,7 @@ template <class C>
 constexpr int kExpField = ((1 << C::E) - 1) << C::M;
 template <class C>
 constexpr int32_t kSignedMagMask = static_cast<int32_t>(0x80000000u | (0x7Fu << C::kShift));
+
 
 #if defined(__x86_64__)
 template <>
@@ -164,21 +177,20 @@ struct Quant<VecAvx2> {
     }
     return v;
   }
-  // 8 codes with nonzero exponent fields: the fp32 bits are the code's, re-based, with the sign
-  // (sign-extended from bit 7 into bits 27-31, bit 31 kept) in place.
+  // 8 codes with nonzero exponent fields (Note [normal decode without the re-base] above): the
+  // code's bits as an fp32 value's, with the sign (sign-extended from bit 7 into bits 27-31, bit 31
+  // kept) in place, times the block's re-based factor.
   template <class C>
-  MP_WRAPPERS_TARGET_AVX2 static inline V::F decode_normal(const uint8_t* p, V::F dec) {
+  MP_WRAPPERS_TARGET_AVX2 static inline V::F decode_normal(const uint8_t* p, V::F dec_rebased) {
     const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     __m256i bits;
     if (C::S) {
       const __m256i x = _mm256_slli_epi32(_mm256_cvtepi8_epi32(raw), C::kShift);
-      bits = _mm256_add_epi32(_mm256_and_si256(x, _mm256_set1_epi32(kSignedMagMask<C>)),
-                              _mm256_set1_epi32(C::kRebase << C::kShift));
+      bits = _mm256_and_si256(x, _mm256_set1_epi32(kSignedMagMask<C>));
     } else {
-      bits = _mm256_slli_epi32(
-          _mm256_add_epi32(_mm256_cvtepu8_epi32(raw), _mm256_set1_epi32(C::kRebase)), C::kShift);
+      bits = _mm256_slli_epi32(_mm256_cvtepu8_epi32(raw), C::kShift);
     }
-    return _mm256_mul_ps(_mm256_castsi256_ps(bits), dec);
+    return _mm256_mul_ps(_mm256_castsi256_ps(bits), dec_rebased);
   }
   // The codes of 8 lanes, one per int32 lane (the low byte, as the reference's uint8 cast).
   template <class C>
@@ -271,18 +283,16 @@ struct Quant<VecAvx512> {
     return v;
   }
   template <class C>
-  MP_WRAPPERS_TARGET_AVX512 static inline V::F decode_normal(const uint8_t* p, V::F dec) {
+  MP_WRAPPERS_TARGET_AVX512 static inline V::F decode_normal(const uint8_t* p, V::F dec_rebased) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     __m512i bits;
     if (C::S) {
       const __m512i x = _mm512_slli_epi32(_mm512_cvtepi8_epi32(raw), C::kShift);
-      bits = _mm512_add_epi32(_mm512_and_si512(x, _mm512_set1_epi32(kSignedMagMask<C>)),
-                              _mm512_set1_epi32(C::kRebase << C::kShift));
+      bits = _mm512_and_si512(x, _mm512_set1_epi32(kSignedMagMask<C>));
     } else {
-      bits = _mm512_slli_epi32(
-          _mm512_add_epi32(_mm512_cvtepu8_epi32(raw), _mm512_set1_epi32(C::kRebase)), C::kShift);
+      bits = _mm512_slli_epi32(_mm512_cvtepu8_epi32(raw), C::kShift);
     }
-    return _mm512_mul_ps(_mm512_castsi512_ps(bits), dec);
+    return _mm512_mul_ps(_mm512_castsi512_ps(bits), dec_rebased);
   }
   template <class C>
   MP_WRAPPERS_TARGET_AVX512 static inline __m512i codes(V::F x, V::F enc, bool clamp) {
@@ -430,9 +440,13 @@ inline void adam8bit_block(const PM& pm, const G* g, uint8_t* mc, float* ma, uin
   const F eps = V::set1(c.eps), wd = V::set1(c.weight_decay);
   const F rbc1 = V::set1(c.rbc1), rsbc2 = V::set1(c.rsbc2), us = V::set1(c.unscale.factor);
   const float m_dec = *ma / ExpAvgCode::kMax, v_dec = *va / ExpAvgSqCode::kMax;
-  const F m_dec_v = V::set1(m_dec), v_dec_v = V::set1(v_dec);
+  // Note [normal decode without the re-base]: the factors of decode_normal
+  const float m_dec_rebased = m_dec * kDecodeRebase<ExpAvgCode>;
+  const float v_dec_rebased = v_dec * kDecodeRebase<ExpAvgSqCode>;
+  const F m_dec_v = V::set1(m_dec_rebased), v_dec_v = V::set1(v_dec_rebased);
   const bool scaled = c.unscale.divide || c.unscale.factor != 1.f;  // g * 1 is exact: skip it
-  const bool normal = n == kBlock && Q::template all_normal<ExpAvgCode>(mc) &&
+  const bool normal = n == kBlock && m_dec_rebased <= FLT_MAX && v_dec_rebased <= FLT_MAX &&
+                      Q::template all_normal<ExpAvgCode>(mc) &&
                       Q::template all_normal<ExpAvgSqCode>(vc);
   F m_max = V::zero(), v_max = V::zero();
   // Two copies of the loop: whole blocks of normal codes (no tail, no subnormal lanes), and the rest.
