@@ -209,13 +209,7 @@ class EdgeCase(Case):
 @pytest.mark.parametrize('hp', [ADAM, ADAM_L2], ids=['adamw', 'l2'])
 @pytest.mark.parametrize('setup', list(SETUPS))
 def test_kernel_matches_reference_on_edge_blocks(setup, hp):
-    k = EdgeCase(setup)
-    r = k.clone()
-    for step in range(3):  # every step: a code that differs once may be absorbed later
-        grads = k.grads()
-        k.run(_kernel(), grads, hp)
-        r.run(reference.multi_tensor_adam8bit_, grads, hp)
-        _assert_equal(k.tensors(), r.tensors(), f'{setup} step {step}')
+    _steps_agree(EdgeCase(setup), _kernel(), reference.multi_tensor_adam8bit_, hp, 3, setup)
 
 
 class LargeAbsmaxCase(Case):
@@ -244,13 +238,20 @@ class LargeAbsmaxCase(Case):
 @pytest.mark.parametrize('setup', ['fp32', 'o2-fp16-scaled', 'bf16-params'])
 def test_kernel_matches_reference_where_the_rebased_decode_factor_overflows(setup):
     k = LargeAbsmaxCase(setup)
-    assert float(k.ma[0][0]) < 1.2e5 < float(k.ma[0][1]) and float(k.va[0][0]) < 8e9 < float(k.va[0][2])
+    (ma,), (va,) = k.ma, k.va
+    assert float(ma[0]) < 1.2e5 < float(ma[1]) and float(va[0]) < 8e9 < float(va[2])
+    _steps_agree(k, _kernel(), reference.multi_tensor_adam8bit_, ADAM, 2, setup)
+
+
+def _steps_agree(k, kernel, ref, hp, steps, what):
+    """``steps`` steps of ``kernel`` on case ``k`` and of ``ref`` on a clone: bit for bit after
+    each (a code that differs once may be absorbed later)."""
     r = k.clone()
-    for step in range(2):
+    for step in range(steps):
         grads = k.grads()
-        k.run(_kernel(), grads, ADAM)
-        r.run(reference.multi_tensor_adam8bit_, grads, ADAM)
-        _assert_equal(k.tensors(), r.tensors(), f'{setup} step {step}')
+        k.run(kernel, grads, hp)
+        r.run(ref, grads, hp)
+        _assert_equal(k.tensors(), r.tensors(), f'{what} step {step}')
 
 
 def _kernel():
@@ -494,12 +495,8 @@ LEAN_SETUPS = {'bf16-grads': (torch.bfloat16, None), 'fp32-grads-scaled': (torch
 def test_lean_kernel_matches_reference_bitwise(storage, setup, hp, edge):
     gdt, scale = LEAN_SETUPS[setup]
     k = LeanCase(storage, grad_dtype=gdt, scale=scale, edge=edge)
-    r = k.clone()
-    for step in range(3):
-        grads = k.grads()
-        k.run(_lean_kernel(), grads, hp)
-        r.run(reference.multi_tensor_adam8bit_lean_, grads, hp)
-        _assert_equal(k.tensors(), r.tensors(), f'{storage} {setup} step {step}')
+    _steps_agree(k, _lean_kernel(), reference.multi_tensor_adam8bit_lean_, hp, 3,
+                 f'{storage} {setup}')
     assert k.step.item() == 5.0
 
 
