@@ -76,6 +76,15 @@ _ABSMAX_NAMES = frozenset(ABSMAX_KEYS.values())
 _GROUP_STATE_DTYPES = ('float32', 'int8')
 
 
+def _float32_moment(codes: Tensor, absmax: Tensor, key: str, like: Tensor) -> Tensor:
+    """Moment ``key``'s codes as float32 values (``dequantize_invertibly``), laid out like
+    ``like``."""
+    values = dequantize_invertibly(layout.flat(codes), absmax.reshape(-1), _CODES[key])
+    out = layout.like(like, torch.float32)
+    layout.flat(out).copy_(values)
+    return out
+
+
 class QuantizedStateMixin:
     """``state_dtype='int8'`` for :class:`~mp_wrappers.optim.FusedAdam` (see the module docstring).
 
@@ -200,9 +209,7 @@ class QuantizedStateMixin:
             if sharded:
                 codes = self._local_state(param, codes, key)
                 absmax = self._local_state(param, absmax, absmax_key)
-            values = dequantize_invertibly(layout.flat(codes), absmax.reshape(-1), _CODES[key])
-            state[key] = layout.like(target, torch.float32)
-            layout.flat(state[key]).copy_(values)
+            state[key] = _float32_moment(codes, absmax, key, target)
             if sharded:
                 state[key] = shards.like_param(param, state[key])
 
@@ -232,14 +239,8 @@ class QuantizedStateMixin:
     @staticmethod
     def _float32_moments(slot: Dict[str, Any]) -> Dict[str, Tensor]:
         """The 8-bit moments of a saved ``slot`` (plain tensors) as float32 values shaped alike."""
-        out = {}
-        for key, absmax_key in ABSMAX_KEYS.items():
-            codes = slot[key]
-            values = dequantize_invertibly(layout.flat(codes), slot[absmax_key].reshape(-1),
-                                           _CODES[key])
-            out[key] = layout.like(codes, torch.float32)
-            layout.flat(out[key]).copy_(values)
-        return out
+        return {key: _float32_moment(slot[key], slot[absmax_key], key, slot[key])
+                for key, absmax_key in ABSMAX_KEYS.items()}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load, then quantize or dequantize each param's moments to what it wants now."""

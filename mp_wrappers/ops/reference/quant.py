@@ -171,10 +171,9 @@ def dequantize_invertibly(codes: Tensor, absmax: Tensor, code: Minifloat) -> Ten
     values = dequantize_blockwise(codes, absmax, code)
     c = codes.to(torch.int32)
     mag = c & 0x7F if code.signed else c
-    top = int(_encode_magnitude(torch.tensor([code.max_value]), code)[0])
-    per_element = _blocks(torch.ones_like(codes, dtype=torch.float32)) * absmax.to(
-        torch.float32).reshape(-1, 1)
-    block_absmax = per_element.reshape(-1)[:codes.numel()].view(codes.shape)
+    top = (1 << (code.exp_bits + code.man_bits)) - 1  # MAX: every exponent and mantissa bit set
+    block_absmax = absmax.to(torch.float32).reshape(-1).repeat_interleave(BLOCK_SIZE)[
+        :codes.numel()].view(codes.shape)
     exact = torch.where(values < 0, -block_absmax, block_absmax) if code.signed else block_absmax
     return torch.where(mag == top, exact, values)
 
