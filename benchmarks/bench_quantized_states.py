@@ -37,7 +37,10 @@ grads and every optimizer-state tensor (a tensor subclass by its inner tensors).
 
 Run: ``PYTHONPATH=. python benchmarks/bench_quantized_states.py [--threads 1 2] [--iters 15]``, and
 with ``MP_WRAPPERS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2`` for the AVX2 kernels (ours and torch's).
-Output is Markdown.
+``--device cuda --threads 1`` times the same pipelines on a GPU (``tools/gpu_check.sh`` step
+``bench-quantized``, which gives ``--peer-iters`` the value of ``--iters``: on CUDA the peers are
+not slow); ``--width/--layers``
+size the model as in ``bench_optimizers.py``. Output is Markdown.
 """
 import argparse
 import os
@@ -96,8 +99,8 @@ def _peer_8bit(name: str) -> Optional[Callable]:
         return None
 
 
-def fp32_step(sizes, state_dtype: str):
-    params, grads = bo.make_fp32(sizes, torch.device('cpu'))
+def fp32_step(sizes, state_dtype: str, device: torch.device):
+    params, grads = bo.make_fp32(sizes, device)
     for p, g in zip(params, grads):
         p.grad = g
     kw = dict(lr=bo.LR, betas=bo.BETAS, eps=bo.EPS, weight_decay=bo.WD)
@@ -110,12 +113,12 @@ def fp32_step(sizes, state_dtype: str):
     return opt.step, (lambda: _resident(params + grads, opt))
 
 
-def o2_step(sizes, state_dtype: str):
-    st = bo.O2State(sizes, torch.device('cpu'), torch.bfloat16)
+def o2_step(sizes, state_dtype: str, device: torch.device):
+    st = bo.O2State(sizes, device, torch.bfloat16)
     opt = FusedAdam(st.masters, lr=bo.LR, betas=bo.BETAS, eps=bo.EPS, weight_decay=bo.WD,
                     state_dtype=state_dtype)
     grads, model = [st.grads], [st.model]
-    found_inf = torch.zeros(1)
+    found_inf = torch.zeros(1, device=device)
 
     def step() -> None:
         opt.fused_master_step(grads, model, grad_scale=st.scale, found_inf=found_inf)
@@ -123,9 +126,9 @@ def o2_step(sizes, state_dtype: str):
     return step, (lambda: _resident(st.masters + st.model + st.grads, opt))
 
 
-def lean_step(sizes, spec: Tuple[str, str]):
+def lean_step(sizes, spec: Tuple[str, str], device: torch.device):
     mode, state_dtype = spec
-    params32, grads32 = bo.make_fp32(sizes, torch.device('cpu'))
+    params32, grads32 = bo.make_fp32(sizes, device)
     params = [torch.nn.Parameter(p.detach().bfloat16()) for p in params32]
     grads = [g.bfloat16() for g in grads32]
     for p, g in zip(params, grads):
@@ -150,12 +153,14 @@ PIPELINES: Dict[str, Tuple[Callable, object, str]] = {
 }
 
 
-def time_rounds(fns: Dict[str, Callable[[], None]], iters: int, peer_iters: int
-                ) -> Dict[str, Tuple[float, float]]:
+def time_rounds(fns: Dict[str, Callable[[], None]], iters: int, peer_iters: int,
+                device: torch.device) -> Dict[str, Tuple[float, float]]:
     """name -> (median wall seconds, median CPU seconds) per step, from interleaved rounds; the
-    8-bit peers run in the first ``peer_iters`` rounds only."""
+    8-bit peers run in the first ``peer_iters`` rounds only. On CUDA the wall time runs until the
+    device has finished the step (a synchronize), and the CPU time is the host's share."""
     for fn in fns.values():
         fn()  # warm-up
+    bo.sync(device)
     wall: Dict[str, List[float]] = {name: [] for name in fns}
     cpu: Dict[str, List[float]] = {name: [] for name in fns}
     for r in range(iters):
@@ -164,6 +169,7 @@ def time_rounds(fns: Dict[str, Callable[[], None]], iters: int, peer_iters: int
                 continue
             w, c = time.perf_counter(), time.process_time()
             fn()
+            bo.sync(device)
             cpu[name].append(time.process_time() - c)
             wall[name].append(time.perf_counter() - w)
     return {name: (statistics.median(wall[name]), statistics.median(cpu[name])) for name in fns}
@@ -173,17 +179,23 @@ def _load() -> str:
     return ', '.join(f'{x:.1f}' for x in os.getloadavg())
 
 
+def _times(ratio: float) -> str:
+    return f'{ratio:.0f}x' if ratio >= 10 else f'{ratio:.2f}x'
+
+
 def table(built, sample, threads: int, args, numel: int) -> None:
     torch.set_num_threads(threads)
     fns = {name: step for name, (step, _) in built.items()}
     fns['a.mul_ (roofline)'] = sample.step
     load_before = _load()
-    times = time_rounds(fns, args.iters, args.peer_iters)
+    times = time_rounds(fns, args.iters, args.peer_iters, args.device)
     roof = sample.gbs(times.pop('a.mul_ (roofline)')[0])
     peers = [n for n in times if n == TORCH or n in PEERS_8BIT]
     best = min(peers, key=lambda n: times[n][0])
     best8 = min((n for n in peers if n in PEERS_8BIT), key=lambda n: times[n][0], default=None)
-    print(f'\n## {threads} thread(s); load average {load_before} before, {_load()} after; '
+    where = (f'{torch.cuda.get_device_name(args.device)} ({threads} host thread(s))'
+             if args.device.type == 'cuda' else f'{threads} thread(s)')
+    print(f'\n## {where}; load average {load_before} before, {_load()} after; '
           f'in-place roofline {roof:.1f} GB/s\n')
     print(f'Best peer: {best}' + (f'; best 8-bit peer: {best8}' if best8 else
                                   '; 8-bit peers: not installed') + '\n')
@@ -193,7 +205,7 @@ def table(built, sample, threads: int, args, numel: int) -> None:
     for name, (wall, cpu) in times.items():
         moved = BYTES[PIPELINES[name][2]]
         gbs = moved * numel / wall / 1e9
-        faster = (f'{times[best8][0] / wall:.0f}x / {times[best8][1] / cpu:.0f}x'
+        faster = (f'{_times(times[best8][0] / wall)} / {_times(times[best8][1] / cpu)}'
                   if best8 and name not in PEERS_8BIT else '')
         print(f'| {name} | {wall * 1e3:.1f} | {cpu * 1e3:.1f} | {wall / times[best][0]:.2f} | '
               f'{cpu / times[best][1]:.2f} | {faster} | {moved:.2f} | {gbs:.1f} | '
@@ -210,8 +222,14 @@ def main() -> None:
     ap.add_argument('--quick', action='store_true', help='~0.8M params (smoke test)')
     ap.add_argument('--only', nargs='+', default=None,
                     help='substrings of the pipelines to run (torch fused fp32 always runs)')
+    ap.add_argument('--device', default='cpu', help="'cpu' (default) or 'cuda'")
+    ap.add_argument('--width', type=int, default=0, help='model width d (default: preset)')
+    ap.add_argument('--layers', type=int, default=0, help='layers (default: preset)')
     args = ap.parse_args()
-    sizes = bo.shapes(args.quick)
+    args.device = torch.device(args.device)
+    if args.device.type == 'cuda' and not torch.cuda.is_available():
+        ap.error(f'--device {args.device}: this torch sees no CUDA device')
+    sizes = bo.shapes(args.quick, args.width, args.layers)
     numel = sum(torch.Size(s).numel() for s in sizes)
     nbytes, why = bo.sample_bytes(numel)
     names = [n for n in PIPELINES
@@ -222,18 +240,19 @@ def main() -> None:
         if any(n.startswith(mod) for n in names):
             versions[mod] = __import__(mod).__version__
     print(f'# 8-bit optimizer states, {numel / 1e6:.1f}M params in {len(sizes)} tensors')
+    kernels = mp_wrappers.ops.backend()[args.device.type]
     print(f'- {platform.processor() or platform.machine()}, torch {torch.__version__} '
-          f'(ATen CPU capability {torch.backends.cpu.get_cpu_capability()}), mp_wrappers kernels '
-          f'{mp_wrappers.ops.backend()["cpu"]}; peers: '
+          f'(ATen CPU capability {torch.backends.cpu.get_cpu_capability()}), device '
+          f'{args.device}, mp_wrappers kernels {kernels}; peers: '
           + ', '.join(f'{m} {v}' for m, v in versions.items() if v) + (
               '' if any(versions.values()) else 'torch only'))
     print(f'- {time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, {os.cpu_count()} CPUs, '
           f'bandwidth sample {nbytes / 1e6:.0f} MB ({why}); {args.iters} rounds '
           f'({args.peer_iters} with the 8-bit peers)')
-    built = {name: PIPELINES[name][0](sizes, PIPELINES[name][1]) for name in names}
+    built = {name: PIPELINES[name][0](sizes, PIPELINES[name][1], args.device) for name in names}
     for step, _ in built.values():
         step()  # first step: creates the state, so resident bytes are measured after one
-    sample = bo.InPlaceSample(torch.device('cpu'), nbytes)
+    sample = bo.InPlaceSample(args.device, nbytes)
     for threads in args.threads:
         table(built, sample, threads, args, numel)
 

@@ -14,6 +14,10 @@
 #   compiled-step      the CUDA cases of the torch.compile tests (MP_WRAPPERS_TEST_REQUIRE_CUDA=1):
 #                      every fused optimizer's step and the wrappers' fused step through inductor,
 #                      and replayed as CUDA graphs (mode='reduce-overhead') with no graph skipped
+#   bench-quantized    benchmarks/bench_quantized_states.py --device cuda on 108M params: 8-bit and
+#                      fp32 states (FusedAdam, O2, lean masters) vs torch's fused fp32 AdamW and,
+#                      when carried (.whl/peers/, tools/gpu_wheels.sh peers), bitsandbytes and
+#                      torchao AdamW8bit; the peers are installed for this step alone
 #   subnormal-and-norms  tests/kernels/test_subnormal.py and tests/wrappers/test_overflow_nonfinite_norm.py
 #   full-suite         the whole test suite (--maxfail=25: one GPU run sees as many failures as it can)
 #   sanitizer-memcheck, sanitizer-racecheck, sanitizer-initcheck
@@ -48,7 +52,7 @@ set -f  # step names are words, never globs
 cd "$(dirname "$0")/.."
 START=$(date +%s)
 PY=${PYTHON:-python3}
-ALL_STEPS="build backend cuda-cases compiled-step subnormal-and-norms full-suite sanitizer-memcheck
+ALL_STEPS="build backend cuda-cases compiled-step bench-quantized subnormal-and-norms full-suite sanitizer-memcheck
   sanitizer-racecheck sanitizer-initcheck bench-optimizers bench-multi-tensor bench-compiled
   bench-host fidelity-digits fidelity-charlm"
 STEPS=$(echo "${GPU_CHECK_STEPS:-$ALL_STEPS}" | tr ',' ' ')
@@ -154,6 +158,21 @@ OP_TESTS=(tests/ops/test_multi_tensor.py tests/kernels/test_cpu_kernels.py tests
 step cuda-cases "$PY" -m pytest -q -rs -k cuda "${OP_TESTS[@]}"
 step compiled-step "$PY" -m pytest -q -rs -k cuda tests/optim/test_fused_optimizers_compile.py \
   tests/wrappers/test_compiled_step.py
+PEERS_PATH=$PYTHONPATH
+if [ -d .whl/peers ] && selected bench-quantized; then
+  # Their own folder: mmengine imports bitsandbytes when it finds it, which the tests must not see.
+  set +f
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/peers .whl/peers/*.whl >"$WORK/peers.log" 2>&1; then
+    PEERS_PATH=/tmp/peers:$PYTHONPATH
+  else
+    echo "- peers: FAILED to install .whl/peers: $(tail -n 3 "$WORK/peers.log" | tr '\n' ' ')" >>"$REPORT"
+  fi
+  set -f
+fi
+step bench-quantized env PYTHONPATH="$PEERS_PATH" "$PY" benchmarks/bench_quantized_states.py \
+  --device cuda --threads 1 --width 640 --layers 22 --iters 20 --peer-iters 20
+attach bench-quantized "$WORK/bench-quantized.log"
 step subnormal-and-norms "$PY" -m pytest -q -rs tests/kernels/test_subnormal.py tests/wrappers/test_overflow_nonfinite_norm.py
 step full-suite "$PY" -m pytest -q -rs --maxfail=25
 
@@ -167,7 +186,7 @@ for tool in memcheck racecheck initcheck; do
   # Small cases only: the sanitizer slows kernels down 10-100x.
   step "sanitizer-$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 \
     "$PY" -m pytest -q -x -p no:cacheprovider -k 'cuda and not 2_pow_31 and not split_across' \
-    tests/ops/test_multi_tensor.py tests/kernels/test_cpu_kernels.py tests/kernels/test_cuda_paths.py
+    tests/ops/test_quantized_states.py tests/ops/test_multi_tensor.py tests/kernels/test_cpu_kernels.py tests/kernels/test_cuda_paths.py
 done
 
 step bench-optimizers "$PY" benchmarks/bench_optimizers.py --device cuda --threads 1 \

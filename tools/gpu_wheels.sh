@@ -4,6 +4,9 @@
 # packages it needs that the image lacks, pinned, for the machine's Python 3.12, into .whl/
 # (ignored by git; name it in the device tool's `carry`). tools/gpu_check.sh installs them.
 #   bash tools/gpu_wheels.sh          # from the repository root, on a machine with pip access
+#   bash tools/gpu_wheels.sh peers    # ... and the 8-bit peers of bench-quantized in .whl/peers/
+#                                     # (bitsandbytes, whose CUDA 13.0 kernels come in its wheel,
+#                                     # and torchao: 47 MB of the 64 MiB a call carries)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -21,5 +24,11 @@ fi
 rm -rf .whl && mkdir -p .whl
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}"
-ls -l .whl
+if [ "${1:-}" = peers ]; then
+  # Versions whose wheels hold kernels for the GPU image's torch 2.11 / CUDA 13.0.
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl/peers bitsandbytes==0.50.2 torchao==0.18.0
+fi
+ls -lR .whl
 echo "gpu_wheels: $(ls .whl | wc -l) wheels in .whl/ ($(du -sh .whl | cut -f1)); carry: [\".whl\"]"
