@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import inspect
 import re
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
@@ -206,6 +206,31 @@ def is_compiling() -> bool:
     if compiler is not None and hasattr(compiler, 'is_compiling'):
         return compiler.is_compiling()
     return torch._dynamo.is_compiling()
+
+
+def mark_static_addresses(tensors: Iterable[Optional[torch.Tensor]]) -> None:
+    """Tell inductor's CUDA graphs (``torch.compile(mode='reduce-overhead')``) that these CUDA
+    tensors keep their address from step to step (``torch._dynamo.mark_static_address``).
+
+    A graph that updates an input in place (a param, a moment, the loss scale) is otherwise not
+    recorded at all ("skipping cudagraphs due to mutated inputs"), and an input it only reads is
+    copied into the graph's own buffer at every replay. ``guard=False``: should an address change
+    after all (a grad set to None and made again), the graph is recorded again, never wrong.
+    Eager only (dynamo refuses the call inside a graph); CPU tensors are left alone, so a CPU run
+    never imports dynamo for it.
+    """
+    if is_compiling():
+        return
+    cuda = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda]
+    if not cuda:
+        return
+    from torch import _dynamo
+    mark = getattr(_dynamo, 'mark_static_address', None)
+    if mark is None:  # torch without it has no CUDA-graph trees to tell
+        return
+    for t in cuda:
+        if getattr(t, '_dynamo_static_input_type', None) is None:
+            mark(t, guard=False)
 
 
 def register_load_state_dict_pre_hook(module: torch.nn.Module, hook: Callable):

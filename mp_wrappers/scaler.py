@@ -15,7 +15,7 @@ scale itself never changes.
 so users can switch wrappers mid-training.
 """
 import math
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 from torch import Tensor
@@ -73,15 +73,20 @@ class LossScaler:
         return 1
 
     # ---- device placement --------------------------------------------------------------------
+    _STATE = ('_scale', '_growth_tracker', '_hysteresis_tracker', '_skipped_steps', '_steps')
+
     def to(self, device: Union[str, torch.device]) -> 'LossScaler':
         """Move the state tensors to ``device`` (done lazily by the wrappers on first use)."""
         device = torch.device(device)
         if device != self._device:
-            for name in ('_scale', '_growth_tracker', '_hysteresis_tracker', '_skipped_steps',
-                         '_steps'):
+            for name in self._STATE:
                 setattr(self, name, getattr(self, name).to(device))
             self._device = device
         return self
+
+    def state_tensors(self) -> List[Tensor]:
+        """The tensors the device-side update writes in place (scale, trackers, counters)."""
+        return [getattr(self, name) for name in self._STATE]
 
     @property
     def device(self) -> torch.device:

@@ -54,7 +54,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..sharding import is_dtensor
+from ..sharding import dtensor_type, is_dtensor
 from ..ops.quantized_states import check_quantized_device
 from ..ops.reference.quant import (EXP_AVG_CODE, EXP_AVG_SQ_CODE, dequantize_invertibly,
                                    quantize_blockwise)
@@ -178,7 +178,10 @@ class QuantizedStateMixin:
     def _state_dtype(self, key: str, param: Tensor) -> torch.dtype:
         if key in ABSMAX_KEYS:
             state = self.state.get(param)  # type: ignore[attr-defined]
-            if state is None:  # an FSDP2 param's local shard (a slot's target) is no key: its owner
+            if state is None and self._holds_dtensors():
+                # an FSDP2 param's local shard (a slot's target) is no key: its owner's state.
+                # Asked only under FSDP2: other targets (fp32 masters) need no address lookup,
+                # which torch.compile cannot trace (dynamo 2.11 cannot hash a data_ptr).
                 state = self._shard_state(param)
             codes = state.get(key) if state else None
             if codes is not None and codes.dtype == torch.uint8:
@@ -351,6 +354,12 @@ class QuantizedStateMixin:
                 return self.state[p]  # type: ignore[attr-defined]
         raise RuntimeError(f'{type(self).__name__}: no 8-bit state found for a param of '
                            f'{param.numel()} elements')
+
+    def _holds_dtensors(self) -> bool:
+        dtensor = dtensor_type()
+        return dtensor is not None and any(
+            isinstance(p, dtensor) for group in self.param_groups  # type: ignore[attr-defined]
+            for p in group['params'])
 
     def _shard_state(self, local_param: Tensor) -> Optional[Dict[str, Any]]:
         """The state of the FSDP2 param whose local shard ``local_param`` is, or None.

@@ -17,8 +17,12 @@ Note [compiled step]
     detail only: on the CPU an eager static scaler counts from the host (``LossScaler.update``),
     under compile it counts on the device; the counters are the same.
 
-    The first two steps compile (the first creates the optimizer state, the second finds it);
-    later steps reuse the graph while the params that have gradients, their dtypes and the
+    The first step runs eagerly: it creates the optimizer state and the lr tensors outside any
+    graph, so that no graph's output is kept across steps (a CUDA graph overwrites its outputs at
+    the next replay). Before each compiled call the tensors the stages update in place (params,
+    optimizer state, lr, the scaler's) are marked static addresses on CUDA, so that inductor's
+    CUDA graphs (``mode='reduce-overhead'``) record the step instead of skipping it for mutated
+    inputs (``compat.mark_static_addresses``). The second step compiles; later steps reuse the graph while the params that have gradients, their dtypes and the
     wrapper's options stay the same. The learning rate must live on the device (the optimizer's
     ``capturable=True``, Note [capturable] in :mod:`mp_wrappers.optim.base`): a float lr is a
     constant of the graph, and an LR schedule would recompile the step at every new value, so
@@ -120,6 +124,20 @@ def _device_stages(optimizer: Optimizer, masters: MasterParams, scaler: LossScal
     return total, [before]
 
 
+def _mark_static(optimizer: Optimizer, masters: MasterParams, scaler: LossScaler,
+                 flags: StepFlags) -> None:
+    """What the stages update in place, as static addresses for CUDA graphs (a no-op on CPU and
+    for tensors marked before: cheap at every step, and it catches state a resume loaded). The
+    gradients are only read: a graph copies them in, as their address may change every step."""
+    if scaler.device.type != 'cuda':
+        return
+    mark = getattr(optimizer, 'mark_static_addresses', None)
+    if mark is not None:
+        mark()
+    compat.mark_static_addresses([p for _, p in masters.half_pairs()] + scaler.state_tensors()
+                                 + flags.used_flags())
+
+
 class DeviceStages:
     """The fused step's device stages: eager (the scaler is updated by the bookkeeping, as
     always), or compiled with the scaler's update inside (Note [compiled step]).
@@ -133,6 +151,7 @@ class DeviceStages:
                  optimizer: Optional[Optimizer] = None) -> None:
         self.compile_kwargs = check_compile_step(compile_step, optimizer)
         self._compiled: Optional[Callable[..., Stages]] = None
+        self._eager_steps = 0
 
     @property
     def compiled(self) -> bool:
@@ -142,14 +161,16 @@ class DeviceStages:
                  flags: StepFlags, clip: Optional[dict], sharding: Any,
                  sync_flags: Callable[[], None]) -> Stages:
         """(norm, scales before the step): the latter None when the scaler is still to update."""
-        if self.compile_kwargs is None:
-            return fused_step(optimizer, masters, scaler, flags, clip, sharding, sync_flags), None
-        if sharding is not None:
+        if self.compile_kwargs is not None and sharding is not None:
             # The global norm of sharded gradients all-reduces across ranks inside the stages;
             # not traced or tested under compile yet.
             raise NotImplementedError(
                 f'compile_step={self.compile_kwargs!r} is not supported with a sharded (FSDP) '
                 'model yet; set compile_step=False')
+        if self.compile_kwargs is None or not self._eager_steps:
+            self._eager_steps += 1  # the first creates the state outside any graph
+            return fused_step(optimizer, masters, scaler, flags, clip, sharding, sync_flags), None
         if self._compiled is None:
             self._compiled = torch.compile(_device_stages, fullgraph=True, **self.compile_kwargs)
+        _mark_static(optimizer, masters, scaler, flags)
         return self._compiled(optimizer, masters, scaler, flags, clip, sharding, sync_flags)

@@ -394,6 +394,8 @@ def test_cuda_tensors_need_a_build_with_the_cuda_kernel(monkeypatch):
     """CUDA tensors run where the loaded build has the CUDA kernel; a CPU-only build refuses them
     before any work, saying how to get the kernel (not the reference on the GPU)."""
     from mp_wrappers.ops import quantized_states
+    monkeypatch.setattr(quantized_states, '_op_has_kernel',  # a CPU-only build, also on a GPU
+                        lambda name, device_type: device_type == 'cpu')
     with pytest.raises(NotImplementedError, match=r"FusedAdam: 8-bit optimizer states "
                        r"\(state_dtype='int8'\) run on CPU tensors, and on CUDA tensors with a build "
                        r"that has CUDA kernels; got tensors on cuda:0 and this mp_wrappers build has "

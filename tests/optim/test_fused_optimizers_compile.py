@@ -161,7 +161,10 @@ def test_inductor_step_on_cuda_matches_eager(case, device):
 def test_step_replays_as_a_cuda_graph_under_an_lr_schedule(opt_name, device):
     """mode='reduce-overhead': inductor records the compiled step as a CUDA graph and replays it. The
     lr lives on the device (capturable=True) and torch's scheduler writes it in place, so each replay
-    reads the new value: the params follow eager's bitwise, and no CUDA graph is skipped."""
+    reads the new value: the params follow eager's bitwise, and no CUDA graph is skipped. The first
+    step is eager, as before any capture: it makes the state and the lr tensor outside the graph
+    (made inside, they would be graph outputs that the next replay overwrites) and marks them
+    static addresses, which the graph may update in place."""
     from torch._dynamo.utils import counters
     cls, kw, dtype = CASES[opt_name]
     kw = dict(kw, capturable=True)
@@ -176,7 +179,7 @@ def test_step_replays_as_a_cuda_graph_under_an_lr_schedule(opt_name, device):
         flag = torch.full((1,), float(i == OVERFLOW_STEP), device=device)
         scale = torch.full((1,), 2.0, device=device)
         eager.step(grad_scale=scale, found_inf=flag.clone())
-        step(grad_scale=scale, found_inf=flag.clone())
+        (compiled.step if i == 0 else step)(grad_scale=scale, found_inf=flag.clone())
         for s in schedulers:
             s.step()
         for a, b in zip(eager_params, compiled_params):

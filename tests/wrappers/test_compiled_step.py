@@ -56,7 +56,8 @@ def _fp16_sgd(model, compile_step):
 
 def _fp16_static_clip(model, compile_step):
     model = cast_model(model, torch.bfloat16)
-    return FP16OptimWrapper(FusedLAMB(model.parameters(), lr=torch.tensor([1e-2])),
+    lr = torch.tensor([1e-2], device=next(model.parameters()).device)
+    return FP16OptimWrapper(FusedLAMB(model.parameters(), lr=lr),
                             static_loss_scale=128.0,
                             clip_grad=dict(max_norm=0.5), verbose=False, compile_step=compile_step)
 
@@ -118,7 +119,9 @@ def _fresh_dynamo():
 def test_fused_step_compiles_whole_and_matches_eager(case):
     counter = CompileCounter()
     _compare(WRAPPERS[case], counter)
-    assert counter.frame_count == 2  # the first step (state made), the second; no break
+    # The first step runs eagerly (the state is made outside any graph), the second compiles
+    # whole and the rest reuse its graph.
+    assert counter.frame_count == 1
 
 
 CUDA = [pytest.param('cuda', marks=pytest.mark.cuda)]
@@ -154,7 +157,7 @@ def test_mmengine_lr_schedule_reuses_the_graph():
         w.update_params = _then(w.update_params, w.scheduler.step)
         return w
     _compare(scheduled, counter)
-    assert counter.frame_count == 2
+    assert counter.frame_count == 1  # the first step eager, one graph for the other four
 
 
 def _then(first, second):
