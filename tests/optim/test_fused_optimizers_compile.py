@@ -13,14 +13,13 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
-from _compat import needs_schedulers_writing_1_element_lr, requires
-from mp_wrappers.ops import _extension
+from _compat import needs_extension, needs_schedulers_writing_1_element_lr, requires
 from mp_wrappers.optim import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 
 pytestmark = [
     requires('fake_kernels'),
     requires('compile_list_ops'),
-    pytest.mark.skipif(_extension.extension() is None, reason='the extension is not built'),
+    needs_extension,
 ]
 
 F32, BF16 = torch.float32, torch.bfloat16

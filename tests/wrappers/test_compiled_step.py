@@ -14,18 +14,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.testing import CompileCounter
 
-from _compat import requires
+from _compat import needs_extension, requires
 from mp_wrappers import (ApexOptimWrapper, FP16OptimWrapper, FusedAdam, FusedLAMB, FusedSGD,
                          cast_model, compat)
 from mp_wrappers.compat import FeatureUnavailableError
-from mp_wrappers.ops import _extension
 from mp_wrappers.step_outcomes import simulate_accelerator
 from mp_wrappers.wrappers.compiled_step import DeviceStages, check_compile_step
 
 _COMPILE_MARKS = (
     requires('fake_kernels'),
     requires('compile_list_ops'),
-    pytest.mark.skipif(_extension.extension() is None, reason='the extension is not built'),
+    needs_extension,
 )
 
 
