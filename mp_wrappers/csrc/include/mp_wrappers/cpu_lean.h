@@ -6,7 +6,11 @@
 //     low 16 bits (uint16), concatenated without arithmetic;
 //   * store_stochastic: add the low 16 bits of a random word to the fp32 pattern and keep the top
 //     half (NaN stores 0x7FC0, as the round-to-nearest store does);
-//   * random words: mix32(element index ^ key), the hash of stochastic_bits() in the reference.
+//   * random words: mix32(element index ^ key), the hash of stochastic_bits() in the reference;
+//   * round_nearest / store_hi: the value a round-to-nearest-even bf16 store keeps, as fp32 lanes
+//     (NaN -> 0x7FC00000, as c10's conversion), and the store of such an exact value (its top half).
+//     The 'kahan' update needs the rounded param both in memory and in the compensation's
+//     arithmetic: computed in registers, it is not stored and read back.
 // Every flavour computes the same bits, so the three ISAs agree with each other and the reference.
 #pragma once
 
@@ -73,6 +77,18 @@ struct Bits<VecBaseline> {
       lo[i] = static_cast<uint16_t>(b & 0xFFFFu);
     }
   }
+  static inline F round_nearest(F x) {
+    F r;
+    for (int i = 0; i < V::kWidth; ++i) r.v[i] = static_cast<float>(c10::BFloat16(x.v[i]));
+    return r;
+  }
+  static inline void store_hi(c10::BFloat16* out, F x) {
+    for (int i = 0; i < V::kWidth; ++i) {
+      uint32_t b;
+      std::memcpy(&b, &x.v[i], 4);
+      out[i].x = static_cast<uint16_t>(b >> 16);
+    }
+  }
   static inline I random(uint32_t base, uint32_t key) {
     I r;
     for (int i = 0; i < V::kWidth; ++i) r.v[i] = mix32((base + static_cast<uint32_t>(i)) ^ key);
@@ -113,6 +129,21 @@ struct Bits<VecAvx2> {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(lo),
                      narrow(_mm256_and_si256(b, _mm256_set1_epi32(0xFFFF))));
   }
+  MP_WRAPPERS_TARGET_AVX2 static inline F round_nearest(F x) {
+    // VecAvx2::store's rounding (add 0x7FFF plus the lowest kept bit), the low half cleared in place.
+    const __m256i b = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_and_si256(
+        _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))),
+        _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(nan));
+    return _mm256_castsi256_ps(r);
+  }
+  MP_WRAPPERS_TARGET_AVX2 static inline void store_hi(c10::BFloat16* out, F x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                     narrow(_mm256_srli_epi32(_mm256_castps_si256(x), 16)));
+  }
   MP_WRAPPERS_TARGET_AVX2 static inline __m256i mix(__m256i x) {
     x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
     x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(kMix1)));
@@ -152,6 +183,20 @@ struct Bits<VecAvx512> {
     const __m512i b = _mm512_castps_si512(x);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), _mm512_cvtepi32_epi16(b));  // truncates
+  }
+  MP_WRAPPERS_TARGET_AVX512 static inline F round_nearest(F x) {
+    const __m512i b = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_and_si512(
+        _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
+        _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC00000));
+    return _mm512_castsi512_ps(r);
+  }
+  MP_WRAPPERS_TARGET_AVX512 static inline void store_hi(c10::BFloat16* out, F x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
   }
   MP_WRAPPERS_TARGET_AVX512 static inline __m512i mix(__m512i x) {
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
@@ -198,6 +243,14 @@ inline void store_split_n(c10::BFloat16* hi, uint16_t* lo, typename V::F x, int6
   Bits<V>::store_split(h, l, x);
   std::memcpy(static_cast<void*>(hi), h, static_cast<size_t>(n) * 2);
   std::memcpy(lo, l, static_cast<size_t>(n) * 2);
+}
+
+template <class V>
+inline void store_hi_n(c10::BFloat16* out, typename V::F x, int64_t n) {
+  if (n >= V::kWidth) return Bits<V>::store_hi(out, x);
+  c10::BFloat16 o[V::kWidth];
+  Bits<V>::store_hi(o, x);
+  std::memcpy(static_cast<void*>(out), o, static_cast<size_t>(n) * 2);
 }
 
 template <class V>

@@ -50,8 +50,8 @@ struct LeanParam {
   inline void store(int64_t i, int64_t k, F p32, F step) const {
     if constexpr (S == LeanStorage::kKahan) {
       const F c = V::sub(load_n<V>(comp() + i, k), step);
-      store_n<V>(p + i, V::add(p32, c), k);  // rounded to nearest
-      const F rounded = load_n<V>(p + i, k);
+      const F rounded = lean::Bits<V>::round_nearest(V::add(p32, c));  // the stored bf16, in fp32
+      lean::store_hi_n<V>(p + i, rounded, k);
       store_n<V>(comp() + i, V::sub(c, V::sub(rounded, p32)), k);
     } else if constexpr (S == LeanStorage::kSplit) {
       lean::store_split_n<V>(p + i, lo() + i, V::sub(p32, step), k);
