@@ -214,23 +214,25 @@ def mark_static_addresses(tensors: Iterable[Optional[torch.Tensor]]) -> None:
 
     A graph that updates an input in place (a param, a moment, the loss scale) is otherwise not
     recorded at all ("skipping cudagraphs due to mutated inputs"), and an input it only reads is
-    copied into the graph's own buffer at every replay. ``guard=False``: should an address change
-    after all (a grad set to None and made again), the graph is recorded again, never wrong.
-    Eager only (dynamo refuses the call inside a graph); CPU tensors are left alone, so a CPU run
-    never imports dynamo for it.
+    copied into the graph's own buffer at every replay. ``guard=True``: the address is guarded, so
+    a tensor replaced by another (a state dict loaded into new tensors) compiles the step again.
+    With ``guard=False`` some torch configurations (``inline_inbuilt_nn_modules=False``, inductor's
+    ``freezing``) turn a marked tensor into a constant of the graph and would keep using the
+    replaced one. Mark only tensors that live as long as the training: never a gradient or an lr
+    that a scheduler replaces every step (each new address would compile again). Eager only (dynamo
+    refuses the call inside a graph); CPU tensors are left alone, so a CPU run never imports dynamo
+    for it.
     """
-    if is_compiling():
-        return
-    cuda = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda]
-    if not cuda:
+    cuda = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda
+            and getattr(t, '_dynamo_static_input_type', None) is None]
+    if not cuda or is_compiling():
         return
     from torch import _dynamo
     mark = getattr(_dynamo, 'mark_static_address', None)
     if mark is None:  # torch without it has no CUDA-graph trees to tell
         return
     for t in cuda:
-        if getattr(t, '_dynamo_static_input_type', None) is None:
-            mark(t, guard=False)
+        mark(t, guard=True)
 
 
 def register_load_state_dict_pre_hook(module: torch.nn.Module, hook: Callable):

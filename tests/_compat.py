@@ -27,6 +27,8 @@ def requires(feature: str):
 # Tests of the extension's ops skip where it is not built, except on a GPU run
 # (MP_WRAPPERS_TEST_REQUIRE_CUDA=1): there the CUDA cases go on to tests/conftest.py's check, which
 # fails them (a GPU run once reported such a module as all skipped after its build had failed).
+# The module's CPU cases then run without the extension too, and fail: a GPU run has no business
+# without it.
 needs_extension = pytest.mark.skipif(
     _extension.extension() is None and os.environ.get('MP_WRAPPERS_TEST_REQUIRE_CUDA') != '1',
     reason='the extension is not built')

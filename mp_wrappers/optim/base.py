@@ -255,14 +255,14 @@ class FusedOptimizer(Optimizer):
                                            self._tensor_state_keys(group) + self._scalar_state,
                                            self._scalar_state, name, self._set_up_state_keys())
         saved_state.merge_step_cohorts(self.param_groups, self.state)
-        if self.capturable:  # loaded tensors are new ones: static again for CUDA graphs
-            self.mark_static_addresses()
+        self.mark_static_addresses()  # loaded tensors are new ones (a no-op off CUDA)
 
     def mark_static_addresses(self) -> None:
-        """Mark the params, their state and the lr tensors static for inductor's CUDA graphs
-        (``compat.mark_static_addresses``): a replayed step updates them in place."""
+        """Mark the params and their state static for inductor's CUDA graphs
+        (``compat.mark_static_addresses``): a replayed step updates them in place. Not the lr: a
+        scheduler may replace it every step, and a graph only reads it."""
         compat.mark_static_addresses(
-            [t for group in self.param_groups for t in (group['lr'], *group['params'])]
+            [p for group in self.param_groups for p in group['params']]
             + [t for state in self.state.values() for t in state.values()])
 
     # ---- internals ---------------------------------------------------------------------------------
@@ -429,7 +429,6 @@ class FusedOptimizer(Optimizer):
                 "param_group['lr'] to a 1-element float32 tensor on the params' device")
         if self.capturable:
             group['lr'] = torch.full((1,), float(lr), dtype=torch.float32, device=device)
-            compat.mark_static_addresses([group['lr']])
             return 0.0, group['lr']
         return float(lr), None
 

@@ -17,12 +17,14 @@ Note [compiled step]
     detail only: on the CPU an eager static scaler counts from the host (``LossScaler.update``),
     under compile it counts on the device; the counters are the same.
 
-    The first step runs eagerly: it creates the optimizer state and the lr tensors outside any
-    graph, so that no graph's output is kept across steps (a CUDA graph overwrites its outputs at
-    the next replay). Before each compiled call the tensors the stages update in place (params,
-    optimizer state, lr, the scaler's) are marked static addresses on CUDA, so that inductor's
-    CUDA graphs (``mode='reduce-overhead'``) record the step instead of skipping it for mutated
-    inputs (``compat.mark_static_addresses``). The second step compiles; later steps reuse the graph while the params that have gradients, their dtypes and the
+    A step that would make optimizer state or an lr tensor runs eagerly (the first, one where a
+    param gets its first gradient, one after a group was added), so that no graph's output is
+    kept across steps: a CUDA graph overwrites its outputs at the next replay. Before a compiled
+    call the tensors the stages update in place (params, optimizer state, the scaler's tensors,
+    the overflow flag) are marked static addresses on CUDA, so that inductor's CUDA graphs
+    (``mode='reduce-overhead'``) record the step instead of skipping it for mutated inputs
+    (``compat.mark_static_addresses``); the optimizer's after the steps that made them, not at
+    every step (it walks every state tensor). The second step compiles; later steps reuse the graph while the params that have gradients, their dtypes and the
     wrapper's options stay the same. The learning rate must live on the device (the optimizer's
     ``capturable=True``, Note [capturable] in :mod:`mp_wrappers.optim.base`): a float lr is a
     constant of the graph, and an LR schedule would recompile the step at every new value, so
@@ -124,18 +126,29 @@ def _device_stages(optimizer: Optimizer, masters: MasterParams, scaler: LossScal
     return total, [before]
 
 
-def _mark_static(optimizer: Optimizer, masters: MasterParams, scaler: LossScaler,
-                 flags: StepFlags) -> None:
-    """What the stages update in place, as static addresses for CUDA graphs (a no-op on CPU and
-    for tensors marked before: cheap at every step, and it catches state a resume loaded). The
-    gradients are only read: a graph copies them in, as their address may change every step."""
-    if scaler.device.type != 'cuda':
-        return
+def _makes_state(optimizer: Optimizer, masters: MasterParams) -> bool:
+    """Whether this step would make optimizer state (a slot with a gradient and no state yet: the
+    first step, a param that gets its first gradient later, a group added later) or an lr tensor
+    (a capturable optimizer's float lr). Made inside a graph they would be its outputs, which a
+    CUDA graph overwrites at its next replay: such a step runs eagerly."""
+    if any(not isinstance(group['lr'], Tensor) for group in optimizer.param_groups):
+        return True
+    state = optimizer.state
+    for group, row in zip(optimizer.param_groups, masters.model_params):
+        for slot, model_p in zip(group['params'], row):
+            if ((model_p if model_p is not None else slot).grad is not None
+                    and 'step' not in state.get(slot, ())):
+                return True
+    return False
+
+
+def _mark_static(optimizer: Optimizer, masters: MasterParams) -> None:
+    """The tensors the stages update in place that the optimizer and the masters own, as static
+    addresses for CUDA graphs (a no-op on the CPU); after the steps that made them."""
     mark = getattr(optimizer, 'mark_static_addresses', None)
     if mark is not None:
         mark()
-    compat.mark_static_addresses([p for _, p in masters.half_pairs()] + scaler.state_tensors()
-                                 + flags.used_flags())
+    compat.mark_static_addresses([p for _, p in masters.half_pairs()])
 
 
 class DeviceStages:
@@ -151,7 +164,7 @@ class DeviceStages:
                  optimizer: Optional[Optimizer] = None) -> None:
         self.compile_kwargs = check_compile_step(compile_step, optimizer)
         self._compiled: Optional[Callable[..., Stages]] = None
-        self._eager_steps = 0
+        self._mark_pending = True  # the optimizer's tensors are to be marked before a graph runs
 
     @property
     def compiled(self) -> bool:
@@ -167,10 +180,17 @@ class DeviceStages:
             raise NotImplementedError(
                 f'compile_step={self.compile_kwargs!r} is not supported with a sharded (FSDP) '
                 'model yet; set compile_step=False')
-        if self.compile_kwargs is None or not self._eager_steps:
-            self._eager_steps += 1  # the first creates the state outside any graph
+        if self.compile_kwargs is None:
             return fused_step(optimizer, masters, scaler, flags, clip, sharding, sync_flags), None
+        if _makes_state(optimizer, masters):
+            out = fused_step(optimizer, masters, scaler, flags, clip, sharding, sync_flags)
+            self._mark_pending = True
+            return out, None
         if self._compiled is None:
             self._compiled = torch.compile(_device_stages, fullgraph=True, **self.compile_kwargs)
-        _mark_static(optimizer, masters, scaler, flags)
+        if self._mark_pending:
+            _mark_static(optimizer, masters)
+            self._mark_pending = False
+        # The flag is made at its first use: here, eagerly, rather than inside the graph.
+        compat.mark_static_addresses(scaler.state_tensors() + [flags.flag(flags.pending)])
         return self._compiled(optimizer, masters, scaler, flags, clip, sharding, sync_flags)
