@@ -18,6 +18,10 @@
 #                      fp32 states (FusedAdam, O2, lean masters) vs torch's fused fp32 AdamW and,
 #                      when carried (.whl/peers/, tools/gpu_wheels.sh peers), bitsandbytes and
 #                      torchao AdamW8bit; the peers are installed for this step alone
+#   profile-quantized  Nsight Compute over one step each of FusedAdam int8, FusedAdam fp32 and
+#                      torch's fused AdamW on 108M params (benchmarks/profile_cuda_step.py: speed of
+#                      light, occupancy, launch statistics, warp stalls): why the 8-bit kernel ran
+#                      at 17% of the bandwidth on the H100 (benchmarks/RESULTS.md)
 #   subnormal-and-norms  tests/kernels/test_subnormal.py and tests/wrappers/test_overflow_nonfinite_norm.py
 #   full-suite         the whole test suite (--maxfail=25: one GPU run sees as many failures as it can)
 #   sanitizer-memcheck, sanitizer-racecheck, sanitizer-initcheck
@@ -54,7 +58,7 @@ set -f  # step names are words, never globs
 cd "$(dirname "$0")/.."
 START=$(date +%s)
 PY=${PYTHON:-python3}
-ALL_STEPS="build backend cuda-cases compiled-step bench-quantized subnormal-and-norms full-suite sanitizer-memcheck
+ALL_STEPS="build backend cuda-cases compiled-step bench-quantized profile-quantized subnormal-and-norms full-suite sanitizer-memcheck
   sanitizer-racecheck sanitizer-initcheck bench-optimizers bench-multi-tensor bench-compiled
   bench-host fidelity-digits fidelity-charlm"
 STEPS=$(echo "${GPU_CHECK_STEPS:-$ALL_STEPS}" | tr ',' ' ')
@@ -175,6 +179,9 @@ fi
 step bench-quantized env PYTHONPATH="$PEERS_PATH" "$PY" benchmarks/bench_quantized_states.py \
   --device cuda --threads 1 --width 640 --layers 22 --iters 20 --peer-iters 20
 attach bench-quantized "$WORK/bench-quantized.log"
+step profile-quantized ncu --clock-control none --nvtx --nvtx-include 'profiled/' \
+  --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+  "$PY" benchmarks/profile_cuda_step.py --device cuda
 step subnormal-and-norms "$PY" -m pytest -q -rs tests/kernels/test_subnormal.py tests/wrappers/test_overflow_nonfinite_norm.py
 step full-suite "$PY" -m pytest -q -rs --maxfail=25
 
