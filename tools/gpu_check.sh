@@ -163,7 +163,7 @@ OP_TESTS=(tests/ops/test_multi_tensor.py tests/kernels/test_cpu_kernels.py tests
           tests/ops/test_quantized_states.py tests/optim/test_quantized_state.py)
 step cuda-cases "$PY" -m pytest -q -rs -k cuda "${OP_TESTS[@]}"
 step compiled-step "$PY" -m pytest -q -rs -k cuda tests/optim/test_fused_optimizers_compile.py \
-  tests/wrappers/test_compiled_step.py
+  tests/wrappers/test_compiled_step.py tests/wrappers/test_compiled_step_setup.py
 PEERS_PATH=$PYTHONPATH
 if [ -d .whl/peers ] && selected bench-quantized; then
   # Their own folder: mmengine imports bitsandbytes when it finds it, which the tests must not see.

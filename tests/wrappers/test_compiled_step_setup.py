@@ -11,6 +11,7 @@ dynamo's import) alone.
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,6 +36,22 @@ class _TwoHeads(nn.Module):
         return self.a(x) + (self.b(x) if step >= self.b_from else 0)
 
 
+def _train(b_from, compile_step, device='cpu', steps=5):
+    """Train ``steps`` steps of O2 bf16 (dynamic scale, FusedAdam capturable); the model."""
+    model = _TwoHeads(b_from).to(device)
+    w = ApexOptimWrapper(FusedAdam(model.parameters(), lr=1e-2, capturable=True), opt_level='O2',
+                         dtype='bfloat16', loss_scale='dynamic', verbosity=0,
+                         compile_step=compile_step)
+    w.prepare_for_training(model)
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x, y = torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+        with w.optim_context(model):
+            loss = F.cross_entropy(model(x.to(device).bfloat16(), step).float(), y.to(device))
+        w.update_params(loss)
+    return model
+
+
 def _made_while_compiling(monkeypatch, b_from):
     """Train 5 steps with compile_step; returns is_compiling() at each state creation and each
     float lr made a tensor, and how many frames were compiled."""
@@ -54,17 +71,7 @@ def _made_while_compiling(monkeypatch, b_from):
     monkeypatch.setattr(optim_base.FusedOptimizer, '_lr_args', spy_lr)
     torch._dynamo.reset()
     counter = CompileCounter()
-    model = _TwoHeads(b_from)
-    w = ApexOptimWrapper(FusedAdam(model.parameters(), lr=1e-2, capturable=True), opt_level='O2',
-                         dtype='bfloat16', loss_scale='dynamic', verbosity=0,
-                         compile_step=dict(backend=counter))
-    w.prepare_for_training(model)
-    g = torch.Generator().manual_seed(1)
-    for step in range(5):
-        x, y = torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
-        with w.optim_context(model):
-            loss = F.cross_entropy(model(x.bfloat16(), step).float(), y)
-        w.update_params(loss)
+    model = _train(b_from, dict(backend=counter))
     torch._dynamo.reset()
     return seen, counter.frame_count, model
 
@@ -82,6 +89,21 @@ def test_a_compiled_run_makes_no_state_inside_a_graph(monkeypatch):
     seen, frames, _ = _made_while_compiling(monkeypatch, b_from=0)
     assert all(not compiling for _, compiling in seen), seen
     assert frames == 1  # the first step eager, one graph for the other four
+
+
+@pytest.mark.parametrize('device', [pytest.param('cuda', marks=pytest.mark.cuda)])
+def test_late_gradients_replay_as_cuda_graphs_like_eager(device):
+    """On a GPU: with mode='reduce-overhead' a param's first gradient at step 3 takes an eager
+    step, the others replay CUDA graphs (none skipped), and the params end as eager's, bitwise."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    eager = _train(3, False, device, steps=7)
+    compiled = _train(3, dict(backend='inductor', mode='reduce-overhead'), device, steps=7)
+    assert counters['inductor']['cudagraph_skips'] == 0, dict(counters['inductor'])
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        assert torch.equal(a, b)
+    torch._dynamo.reset()
 
 
 def test_marking_leaves_cpu_tensors_alone_and_never_imports_dynamo():
