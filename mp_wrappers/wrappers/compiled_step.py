@@ -24,15 +24,18 @@ Note [compiled step]
     the overflow flag) are marked static addresses on CUDA, so that inductor's CUDA graphs
     (``mode='reduce-overhead'``) record the step instead of skipping it for mutated inputs
     (``compat.mark_static_addresses``); the optimizer's after the steps that made them, not at
-    every step (it walks every state tensor). The second step compiles; later steps reuse the graph while the params that have gradients, their dtypes and the
-    wrapper's options stay the same. The learning rate must live on the device (the optimizer's
+    every step (it walks every state tensor). The second step compiles; later steps reuse the
+    graph while the params that have gradients, their dtypes and the wrapper's options stay the
+    same (a param's first gradient takes an eager step, then compiles once more). The learning
+    rate must live on the device (the optimizer's
     ``capturable=True``, Note [capturable] in :mod:`mp_wrappers.optim.base`): a float lr is a
     constant of the graph, and an LR schedule would recompile the step at every new value, so
     ``compile_step`` refuses it. Schedulers that write the tensor in place (torch's) or assign a
     new one (mmengine's) both reuse the graph. The lean bf16 storages and the 8-bit states take
     the lr as a number (no ``capturable``), so ``compile_step`` refuses them too; a compiled
-    ``opt.step`` of such an optimizer alone works, at a constant lr. ``compile_step`` needs an optimizer with the fused master
-    step (refused otherwise, at construction); a step that still cannot fuse (the gradients of
+    ``opt.step`` of such an optimizer alone works, at a constant lr. ``compile_step`` needs an
+    optimizer with the fused master step (refused otherwise, at construction); a step that still
+    cannot fuse (the gradients of
     several loss scalers, clipping other than by the L2 norm) takes the eager path as before.
     Tested in one process; under DDP the stages hold no collective (DDP has reduced the
     gradients), while ``sync_found_inf=True`` without DDP all-reduces the flags inside them, which
