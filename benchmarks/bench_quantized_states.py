@@ -39,8 +39,7 @@ Run: ``PYTHONPATH=. python benchmarks/bench_quantized_states.py [--threads 1 2] 
 with ``MP_WRAPPERS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2`` for the AVX2 kernels (ours and torch's).
 ``--device cuda --threads 1`` times the same pipelines on a GPU (``tools/gpu_check.sh`` step
 ``bench-quantized``, which gives ``--peer-iters`` the value of ``--iters``: on CUDA the peers are
-not slow); ``--width/--layers``
-size the model as in ``bench_optimizers.py``. Output is Markdown.
+not slow); ``--width/--layers`` size the model as in ``bench_optimizers.py``. Output is Markdown.
 """
 import argparse
 import os
@@ -157,7 +156,8 @@ def time_rounds(fns: Dict[str, Callable[[], None]], iters: int, peer_iters: int,
                 device: torch.device) -> Dict[str, Tuple[float, float]]:
     """name -> (median wall seconds, median CPU seconds) per step, from interleaved rounds; the
     8-bit peers run in the first ``peer_iters`` rounds only. On CUDA the wall time runs until the
-    device has finished the step (a synchronize), and the CPU time is the host's share."""
+    device has finished the step (a synchronize); the CPU time then includes the host spinning in
+    that synchronize, so it is about the wall time, not the host's share."""
     for fn in fns.values():
         fn()  # warm-up
     bo.sync(device)

@@ -35,8 +35,8 @@ Note [compiled step]
     the lr as a number (no ``capturable``), so ``compile_step`` refuses them too; a compiled
     ``opt.step`` of such an optimizer alone works, at a constant lr. ``compile_step`` needs an
     optimizer with the fused master step (refused otherwise, at construction); a step that still
-    cannot fuse (the gradients of
-    several loss scalers, clipping other than by the L2 norm) takes the eager path as before.
+    cannot fuse (the gradients of several loss scalers, clipping other than by the L2 norm) takes
+    the eager path as before.
     Tested in one process; under DDP the stages hold no collective (DDP has reduced the
     gradients), while ``sync_found_inf=True`` without DDP all-reduces the flags inside them, which
     ``fullgraph`` refuses if this torch cannot trace it. FSDP is refused at the first step.
@@ -177,14 +177,14 @@ class DeviceStages:
                  flags: StepFlags, clip: Optional[dict], sharding: Any,
                  sync_flags: Callable[[], None]) -> Stages:
         """(norm, scales before the step): the latter None when the scaler is still to update."""
-        if self.compile_kwargs is not None and sharding is not None:
+        if self.compile_kwargs is None:
+            return fused_step(optimizer, masters, scaler, flags, clip, sharding, sync_flags), None
+        if sharding is not None:
             # The global norm of sharded gradients all-reduces across ranks inside the stages;
             # not traced or tested under compile yet.
             raise NotImplementedError(
                 f'compile_step={self.compile_kwargs!r} is not supported with a sharded (FSDP) '
                 'model yet; set compile_step=False')
-        if self.compile_kwargs is None:
-            return fused_step(optimizer, masters, scaler, flags, clip, sharding, sync_flags), None
         if _makes_state(optimizer, masters):
             out = fused_step(optimizer, masters, scaler, flags, clip, sharding, sync_flags)
             self._mark_pending = True
