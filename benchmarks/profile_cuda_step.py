@@ -12,7 +12,10 @@ steps), warmed up with ``--warmup`` steps, then stepped ``--steps`` times inside
 kernels of those steps only. The 8-bit Adam kernel is ``adam8bit_kernel``, our fp32 Adam kernel
 ``elementwise_kernel`` (the generic fused-optimizer kernel), torch's fused AdamW kernel has
 ``FusedAdam`` in its functor's name. The wall time per step is printed too (synchronised), so that
-a run without a profiler compares the pipelines. ``--device cpu`` runs the same for a smoke test.
+a run without a profiler compares the pipelines. ``--kernel-table`` also records the profiled steps
+with ``torch.profiler`` and prints each kernel's device time per step and their sum against the
+wall time: where Nsight Compute cannot reach the GPU's counters, this still says whether a step is
+bound by its kernels or by the host. ``--device cpu`` runs the same for a smoke test.
 """
 import argparse
 import pathlib
@@ -37,6 +40,8 @@ def main() -> None:
     ap.add_argument('--layers', type=int, default=22)
     ap.add_argument('--warmup', type=int, default=2)
     ap.add_argument('--steps', type=int, default=1)
+    ap.add_argument('--kernel-table', action='store_true',
+                    help='print each kernel\'s device time per step (torch.profiler)')
     args = ap.parse_args()
     unknown = [n for n in args.pipelines if n not in PIPELINES]
     if unknown:
@@ -61,9 +66,35 @@ def main() -> None:
         if cuda:
             torch.cuda.nvtx.range_pop()
         print(f'{name}: {(time.perf_counter() - start) / args.steps * 1e3:.2f} ms/step', flush=True)
+        if args.kernel_table:
+            print_kernel_table(step, device, args.steps)
         del step
         if device.type == 'cuda':
             torch.cuda.empty_cache()
+
+
+def print_kernel_table(step, device: torch.device, steps: int) -> None:
+    """Each kernel's device time per step, their sum, and the wall time of the same steps."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU]
+    if device.type == 'cuda':
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        bo.sync(device)
+        wall = (time.perf_counter() - start) / steps
+    kernels = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            total, calls = kernels.get(ev.name, (0.0, 0))
+            kernels[ev.name] = (total + ev.time_range.elapsed_us(), calls + 1)
+    device_us = sum(t for t, _ in kernels.values()) / steps
+    for name, (total, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
+        print(f'    {total / steps / 1e3:8.3f} ms  {calls / steps:5.1f} launches  {name[:110]}')
+    print(f'    kernels {device_us / 1e3:.3f} ms/step of {wall * 1e3:.3f} ms wall '
+          f'({len(kernels)} kernels)', flush=True)
 
 
 if __name__ == '__main__':

@@ -179,9 +179,12 @@ fi
 step bench-quantized env PYTHONPATH="$PEERS_PATH" "$PY" benchmarks/bench_quantized_states.py \
   --device cuda --threads 1 --width 640 --layers 22 --iters 20 --peer-iters 20
 attach bench-quantized "$WORK/bench-quantized.log"
-step profile-quantized ncu --clock-control none --nvtx --nvtx-include 'profiled/' \
+# The kernel table first (torch.profiler: device time against wall time, no counters needed), then
+# Nsight Compute, which needs the GPU's performance counters (some machines refuse them).
+step profile-quantized bash -c '"$0" benchmarks/profile_cuda_step.py --device cuda --steps 3 \
+  --kernel-table && ncu --clock-control none --nvtx --nvtx-include "profiled/" \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-  "$PY" benchmarks/profile_cuda_step.py --device cuda
+  "$0" benchmarks/profile_cuda_step.py --device cuda' "$PY"
 step subnormal-and-norms "$PY" -m pytest -q -rs tests/kernels/test_subnormal.py tests/wrappers/test_overflow_nonfinite_norm.py
 step full-suite "$PY" -m pytest -q -rs --maxfail=25
 
