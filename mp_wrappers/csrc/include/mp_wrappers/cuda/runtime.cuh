@@ -63,6 +63,8 @@ __device__ __forceinline__ void count_store(uint64_t bytes) { cuda_host::count_s
 __device__ __forceinline__ void check_aligned(const void* p, uint64_t align) {
   cuda_host::check_aligned(p, align);
 }
+// A hint, not an access: nothing to count or check, nothing to do on the host.
+__device__ __forceinline__ void prefetch_l2(const void*) {}
 
 #define MP_WRAPPERS_CUDA_OPS(m) TORCH_LIBRARY_IMPL(MP_WRAPPERS_CUDA_HOST_NS, CPU, m)
 
@@ -84,6 +86,11 @@ inline void launch(const char*, void (*kernel)(KArgs...), unsigned int grid, uns
 __device__ __forceinline__ void count_load(uint64_t) {}
 __device__ __forceinline__ void count_store(uint64_t) {}
 __device__ __forceinline__ void check_aligned(const void*, uint64_t) {}
+// Ask L2 for the line holding `p` without waiting for it (no register, no fault; the caller keeps
+// `p` inside the tensor all the same).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
 
 #define MP_WRAPPERS_CUDA_OPS(m) TORCH_LIBRARY_IMPL(mp_wrappers, CUDA, m)
 
