@@ -13,15 +13,16 @@ Note [collect fast path]
     once, and what it can settle once per bucket or per dtype it settles there:
 
     * What depends only on the group and the dtype of the updated tensor (the state keys of a slot
-      and their dtypes, :class:`SlotSpec`) is worked out once per group, dtype and step. Nothing is
-      carried across steps: hyperparameters, storage options (``set_bf16_storage``), the state
+      and their dtypes, :class:`SlotSpec`) is worked out once per group, dtype and step, with the
+      dtypes a slot's own state may hold besides (8-bit codes or float32 moments, ``SlotSpec.own``)
+      so that no slot's state is looked up again to confirm them. Nothing is carried across steps: hyperparameters, storage options (``set_bf16_storage``), the state
       and the params themselves (``param.data = ...``) may all change between steps.
     * The bucket key holds the devices and dtypes ``_check_slot`` checks, so it runs once per
       bucket, and again only for a slot whose sizes or layouts differ (the same errors, naming the
       same param, as checking every slot).
     * Consecutive params mostly share their step counter: its position is looked up on a change.
 """
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -57,6 +58,9 @@ class SlotSpec(NamedTuple):
     keys: Tuple[str, ...]
     #: ``(key, dtype)`` for each key: the dtype ``_state_dtype`` gives a target of this dtype.
     dtypes: Tuple[Tuple[str, torch.dtype], ...]
+    #: ``(key, dtype)`` pairs a slot's own state may hold that ``_state_dtype`` would confirm for
+    #: every slot holding them (8-bit codes stay uint8): accepted without asking it.
+    own: FrozenSet[Tuple[str, torch.dtype]] = frozenset()
 
 
 def identity(seen: List[Tensor], t: Tensor) -> int:
@@ -92,7 +96,8 @@ def add_contiguous(bucket: _Bucket, spec: SlotSpec, target: Tensor, grad: Tensor
         # spec's dtype holds for every target of this dtype; _state_dtype may also look at the
         # param's own state (8-bit codes stay uint8), so another dtype is asked about exactly.
         if (t is None or not t.is_contiguous() or t.shape != shape
-                or (t.dtype != dtype and t.dtype != state_dtype(key, target))):
+                or (t.dtype != dtype and (key, t.dtype) not in spec.own
+                    and t.dtype != state_dtype(key, target))):
             return False
         states.append(t)
     bucket.params.append(target)

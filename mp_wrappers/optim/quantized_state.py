@@ -49,7 +49,7 @@ Note [8-bit states under FSDP1]
     requantized in the new pieces' blocks. The price is the checkpoint's size (float32 moments, 8
     bytes per param); memory while training is the 8-bit state's.
 """
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -60,7 +60,7 @@ from ..ops.reference.quant import (EXP_AVG_CODE, EXP_AVG_SQ_CODE, dequantize_inv
                                    quantize_blockwise)
 from . import layout
 from . import quantized_shards as shards
-from .buckets import _Bucket
+from .buckets import SlotSpec, _Bucket
 from .lean import AUX_STATE_KEYS
 
 __all__ = ['QuantizedStateMixin', 'STATE_DTYPES', 'DEFAULT_MIN_8BIT_SIZE', 'ABSMAX_KEYS']
@@ -73,6 +73,8 @@ DEFAULT_MIN_8BIT_SIZE = 4096
 ABSMAX_KEYS = {'exp_avg': 'exp_avg_absmax', 'exp_avg_sq': 'exp_avg_sq_absmax'}
 _CODES = {'exp_avg': EXP_AVG_CODE, 'exp_avg_sq': EXP_AVG_SQ_CODE}
 _ABSMAX_NAMES = frozenset(ABSMAX_KEYS.values())
+# A moment held as codes is uint8 for _state_dtype too: add_contiguous need not ask it.
+_OWN_CODES = frozenset((key, torch.uint8) for key in ABSMAX_KEYS)
 _GROUP_STATE_DTYPES = ('float32', 'int8')
 
 
@@ -151,6 +153,21 @@ class QuantizedStateMixin:
             shards.log_ineligible(self, param)
             return False
         return True
+
+    def _slot_spec(self, group: Dict[str, Any], target: Tensor) -> SlotSpec:
+        # The spec's dtypes are the first such target's (codes or not): a slot holding the other
+        # kind of moments is one _state_dtype would confirm too, without its lookup of the state.
+        spec = super()._slot_spec(group, target)  # type: ignore[misc]
+        unquantized = frozenset(
+            (key, super(QuantizedStateMixin, self)._state_dtype(key, target))  # type: ignore
+            for key in ABSMAX_KEYS if key in spec.keys)
+        return spec._replace(own=spec.own | _OWN_CODES | unquantized)
+
+    def _step_cohort(self, param: Tensor, group: Dict[str, Any]) -> Hashable:
+        # 8-bit and float32 moments take one op call each: a step counter each, or the second call
+        # would need a copy of a shared one at every step (Note [step cohorts]).
+        return (super()._step_cohort(param, group),  # type: ignore[misc]
+                self._wants_8bit(param, group))
 
     def _check_8bit_param(self, param: Tensor) -> None:
         name = type(self).__name__

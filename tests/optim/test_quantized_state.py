@@ -95,11 +95,66 @@ def test_trains_close_to_float32_states():
         assert (p - q).norm() < 0.1 * q.norm()
 
 
-def test_mixed_bucket_advances_its_step_counter_once():
+def test_8bit_and_float32_moments_count_steps_apart():
+    # One op call each: a step counter each from the first step, and again after loading (no copy
+    # of a shared counter at every step).
     model = _mlp()
     opt = FusedAdam(model.parameters(), state_dtype='int8', **ADAMW)
     _train(model, opt, _batches(3))
+    weights, biases = (model[0].weight, model[2].weight), (model[0].bias, model[2].bias)
+
+    def counters(o, ps):
+        return {id(o.state[p]['step']) for p in ps}
+    assert len(counters(opt, weights)) == len(counters(opt, biases)) == 1
+    assert counters(opt, weights) != counters(opt, biases)
     assert {opt.state[p]['step'].item() for p in model.parameters()} == {3.0}
+    clone = copy.deepcopy(model)
+    opt2 = FusedAdam(clone.parameters(), state_dtype='int8', **ADAMW)
+    opt2.load_state_dict(opt.state_dict())
+    weights2, biases2 = (clone[0].weight, clone[2].weight), (clone[0].bias, clone[2].bias)
+    assert len(counters(opt2, weights2)) == len(counters(opt2, biases2)) == 1
+    assert counters(opt2, weights2) != counters(opt2, biases2)
+    batches = _batches(2, seed=5)
+    assert _train(model, opt, batches) == _train(clone, opt2, batches)
+    for p, q in zip(model.parameters(), clone.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_mixed_bucket_advances_its_step_counter_once():
+    # A counter shared by 8-bit and float32 moments (as a caller may make): one bucket, two op
+    # calls, and the counter still advances once a step, each param as with its own counter.
+    model, ref = _mlp(), _mlp()
+    ref.load_state_dict(model.state_dict())
+    opt = FusedAdam(model.parameters(), state_dtype='int8', **ADAMW)
+    ref_opt = FusedAdam(ref.parameters(), state_dtype='int8', **ADAMW)
+    batches = _batches(3)
+    _train(model, opt, batches[:1])
+    _train(ref, ref_opt, batches[:1])
+    shared = opt.state[model[0].weight]['step']
+    for p in model.parameters():
+        opt.state[p]['step'] = shared
+    _train(model, opt, batches[1:])
+    _train(ref, ref_opt, batches[1:])
+    assert {opt.state[p]['step'].item() for p in model.parameters()} == {3.0}
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_collect_asks_state_dtypes_once_per_group_and_dtype():
+    # The host time of a step on a GPU (Note [collect fast path]): no lookup of each slot's state
+    # to tell 8-bit codes from float32 moments.
+    model = _mlp()
+    opt = FusedAdam(model.parameters(), state_dtype='int8', min_8bit_size=100, **ADAMW)
+    _train(model, opt, _batches(1))
+    asked = []
+    state_dtype = opt._state_dtype
+
+    def counting(key, t):
+        asked.append(key)
+        return state_dtype(key, t)
+    opt._state_dtype = counting
+    _train(model, opt, _batches(1))
+    assert sorted(asked) == ['exp_avg', 'exp_avg_sq']  # the one SlotSpec of the step
 
 
 def test_channels_last_param_matches_its_memory_order():
