@@ -349,6 +349,7 @@ class FusedOptimizer(Optimizer):
                             writebacks)
             for k in scalar_keys:
                 bucket.states[k].append(state[k])
+            bucket.slot_states.append(state)
         return list(buckets.values())
 
     def _step_cohort(self, param: Tensor, group: Dict[str, Any]) -> Hashable:

@@ -38,7 +38,8 @@ StateDtype = Callable[[str, Tensor], torch.dtype]
 class _Bucket:
     """The lists of one op call: one group, device, set of dtypes and step counter."""
 
-    __slots__ = ('group', 'device', 'step', 'params', 'grads', 'model_params', 'states')
+    __slots__ = ('group', 'device', 'step', 'params', 'grads', 'model_params', 'states',
+                 'slot_states')
 
     def __init__(self, group: Dict[str, Any], device: torch.device, step: Tensor,
                  state_keys: Sequence[str]) -> None:
@@ -49,6 +50,9 @@ class _Bucket:
         self.grads: List[Tensor] = []
         self.model_params: List[Tensor] = []
         self.states: Dict[str, List[Tensor]] = {k: [] for k in state_keys}
+        #: Each slot's whole state dict, for what the op takes beyond the slot keys' lists (the
+        #: 8-bit absmaxes): found here, not looked up again by a param that may be a view.
+        self.slot_states: List[Dict[str, Any]] = []
 
 
 class SlotSpec(NamedTuple):

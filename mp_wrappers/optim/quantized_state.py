@@ -96,7 +96,7 @@ class QuantizedStateMixin:
 
     int8_states: bool = False
     min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE
-    #: local-shard address -> FSDP2 param (:meth:`_state_of`)
+    #: local-shard address -> FSDP2 param (:meth:`_shard_state`)
     _shard_owners: Dict[int, Tensor] = {}
 
     def _init_quantized(self, state_dtype: Any, min_8bit_size: int, capturable: bool) -> Any:
@@ -293,11 +293,12 @@ class QuantizedStateMixin:
     def _launch_quantized(self, bucket: _Bucket, grad_scale: Optional[Tensor],
                           found_inf: Optional[Tensor]) -> Optional[_Bucket]:
         """Step the bucket's 8-bit slots; return the bucket of the others (None when none)."""
-        codes = bucket.states.get('exp_avg')
-        if not codes or all(t.dtype != torch.uint8 for t in codes):
+        eight: List[int] = []
+        rest: List[int] = []
+        for i, t in enumerate(bucket.states.get('exp_avg', ())):
+            (eight if t.dtype == torch.uint8 else rest).append(i)
+        if not eight:
             return bucket
-        eight = [i for i, t in enumerate(codes) if t.dtype == torch.uint8]
-        rest = [i for i, t in enumerate(codes) if t.dtype != torch.uint8]
         g = bucket.group
         if isinstance(g['lr'], Tensor):
             raise ValueError(f"{type(self).__name__}: a tensor lr is not supported with "
@@ -315,6 +316,7 @@ class QuantizedStateMixin:
                 others.model_params.append(bucket.model_params[i])
             for key, values in bucket.states.items():
                 others.states[key].append(values[i])
+            others.slot_states.append(bucket.slot_states[i])
         return others
 
     def _call_8bit(self, bucket: _Bucket, eight: List[int], step: Tensor,
@@ -324,22 +326,26 @@ class QuantizedStateMixin:
         g = bucket.group
         absmax = [self._absmax_of(bucket, i) for i in eight]
         beta1, beta2 = g['betas']
-        lists = ([bucket.params[i] for i in eight], [bucket.grads[i] for i in eight],
-                 [bucket.states['exp_avg'][i] for i in eight], [a[0] for a in absmax],
-                 [bucket.states['exp_avg_sq'][i] for i in eight], [a[1] for a in absmax])
+        whole = len(eight) == len(bucket.params)  # the usual bucket (Note [step cohorts])
+
+        def pick(values: List[Tensor]) -> List[Tensor]:
+            return values if whole else [values[i] for i in eight]
+        lists = (pick(bucket.params), pick(bucket.grads), pick(bucket.states['exp_avg']),
+                 [a[0] for a in absmax], pick(bucket.states['exp_avg_sq']),
+                 [a[1] for a in absmax])
         hyper = (float(g['lr']), float(beta1), float(beta2), float(g['eps']),
                  float(g['weight_decay']), bool(g['adam_w_mode']), bool(g['bias_correction']))
         # The kernel checks its lists again; the optimizer built them (as _call_op's other ops).
         if self._lean_8bit(bucket.params[0]):
             storage = self.bf16_storage  # type: ignore[attr-defined]
             key = AUX_STATE_KEYS.get(storage)
-            aux = [bucket.states[key][i] for i in eight] if key else []
+            aux = pick(bucket.states[key]) if key else []
             self._call_op(  # type: ignore[attr-defined]
                 bucket, lists[0], aux, *lists[1:], step, *hyper, storage,
                 int(self.seed), grad_scale, found_inf,  # type: ignore[attr-defined]
                 op='multi_tensor_adam8bit_lean_')
             return
-        models = [bucket.model_params[i] for i in eight] if bucket.model_params else []
+        models = pick(bucket.model_params) if bucket.model_params else []
         self._call_op(  # type: ignore[attr-defined]
             bucket, *lists, models, step, *hyper, grad_scale, found_inf,
             op='multi_tensor_adam8bit_')
@@ -350,27 +356,11 @@ class QuantizedStateMixin:
         if not param.numel():  # a rank holding no rows of an FSDP2 param: no block to update
             empty = torch.empty(0, dtype=torch.float32, device=param.device)
             return empty, empty
-        state = self._state_of(bucket, i)
+        state = bucket.slot_states[i]
         m, v = state['exp_avg_absmax'], state['exp_avg_sq_absmax']
         if type(m) is Tensor:  # noqa: E721 - plain tensors, the common case, skip the DTensor check
             return m, v
         return shards.local(m).view(-1), shards.local(v).view(-1)
-
-    def _state_of(self, bucket: _Bucket, i: int) -> Dict[str, Any]:
-        """The state of slot ``i``: its param is the state's key, or a view of it found by its
-        storage address (a channels_last param's flat view, an FSDP2 param's local shard)."""
-        param = bucket.params[i]
-        state = self.state.get(param)  # type: ignore[attr-defined]
-        if state is None:
-            state = self._shard_state(param)
-        if state:
-            return state
-        ptr = param.data_ptr()
-        for p in bucket.group['params']:
-            if not is_dtensor(p) and p.data_ptr() == ptr and p in self.state:  # type: ignore
-                return self.state[p]  # type: ignore[attr-defined]
-        raise RuntimeError(f'{type(self).__name__}: no 8-bit state found for a param of '
-                           f'{param.numel()} elements')
 
     def _holds_dtensors(self) -> bool:
         dtensor = dtensor_type()
