@@ -63,8 +63,8 @@ __device__ __forceinline__ void count_store(uint64_t bytes) { cuda_host::count_s
 __device__ __forceinline__ void check_aligned(const void* p, uint64_t align) {
   cuda_host::check_aligned(p, align);
 }
-// A hint, not an access: nothing to count or check, nothing to do on the host.
-__device__ __forceinline__ void prefetch_l2(const void*) {}
+// A hint, not an access: not counted; its address is touched, so that a stray one shows.
+__device__ __forceinline__ void prefetch_l2(const void* p) { cuda_host::touch(p); }
 
 #define MP_WRAPPERS_CUDA_OPS(m) TORCH_LIBRARY_IMPL(MP_WRAPPERS_CUDA_HOST_NS, CPU, m)
 

@@ -154,6 +154,9 @@ inline void check_aligned(const void* p, uint64_t align) {
     t_state.block->report("misaligned global access: " + std::to_string(align) +
                           "-byte access at an address that is not a multiple of it");
 }
+// A prefetch is a hint the GPU drops at a bad address; here its byte is read (not counted as
+// traffic), so that an address outside the kernel's tensors faults, or trips AddressSanitizer.
+inline void touch(const void* p) { (void)*static_cast<const volatile char*>(p); }
 inline void count_store(uint64_t bytes) {
   t_state.bytes_written += bytes;
   ++t_state.stores;
