@@ -16,12 +16,14 @@ Note [step cohorts]
     shares one counter, as apex's per-group step, and a bucket needs one op call. A param that starts
     later gets its own counter, which is torch.optim's per-parameter semantics (SGD initialises its
     momentum buffer, Adam starts its bias correction, on that param's own first update). Loading a
-    state dict merges counters of equal value again. Params whose slots take different op calls
-    anyway get counters of their own from the start (``_step_cohort``: 8-bit and float32 moments
-    of one group), so that each call increments its own counter, with no copy made at every step.
+    state dict merges counters of equal value again. A shared counter advances whenever any of its
+    params is updated, as apex's per-group step does: a param without a gradient at that step
+    advances too. So the counter stays shared even where its params take two op calls (8-bit and
+    float32 moments, Note [8-bit optimizer states]): one per group keeps every rank and state dtype
+    counting alike.
 """
-from typing import (Any, Callable, ClassVar, Dict, Hashable, Iterable, List, Optional, Sequence,
-                    Tuple, Union)
+from typing import (Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple,
+                    Union)
 
 import torch
 from torch import Tensor
@@ -256,7 +258,7 @@ class FusedOptimizer(Optimizer):
             saved_state.check_loaded_state(group, self.state,
                                            self._tensor_state_keys(group) + self._scalar_state,
                                            self._scalar_state, name, self._set_up_state_keys())
-        saved_state.merge_step_cohorts(self.param_groups, self.state, self._step_cohort)
+        saved_state.merge_step_cohorts(self.param_groups, self.state)
         self.mark_static_addresses()  # loaded tensors are new ones (a no-op off CUDA)
 
     def mark_static_addresses(self) -> None:
@@ -320,8 +322,7 @@ class FusedOptimizer(Optimizer):
             model = None if models is None else models[pi]
             state = all_state[param]
             if 'step' not in state:
-                state = self._init_state(param, group, _new_step(
-                    new_steps, self._step_cohort(param, group), param.device))
+                state = self._init_state(param, group, _new_step(new_steps, param.device))
             target, model = self._update_target(param, state, model)
             dtype = target.dtype  # a DTensor's is its local tensor's
             spec = specs.get(dtype)
@@ -351,11 +352,6 @@ class FusedOptimizer(Optimizer):
                 bucket.states[k].append(state[k])
             bucket.slot_states.append(state)
         return list(buckets.values())
-
-    def _step_cohort(self, param: Tensor, group: Dict[str, Any]) -> Hashable:
-        """What params of one group must have in common to share a step counter (Note [step
-        cohorts]): their device, and what else puts their slots in different op calls."""
-        return param.device
 
     def _slot_spec(self, group: Dict[str, Any], target: Tensor) -> SlotSpec:
         """The state keys and dtypes of the slots of ``group`` whose updated tensor has
@@ -450,13 +446,12 @@ def _index_of(group: Dict[str, Any], groups: List[Dict[str, Any]]) -> int:
     return next(i for i, g in enumerate(groups) if g is group)
 
 
-def _new_step(new_steps: Dict[Hashable, Tensor], cohort: Hashable,
-              device: torch.device) -> Tensor:
-    """The step counter, on ``device``, of the params of one group and ``cohort`` starting at
-    this step, shared by all of them (Note [step cohorts])."""
-    step = new_steps.get(cohort)
+def _new_step(new_steps: Dict[torch.device, Tensor], device: torch.device) -> Tensor:
+    """The step counter of the params of one group starting on ``device`` at this step, shared by
+    all of them (Note [step cohorts])."""
+    step = new_steps.get(device)
     if step is None:
-        step = new_steps[cohort] = torch.zeros(1, dtype=torch.float32, device=device)
+        step = new_steps[device] = torch.zeros(1, dtype=torch.float32, device=device)
     return step
 
 

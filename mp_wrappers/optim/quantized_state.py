@@ -24,9 +24,10 @@ placed like the param (:mod:`.quantized_shards`, Note [8-bit blocks on FSDP2 sha
 keep float32 moments. Under FSDP1 every param is this rank's flat piece of it, quantized in blocks
 of its own, and ``state_dict()`` writes 8-bit moments as float32 (Note [8-bit states under FSDP1]).
 
-Refused with ``state_dtype='int8'``: ``master_weights=True``, ``capturable=True`` (a tensor lr),
-params on a device without the 8-bit kernel (CUDA params with a build that has no CUDA kernels,
-:func:`~mp_wrappers.ops.quantized_states.check_quantized_device`) and non-dense params.
+Refused with ``state_dtype='int8'`` (the optimizer's or a param group's): ``master_weights=True``,
+``capturable=True`` (a tensor lr), params on a device without the 8-bit kernel (CUDA params with a
+build that has no CUDA kernels, :func:`~mp_wrappers.ops.quantized_states.check_quantized_device`)
+and non-dense params.
 
 Note [8-bit states under FSDP1]
     FSDP1 (``FullyShardedDataParallel``, ``use_orig_params=True`` as the shipped configs and
@@ -49,7 +50,7 @@ Note [8-bit states under FSDP1]
     requantized in the new pieces' blocks. The price is the checkpoint's size (float32 moments, 8
     bytes per param); memory while training is the 8-bit state's.
 """
-from typing import Any, Dict, Hashable, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -130,6 +131,12 @@ class QuantizedStateMixin:
         if value is not None and value not in _GROUP_STATE_DTYPES:
             raise ValueError(f'{type(self).__name__}: param group state_dtype={value!r} is not '
                              f'allowed; expected one of {list(_GROUP_STATE_DTYPES)}')
+        # What the optimizer-wide state_dtype='int8' refuses, a group's may not bring in.
+        for option in ('master_weights', 'capturable'):
+            if value == 'int8' and getattr(self, option, False):
+                raise ValueError(f"{type(self).__name__}: a param group's state_dtype='int8' is "
+                                 f'not supported with {option}=True; set the group\'s '
+                                 f"state_dtype='float32', or {option}=False")
         super().add_param_group(param_group)  # type: ignore[misc]
         self._check_lean_devices(self.param_groups[-1])  # type: ignore[attr-defined]
 
@@ -162,12 +169,6 @@ class QuantizedStateMixin:
             (key, super(QuantizedStateMixin, self)._state_dtype(key, target))  # type: ignore
             for key in ABSMAX_KEYS if key in spec.keys)
         return spec._replace(own=spec.own | _OWN_CODES | unquantized)
-
-    def _step_cohort(self, param: Tensor, group: Dict[str, Any]) -> Hashable:
-        # 8-bit and float32 moments take one op call each: a step counter each, or the second call
-        # would need a copy of a shared one at every step (Note [step cohorts]).
-        return (super()._step_cohort(param, group),  # type: ignore[misc]
-                self._wants_8bit(param, group))
 
     def _check_8bit_param(self, param: Tensor) -> None:
         name = type(self).__name__

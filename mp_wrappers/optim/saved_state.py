@@ -19,7 +19,7 @@ Note [optimizer state under FSDP1]
 """
 from collections import defaultdict
 from itertools import chain
-from typing import Any, Callable, Dict, Hashable, Iterable, List, Mapping, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -140,20 +140,18 @@ def check_loaded_state(group: Dict[str, Any], state: Mapping[Tensor, Dict[str, A
 
 
 def merge_step_cohorts(param_groups: Sequence[Dict[str, Any]],
-                       state: Mapping[Tensor, Dict[str, Any]],
-                       cohort: Callable[[Tensor, Dict[str, Any]], Hashable]) -> None:
-    """Share one step tensor among the params of a group and ``cohort`` (their device, at
-    least) whose counts are equal.
+                       state: Mapping[Tensor, Dict[str, Any]]) -> None:
+    """Share one step tensor among the params of a group (and device) whose counts are equal.
 
     Runs at load time only, where reading the counts to the host is fine.
     """
     for group in param_groups:
-        by_cohort: Dict[Hashable, List[Dict[str, Any]]] = defaultdict(list)
+        by_device: Dict[torch.device, List[Dict[str, Any]]] = defaultdict(list)
         for param in group['params']:
             param_state = state.get(param)
             if param_state and isinstance(param_state.get('step'), Tensor):
-                by_cohort[cohort(param, group)].append(param_state)
-        for states in by_cohort.values():
+                by_device[param.device].append(param_state)
+        for states in by_device.values():
             counts = torch.cat([s['step'].reshape(1) for s in states]).tolist()
             shared: Dict[float, Tensor] = {}
             for param_state, count in zip(states, counts):
