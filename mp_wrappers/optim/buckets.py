@@ -15,8 +15,9 @@ Note [collect fast path]
     * What depends only on the group and the dtype of the updated tensor (the state keys of a slot
       and their dtypes, :class:`SlotSpec`) is worked out once per group, dtype and step, with the
       dtypes a slot's own state may hold besides (8-bit codes or float32 moments, ``SlotSpec.own``)
-      so that no slot's state is looked up again to confirm them. Nothing is carried across steps: hyperparameters, storage options (``set_bf16_storage``), the state
-      and the params themselves (``param.data = ...``) may all change between steps.
+      so that no slot's state is looked up again to confirm them. Nothing is carried across steps:
+      hyperparameters, storage options (``set_bf16_storage``), the state and the params themselves
+      (``param.data = ...``) may all change between steps.
     * The bucket key holds the devices and dtypes ``_check_slot`` checks, so it runs once per
       bucket, and again only for a slot whose sizes or layouts differ (the same errors, naming the
       same param, as checking every slot).
