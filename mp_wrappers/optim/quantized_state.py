@@ -327,7 +327,7 @@ class QuantizedStateMixin:
         g = bucket.group
         absmax = [self._absmax_of(bucket, i) for i in eight]
         beta1, beta2 = g['betas']
-        whole = len(eight) == len(bucket.params)  # the usual bucket (Note [step cohorts])
+        whole = len(eight) == len(bucket.params)  # no float32-moment slot: the lists as they are
 
         def pick(values: List[Tensor]) -> List[Tensor]:
             return values if whole else [values[i] for i in eight]
