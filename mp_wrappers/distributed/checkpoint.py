@@ -19,7 +19,8 @@ from torch import nn
 
 from .. import compat
 
-__all__ = ['sharded_state_dict', 'load_sharded_state_dict', 'save_sharded', 'load_sharded']
+__all__ = ['sharded_state_dict', 'load_sharded_state_dict', 'save_sharded', 'load_sharded',
+           'refuse_optim_wrapper_dict']
 
 _KEY = 'mp_wrappers'
 
@@ -32,6 +33,33 @@ def _check_no_half_masters(wrapper: Any) -> None:
             'cast before sharding); sharded checkpoints support the layout where the fp32 shards '
             "are the masters: keep the model fp32 and let FSDP make the half copies "
             '(MixedPrecisionPolicy(param_dtype=...), or mp_wrappers.FullyShardedModel(dtype=...))')
+
+
+def refuse_optim_wrapper_dict(optim_wrapper: Any, sharding: str, fix: str) -> None:
+    """Refuse an ``OptimWrapperDict`` over a sharded model while it is built, before any step.
+
+    The checkpoints of a sharded model hold the state of one optimizer (FSDP1's
+    ``FSDP.optim_state_dict`` and FSDP2's ``get_optimizer_state_dict`` take one); an
+    ``OptimWrapperDict`` would train and then fail at its first checkpoint, its epoch lost.
+
+    Args:
+        optim_wrapper: what the runner or strategy built.
+        sharding: ``'FSDP1'`` or ``'FSDP2'``, for the message.
+        fix: the other way to train without FSDP, for the message.
+
+    Raises:
+        NotImplementedError: ``optim_wrapper`` is an ``OptimWrapperDict``.
+    """
+    from mmengine.optim import OptimWrapperDict
+    if not isinstance(optim_wrapper, OptimWrapperDict):
+        return
+    raise NotImplementedError(
+        f'optim_wrapper built an OptimWrapperDict '
+        f'({", ".join(repr(k) for k in optim_wrapper.keys())}), '
+        f'which {sharding} checkpoints do not support: they hold the state of one optimizer, so '
+        'this run would fail at its first checkpoint. Train with one optim wrapper '
+        "(optim_wrapper=dict(type=..., optimizer=dict(...)), per-module settings through "
+        f"optim_wrapper.paramwise_cfg), or without FSDP ({fix})")
 
 
 def _wrapper_state(wrapper: Any) -> Dict[str, Any]:

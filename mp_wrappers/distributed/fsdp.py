@@ -163,6 +163,13 @@ class MixedPrecisionFSDPStrategy(FSDPStrategy):
         with torch.serialization.safe_globals(sharded_tensor_safe_globals()):
             return super().load_checkpoint(filename, **kwargs)
 
+    def build_optim_wrapper(self, optim_wrapper: Any, model: Any = None) -> Any:
+        """mmengine's, refusing an ``OptimWrapperDict``: FSDP1 checkpoints hold one optimizer."""
+        from .checkpoint import refuse_optim_wrapper_dict
+        built = super().build_optim_wrapper(optim_wrapper, model)
+        refuse_optim_wrapper_dict(built, 'FSDP1', "strategy=dict(type='DDPStrategy')")
+        return built
+
     def prepare(self, model: Any, *, optim_wrapper: Any = None, **kwargs: Any) -> Any:
         # The model is wrapped before the optim wrapper is built: keep its config for
         # _wrap_model's mixed precision.

@@ -198,6 +198,16 @@ class FullyShardedRunner(Runner):
             return
         super()._init_model_weights()
 
+    def build_optim_wrapper(self, optim_wrapper: Any) -> Any:
+        """mmengine's, refusing an ``OptimWrapperDict`` over an FSDP2 model (its sharded
+        checkpoints hold one optimizer)."""
+        from .checkpoint import refuse_optim_wrapper_dict
+        built = super().build_optim_wrapper(optim_wrapper)
+        if self._sharded():
+            refuse_optim_wrapper_dict(built, 'FSDP2',
+                                      "model_wrapper_cfg=dict(type='MMDistributedDataParallel')")
+        return built
+
     def _sharded(self) -> bool:
         return runner_checkpoint.fsdp2_root(self.model) is not None
 

@@ -237,10 +237,24 @@ def test_consolidated_checkpoint_is_plain_and_evaluates_alike(runs, tmp_path):
     assert accuracy == pytest.approx(logged[best_epoch], abs=1e-3)
 
 
+# Two optim wrappers (tests/_two_optimizers.py), as a GAN's config builds them.
+_TWO_OPTIMIZERS = (
+    "custom_imports = dict(imports=['mp_wrappers', 'projects.digits', '_reliability_hooks', "
+    "'_two_optimizers'], allow_failed_imports=False)\n"
+    "_wrapper = dict(type='mp_wrappers.ApexOptimWrapper', opt_level='O2', dtype='bfloat16', "
+    "optimizer=dict(type='mp_wrappers.FusedAdam', lr=1e-3))\n"
+    "optim_wrapper = dict(_delete_=True, constructor='RelTestTwoOptimizersConstructor', "
+    "first=_wrapper, rest=_wrapper)\n")
+
 REFUSED = {
     # mmengine's plain Runner would save rank 0's shards of an FSDP2 model
     'runner_fsdp2': (PLAIN, "runner_type = 'Runner'\n",
                      "runner_type = 'mp_wrappers.FullyShardedRunner'"),
+    # sharded checkpoints hold one optimizer: an OptimWrapperDict would fail at its first save
+    'optim_wrapper_dict_fsdp2': (PLAIN, _TWO_OPTIMIZERS,
+                                 "model_wrapper_cfg=dict(type='MMDistributedDataParallel')"),
+    'optim_wrapper_dict_fsdp1': ('tests/configs/fsdp_plain_fault.py', _TWO_OPTIMIZERS,
+                                 "strategy=dict(type='DDPStrategy')"),
 }
 
 
