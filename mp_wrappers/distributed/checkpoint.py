@@ -20,7 +20,7 @@ from torch import nn
 from .. import compat
 
 __all__ = ['sharded_state_dict', 'load_sharded_state_dict', 'save_sharded', 'load_sharded',
-           'refuse_optim_wrapper_dict']
+           'refuse_optim_wrapper_dict', 'saves_optimizer_state']
 
 _KEY = 'mp_wrappers'
 
@@ -35,31 +35,53 @@ def _check_no_half_masters(wrapper: Any) -> None:
             '(MixedPrecisionPolicy(param_dtype=...), or mp_wrappers.FullyShardedModel(dtype=...))')
 
 
-def refuse_optim_wrapper_dict(optim_wrapper: Any, sharding: str, fix: str) -> None:
-    """Refuse an ``OptimWrapperDict`` over a sharded model while it is built, before any step.
+# The way out of an OptimWrapperDict under each sharding: DDP with one wrapper per submodule, as
+# GAN configs (mmagic) train.
+_WITHOUT_FSDP = {
+    'FSDP1': "strategy=dict(type='DDPStrategy', model_wrapper=dict("
+             "type='MMSeparateDistributedDataParallel'))",
+    'FSDP2': "runner_type='Runner', model_wrapper_cfg=dict("
+             "type='MMSeparateDistributedDataParallel')",
+}
+
+
+def saves_optimizer_state(hooks: Any) -> bool:
+    """Whether one of ``hooks`` is a ``CheckpointHook`` that saves the optimizer state."""
+    from mmengine.hooks import CheckpointHook
+    return any(isinstance(h, CheckpointHook) and getattr(h, 'save_optimizer', True) for h in hooks)
+
+
+def refuse_optim_wrapper_dict(optim_wrapper: Any, sharding: str, saving: bool) -> None:
+    """Refuse an ``OptimWrapperDict`` over a sharded model whose checkpoints save its optimizer
+    state.
 
     The checkpoints of a sharded model hold the state of one optimizer (FSDP1's
-    ``FSDP.optim_state_dict`` and FSDP2's ``get_optimizer_state_dict`` take one); an
-    ``OptimWrapperDict`` would train and then fail at its first checkpoint, its epoch lost.
+    ``FSDP.optim_state_dict`` and FSDP2's ``get_optimizer_state_dict`` take one): an
+    ``OptimWrapperDict`` would train and then fail at the first ``CheckpointHook`` save with
+    ``save_optimizer=True`` (its default), that epoch lost. Called before training with
+    ``saving=saves_optimizer_state(runner.hooks)``; without such a hook nothing fails and nothing
+    is refused.
 
     Args:
         optim_wrapper: what the runner or strategy built.
-        sharding: ``'FSDP1'`` or ``'FSDP2'``, for the message.
-        fix: the other way to train without FSDP, for the message.
+        sharding: ``'FSDP1'`` or ``'FSDP2'``.
+        saving: whether a checkpoint will save (or is saving) the optimizer state.
 
     Raises:
-        NotImplementedError: ``optim_wrapper`` is an ``OptimWrapperDict``.
+        NotImplementedError: ``optim_wrapper`` is an ``OptimWrapperDict`` and ``saving``.
     """
     from mmengine.optim import OptimWrapperDict
-    if not isinstance(optim_wrapper, OptimWrapperDict):
+    if not saving or not isinstance(optim_wrapper, OptimWrapperDict):
         return
     raise NotImplementedError(
         f'optim_wrapper built an OptimWrapperDict '
-        f'({", ".join(repr(k) for k in optim_wrapper.keys())}), '
-        f'which {sharding} checkpoints do not support: they hold the state of one optimizer, so '
-        'this run would fail at its first checkpoint. Train with one optim wrapper '
-        "(optim_wrapper=dict(type=..., optimizer=dict(...)), per-module settings through "
-        f"optim_wrapper.paramwise_cfg), or without FSDP ({fix})")
+        f'({", ".join(repr(k) for k in optim_wrapper.keys())}), whose optimizer state {sharding} '
+        'checkpoints cannot hold (they hold one optimizer\'s), so this run would fail at its first '
+        'checkpoint. Train with one optim wrapper (optim_wrapper=dict(type=..., '
+        'optimizer=dict(...)), per-module settings through optim_wrapper.paramwise_cfg); or save '
+        'weights only (default_hooks=dict(checkpoint=dict(type=\'CheckpointHook\', '
+        'save_optimizer=False)): no resume); or train without FSDP '
+        f'({_WITHOUT_FSDP[sharding]}, as GAN configs do)')
 
 
 def _wrapper_state(wrapper: Any) -> Dict[str, Any]:

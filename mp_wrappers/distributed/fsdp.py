@@ -130,7 +130,12 @@ class MixedPrecisionFSDPStrategy(FSDPStrategy):
         counters (``mp_wrappers``, ``apex_amp``) and ``base_param_settings`` are added back here.
         """
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        from .checkpoint import refuse_optim_wrapper_dict
         wrapper = self.optim_wrapper
+        # Refused before training when our wrappers are in it (runner_checkpoint.attach); an
+        # OptimWrapperDict of other wrappers gets the same message here, at its first save.
+        refuse_optim_wrapper_dict(wrapper, 'FSDP1', saving=True)
         extra = _wrapper_extras(wrapper)
         state = FSDP.optim_state_dict(self.model, wrapper.optimizer)
         state.update(extra)
@@ -162,13 +167,6 @@ class MixedPrecisionFSDPStrategy(FSDPStrategy):
         from ..checkpoint import sharded_tensor_safe_globals
         with torch.serialization.safe_globals(sharded_tensor_safe_globals()):
             return super().load_checkpoint(filename, **kwargs)
-
-    def build_optim_wrapper(self, optim_wrapper: Any, model: Any = None) -> Any:
-        """mmengine's, refusing an ``OptimWrapperDict``: FSDP1 checkpoints hold one optimizer."""
-        from .checkpoint import refuse_optim_wrapper_dict
-        built = super().build_optim_wrapper(optim_wrapper, model)
-        refuse_optim_wrapper_dict(built, 'FSDP1', "strategy=dict(type='DDPStrategy')")
-        return built
 
     def prepare(self, model: Any, *, optim_wrapper: Any = None, **kwargs: Any) -> Any:
         # The model is wrapped before the optim wrapper is built: keep its config for

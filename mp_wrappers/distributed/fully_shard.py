@@ -199,13 +199,12 @@ class FullyShardedRunner(Runner):
         super()._init_model_weights()
 
     def build_optim_wrapper(self, optim_wrapper: Any) -> Any:
-        """mmengine's, refusing an ``OptimWrapperDict`` over an FSDP2 model (its sharded
-        checkpoints hold one optimizer)."""
-        from .checkpoint import refuse_optim_wrapper_dict
+        """mmengine's, refusing an ``OptimWrapperDict`` over an FSDP2 model whose checkpoints
+        would save the optimizer state (they hold one optimizer's)."""
+        from .checkpoint import refuse_optim_wrapper_dict, saves_optimizer_state
         built = super().build_optim_wrapper(optim_wrapper)
         if self._sharded():
-            refuse_optim_wrapper_dict(built, 'FSDP2',
-                                      "model_wrapper_cfg=dict(type='MMDistributedDataParallel')")
+            refuse_optim_wrapper_dict(built, 'FSDP2', saves_optimizer_state(self.hooks))
         return built
 
     def _sharded(self) -> bool:

@@ -74,7 +74,9 @@ def attach(runner: Any) -> None:
     :class:`~mp_wrappers.distributed.fully_shard.FullyShardedRunner` has) may save; mmengine's own
     would write rank 0's shards only (Note [runner checkpoints under FSDP2]). mmengine's ``EMAHook``
     (and every subclass, ours included) is refused under FSDP1 (Note [EMA of a sharded
-    model]). Idempotent; does nothing for models that are not sharded.
+    model]). An ``OptimWrapperDict`` whose optimizer state a checkpoint would save is refused
+    under either (:func:`~mp_wrappers.distributed.checkpoint.refuse_optim_wrapper_dict`).
+    Idempotent; does nothing for models that are not sharded.
 
     Raises:
         RuntimeError: the model is FSDP2-sharded and the runner's ``save_checkpoint`` is
@@ -82,8 +84,13 @@ def attach(runner: Any) -> None:
         NotImplementedError: the model is FSDP1-sharded and an ``EMAHook`` is
             registered.
     """
+    from .checkpoint import refuse_optim_wrapper_dict, saves_optimizer_state
     refuse_sharded_ema(runner)
-    if fsdp2_root(getattr(runner, 'model', None)) is None:
+    kind = _sharding(getattr(runner, 'model', None))
+    if kind is not None:  # FSDP1's strategy cannot see the hooks when it builds the wrapper
+        refuse_optim_wrapper_dict(getattr(runner, 'optim_wrapper', None), kind,
+                                  saves_optimizer_state(getattr(runner, 'hooks', [])))
+    if kind != 'FSDP2':
         return
     if getattr(type(runner).save_checkpoint, '_mp_wrappers_collective', False):
         return
@@ -154,11 +161,9 @@ def _wrapper_extras(wrapper: Any) -> Dict[str, Any]:
 
 def _optimizer_state(root: nn.Module, wrapper: Any) -> Dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-    from mmengine.optim import OptimWrapperDict
-    if isinstance(wrapper, OptimWrapperDict):
-        raise NotImplementedError(
-            'sharded checkpoints of an FSDP2 model support one optim wrapper, not an '
-            'OptimWrapperDict (optim_wrapper=dict(constructor=...) with several optimizers)')
+    from .checkpoint import refuse_optim_wrapper_dict
+    # refused before training (FullyShardedRunner.build_optim_wrapper, attach); this is the save
+    refuse_optim_wrapper_dict(wrapper, 'FSDP2', saving=True)
     extras = _wrapper_extras(wrapper)
     state = dict(get_optimizer_state_dict(root, wrapper.optimizer))
     state.update(extras)

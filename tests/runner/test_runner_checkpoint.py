@@ -244,17 +244,17 @@ _TWO_OPTIMIZERS = (
     "_wrapper = dict(type='mp_wrappers.ApexOptimWrapper', opt_level='O2', dtype='bfloat16', "
     "optimizer=dict(type='mp_wrappers.FusedAdam', lr=1e-3))\n"
     "optim_wrapper = dict(_delete_=True, constructor='RelTestTwoOptimizersConstructor', "
-    "first=_wrapper, rest=_wrapper)\n")
+    "first=_wrapper, rest=_wrapper)\n"
+    "param_scheduler = None\n")  # a list of schedulers would need one per wrapper
 
 REFUSED = {
     # mmengine's plain Runner would save rank 0's shards of an FSDP2 model
     'runner_fsdp2': (PLAIN, "runner_type = 'Runner'\n",
                      "runner_type = 'mp_wrappers.FullyShardedRunner'"),
     # sharded checkpoints hold one optimizer: an OptimWrapperDict would fail at its first save
-    'optim_wrapper_dict_fsdp2': (PLAIN, _TWO_OPTIMIZERS,
-                                 "model_wrapper_cfg=dict(type='MMDistributedDataParallel')"),
+    'optim_wrapper_dict_fsdp2': (PLAIN, _TWO_OPTIMIZERS, "save_optimizer=False"),
     'optim_wrapper_dict_fsdp1': ('tests/configs/fsdp_plain_fault.py', _TWO_OPTIMIZERS,
-                                 "strategy=dict(type='DDPStrategy')"),
+                                 "strategy=dict(type='DDPStrategy', model_wrapper=dict("),
 }
 
 
@@ -397,3 +397,26 @@ def test_state_keyed_by_name_is_rekeyed_by_position_or_refused():
                                         saved['param_groups'][1]])
     with pytest.raises(KeyError, match="'1.weight' is not in the checkpoint"):
         optimizer_state_by_position(swapped, model, opt)
+
+
+def test_an_optim_wrapper_dict_is_refused_only_when_a_checkpoint_saves_its_state():
+    from mmengine.hooks import CheckpointHook, LoggerHook
+    from mmengine.optim import OptimWrapper, OptimWrapperDict
+
+    from mp_wrappers.distributed.checkpoint import refuse_optim_wrapper_dict, saves_optimizer_state
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))]
+    one = OptimWrapper(torch.optim.SGD(params[:1], lr=0.1))
+    pair = OptimWrapperDict(generator=one,
+                            discriminator=OptimWrapper(torch.optim.SGD(params[1:], lr=0.1)))
+    assert saves_optimizer_state([LoggerHook(), CheckpointHook(interval=1)])
+    assert not saves_optimizer_state([CheckpointHook(interval=1, save_optimizer=False)])
+    assert not saves_optimizer_state([LoggerHook()])
+    for sharding, fix in (('FSDP1', "strategy=dict(type='DDPStrategy', model_wrapper=dict("),
+                          ('FSDP2', "runner_type='Runner', model_wrapper_cfg=dict(")):
+        with pytest.raises(NotImplementedError) as e:
+            refuse_optim_wrapper_dict(pair, sharding, saving=True)
+        for part in ("'generator', 'discriminator'", sharding, 'paramwise_cfg',
+                     'save_optimizer=False', fix, 'MMSeparateDistributedDataParallel'):
+            assert part in str(e.value), (part, str(e.value))
+        refuse_optim_wrapper_dict(pair, sharding, saving=False)  # nothing saves the state
+        refuse_optim_wrapper_dict(one, sharding, saving=True)  # one wrapper: supported
