@@ -420,3 +420,20 @@ def test_an_optim_wrapper_dict_is_refused_only_when_a_checkpoint_saves_its_state
             assert part in str(e.value), (part, str(e.value))
         refuse_optim_wrapper_dict(pair, sharding, saving=False)  # nothing saves the state
         refuse_optim_wrapper_dict(one, sharding, saving=True)  # one wrapper: supported
+
+
+def test_an_optim_wrapper_dict_that_reached_a_save_gets_the_same_message():
+    """The saves' own checks, for dicts no refusal before training saw (mmengine's wrappers)."""
+    from mmengine.optim import OptimWrapper, OptimWrapperDict
+
+    from mp_wrappers.distributed.fsdp import MixedPrecisionFSDPStrategy
+    from mp_wrappers.distributed.runner_checkpoint import _optimizer_state
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))]
+    pair = OptimWrapperDict(generator=OptimWrapper(torch.optim.SGD(params[:1], lr=0.1)),
+                            discriminator=OptimWrapper(torch.optim.SGD(params[1:], lr=0.1)))
+    strategy = object.__new__(MixedPrecisionFSDPStrategy)  # the save reads only its optim wrapper
+    strategy.optim_wrapper = pair
+    with pytest.raises(NotImplementedError, match="'generator', 'discriminator'.*FSDP1"):
+        strategy.optim_state_dict()
+    with pytest.raises(NotImplementedError, match="'generator', 'discriminator'.*FSDP2"):
+        _optimizer_state(None, pair)
