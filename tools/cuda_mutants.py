@@ -133,19 +133,25 @@ EQUIVALENT: Dict[str, str] = {
     'optim_apply.cuh:184:rel:f1188f09': 'the copy back runs once more: rs[S][j] = s[S], both in '
                                         'bounds, and rs[S] is never stored (every store loops '
                                         'k < S)',
-    'multi_tensor_apply.cuh:58:rel:05503f0f': 'a chunk\'s size min(left, kChunk): with left == '
+    'multi_tensor_apply.cuh:59:rel:05503f0f': 'a chunk\'s size min(left, kChunk): with left == '
                                               'kChunk both branches give kChunk',
-    'multi_tensor_apply.cuh:256:arith:6b574a8a': 'NanMaxOp\'s NaN branch: with a NaN operand a + b '
+    'multi_tensor_apply.cuh:91:rel:064531bb': 'blocks_per_launch with per == resident: rounding '
+                                              'per up to a multiple of resident leaves it as it is',
+    'multi_tensor_apply.cuh:102:logic:88dabc23': 'an assertion on for_each_launch\'s callers: '
+                                                 'with || it never fails, and no caller passes a '
+                                                 'max_blocks outside 1..kMaxBlocks (the && form '
+                                                 'is held by the other two mutants of the line)',
+    'multi_tensor_apply.cuh:280:arith:6b574a8a': 'NanMaxOp\'s NaN branch: with a NaN operand a + b '
                                                  'and a - b are the same NaN (IEEE 754 returns '
                                                  'the NaN operand, quieted, sign unchanged, on '
                                                  'x86; CUDA returns its canonical NaN for both)',
-    'multi_tensor_apply.cuh:256:rel:737c0a0a': 'NanMaxOp with a == b returns a instead of b, the '
+    'multi_tensor_apply.cuh:280:rel:737c0a0a': 'NanMaxOp with a == b returns a instead of b, the '
                                                'same bits: both users reduce values that are '
                                                'never -0 (NovoGrad fabsf(g) and 0.0; the 8-bit '
                                                'absmax fabsf(m) and v = b2 * v_old + (1 - b2) * '
                                                'g * g with v_old >= +0, from 0.f), so equal '
                                                'operands are equal bit patterns',
-    'multi_tensor_apply.cuh:270:rel:b3ee76ab': 'block_reduce\'s second stage by every warp but '
+    'multi_tensor_apply.cuh:294:rel:b3ee76ab': 'block_reduce\'s second stage by every warp but '
                                                'the first instead of the first: each reads the '
                                                'same per-warp values from shared memory, reduces '
                                                'them in the same order and lane 0 writes the '

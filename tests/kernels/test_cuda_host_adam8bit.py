@@ -18,7 +18,7 @@ from _guards import flat, guarded
 from mp_wrappers.ops import reference
 from mp_wrappers.ops.reference.quant import EXP_AVG_CODE, EXP_AVG_SQ_CODE, quantize_blockwise
 from test_cuda_host import _bits_equal, host, representative  # noqa: F401 (host is a fixture)
-from test_cuda_host_planner import planned_launches
+from test_cuda_host_planner import blocks_per_launch, planned_launches
 from test_quantized_states import ADAM, ADAM_L2, EdgeCase
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.ops.mp_wrappers, 'multi_tensor_adam8bit_'),
@@ -232,15 +232,55 @@ def test_adam8bit_on_flat_buffers(host, shift):
         _assert_equal(got.tensors(), st.tensors(), f'flat buffers step {i + 1}')
 
 
-def test_adam8bit_launches_follow_the_planner(host):
-    """Chunks of quant_chunk_size elements (whole quantization blocks), 7 lists per launch: the
-    launches are those of the planner's rules (tests/kernels/test_cuda_host_planner.py)."""
-    sizes = sizes_of(host)
+@pytest.fixture
+def resident(host):
+    """Sets the blocks the emulated device holds at once for one test, then restores it."""
+    before = host.module.resident_blocks()
+    yield host.module.set_resident_blocks
+    host.module.set_resident_blocks(before)
+
+
+# Blocks the emulated device holds at once: the default (3: whole waves of 6 in the tiny
+# geometry's 7), a device that cannot say (0), one block, one wave (4), exactly a launch (7), more
+# than a launch holds (9).
+@pytest.mark.parametrize('n_resident', [None, 0, 1, 4, 7, 9])
+@pytest.mark.parametrize('sizes_case', ['mixed', 'even'])
+def test_adam8bit_launches_follow_the_planner(host, resident, n_resident, sizes_case):
+    """Chunks of quant_chunk_size elements (whole quantization blocks), 7 lists per launch, launches
+    of whole waves of the blocks the device holds at once with the call's chunks spread evenly over
+    them: the launches are those of the planner's rules (tests/kernels/test_cuda_host_planner.py),
+    and the result that of the CPU kernel."""
+    representative(host, n_resident is None and sizes_case == 'mixed')
+    if n_resident is not None:
+        resident(n_resident)
+    q = host.geometry['quant_chunk_size']
+    # 'even': 18 chunks, a multiple of the default's 6 blocks a launch.
+    sizes = sizes_of(host) if sizes_case == 'mixed' else [6 * q, 5 * q + 1, 6 * q - 7]
     st = State('fp32', sizes, seed=35)
-    st.run(host.ops.multi_tensor_adam8bit_, st.grads(), ADAM)
-    geometry = dict(host.geometry, chunk_size=host.geometry['quant_chunk_size'])
-    assert [r[1] for r in _update_launches(host)] == planned_launches(sizes, 7, geometry)
+    cpu = st.clone()
+    grads = st.grads()
+    st.run(host.ops.multi_tensor_adam8bit_, grads, ADAM)
+    cpu.run(torch.ops.mp_wrappers.multi_tensor_adam8bit_, grads, ADAM)
+    _assert_equal(st.tensors(), cpu.tensors(), f'resident {n_resident}, {sizes_case}')
+    geometry = dict(host.geometry, chunk_size=q)
+    total = sum(-(-n // q) for n in sizes)
+    per_launch = blocks_per_launch(total, host.module.resident_blocks(), geometry['max_blocks'])
+    assert [r[1] for r in _update_launches(host)] == planned_launches(sizes, 7, geometry,
+                                                                       per_launch)
     assert all(r[2] == host.geometry['block_size'] for r in _update_launches(host))
+
+
+def test_blocks_per_launch_model():
+    """The plan the launches above are held to, on the H100's figures: 264 resident blocks of the
+    8-bit kernel, the benchmark's 1672 chunks in launches of at most 320 -> 7 launches of at most
+    239 (not 5 of 320, each with a partial second wave, and one of 72)."""
+    assert blocks_per_launch(1672, 264, 320) == 239
+    assert blocks_per_launch(1672, 0, 320) == 279  # unknown: 6 launches of at most 320, evened
+    assert blocks_per_launch(100, 264, 320) == 100
+    assert blocks_per_launch(0, 264, 320) == 1
+    # A device holding 100 (an 80-SM GPU): 610 blocks in 300, 300, 10 (7 waves), not in 3
+    # launches of 204 (3 waves each, the last one partial: 9).
+    assert blocks_per_launch(610, 100, 320) == 300
 
 
 @pytest.mark.parametrize('model', [False, True])

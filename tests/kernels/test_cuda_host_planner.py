@@ -4,7 +4,9 @@ lists that need several launches, with tensors split across chunks and across la
 than one launch holds and empty tensors in between; and every element must be processed once.
 
 Rules: tensors are cut into chunks of chunk_size elements, one block per chunk, in list order,
-empty tensors skipped; a launch is made when it holds max_blocks blocks, or when its tensor slots
+empty tensors skipped; a launch is made when it holds max_blocks blocks (the geometry's, or fewer where
+a kernel's launches come in whole waves of the blocks the device holds at once: blocks_per_launch),
+or when its tensor slots
 (max_tensors for the list depth) are full at the end of a tensor, or at the end of the list; a tensor
 cut by a launch continues in the next one. See tests/kernels/test_cuda_host.py for how the module is built.
 """
@@ -19,9 +21,25 @@ pytestmark = pytest.mark.skipif(not backend()['extension'],
                                 reason='the C++ extension mp_wrappers._C is not built')
 
 
-def planned_launches(sizes, depth, geometry):
-    """Blocks per launch, by the rules in the module docstring."""
-    chunk, max_blocks = geometry['chunk_size'], geometry['max_blocks']
+def blocks_per_launch(total, resident, most_blocks):
+    """Blocks per launch of a call of `total` blocks on a device holding `resident` of them at
+    once: at most the whole waves that fit in `most_blocks` (`most_blocks` when resident is
+    unknown, 0, or larger), in as few launches as that allows, the blocks spread evenly over
+    them; a launch of more than one wave rounded up to whole waves; at least 1."""
+    waves = most_blocks // resident if resident > 0 else 0
+    most = waves * resident if waves > 0 else most_blocks
+    launches = max(1, -(-total // most))
+    per = max(1, -(-total // launches))
+    if waves > 0 and per > resident:
+        per = -(-per // resident) * resident
+    return per
+
+
+def planned_launches(sizes, depth, geometry, max_blocks=None):
+    """Blocks per launch, by the rules in the module docstring (at most `max_blocks` a launch,
+    geometry['max_blocks'] when None)."""
+    chunk = geometry['chunk_size']
+    max_blocks = max_blocks or geometry['max_blocks']
     max_tensors = geometry['max_tensors'][depth - 1]
     launches, blocks, slots = [], 0, 0
     for n in sizes:

@@ -408,13 +408,22 @@ __global__ void __launch_bounds__(kBlockSize, PM::kMinBlocksPerSm)
 }
 
 // The update launches of one call: `lists` in Meta's order, the param read and written as PM does.
+// No launch ends in a partial extra wave of the blocks the device holds at once (blocks_per_launch):
+// a block's 256-element quantization blocks are many and alike, so blocks take the same time, and
+// a partial last wave is time lost.
 template <class Op, class PM, class G>
 void launch_adam8bit(const char* name, const std::array<at::TensorList, kLists>& lists,
                      const Op& op) {
+  constexpr auto kernel = &adam8bit_kernel<Op, PM, G>;
   const Stream stream = current_stream();
-  for_each_launch<kLists, kQuantChunkSize>(lists, [&](int blocks, const Meta& meta) {
-    launch(name, &adam8bit_kernel<Op, PM, G>, blocks, kBlockSize, stream, meta, op);
-  });
+  const int per_launch = blocks_per_launch(total_chunks(lists[0], kQuantChunkSize),
+                                           resident_blocks<kernel, kBlockSize>());
+  for_each_launch<kLists, kQuantChunkSize>(
+      lists,
+      [&](int blocks, const Meta& meta) {
+        launch(name, kernel, blocks, kBlockSize, stream, meta, op);
+      },
+      per_launch);
 }
 
 void multi_tensor_adam8bit_cuda(at::TensorList params, at::TensorList grads,

@@ -35,6 +35,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("geometry") = g;
   m.def("traffic_reset", &host::traffic_reset, "Forget the recorded launches.");
   m.def(
+      "resident_blocks", [] { return host::g_resident_blocks.load(); },
+      "Blocks of a kernel the emulated device holds at once.");
+  m.def(
+      "set_resident_blocks", [](int n) { host::g_resident_blocks.store(n); },
+      "Set the blocks of a kernel the emulated device holds at once (0: a device that cannot "
+      "say); returns nothing.");
+  m.def(
       "traffic_log",
       [] {
         std::vector<std::tuple<std::string, unsigned, unsigned, uint64_t, uint64_t>> out;

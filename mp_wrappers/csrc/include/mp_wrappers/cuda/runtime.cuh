@@ -15,6 +15,7 @@
 #include <c10/core/Device.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -23,6 +24,7 @@
 #include "mp_wrappers/cuda_host/emulation.h"
 #else
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -57,6 +59,13 @@ inline void launch(const char* name, void (*kernel)(KArgs...), unsigned int grid
   cuda_host::launch(name, kernel, dim3(grid), dim3(block), std::forward<Args>(args)...);
 }
 
+// The emulated device holds cuda_host::g_resident_blocks blocks of any kernel at once
+// (blocks_per_launch, multi_tensor_apply.cuh).
+template <auto kKernel, unsigned int kBlock>
+inline int resident_blocks() {
+  return cuda_host::g_resident_blocks.load();
+}
+
 // Traffic counting and alignment hooks of the load/store helpers (multi_tensor_apply.cuh).
 __device__ __forceinline__ void count_load(uint64_t bytes) { cuda_host::count_load(bytes); }
 __device__ __forceinline__ void count_store(uint64_t bytes) { cuda_host::count_store(bytes); }
@@ -81,6 +90,28 @@ inline void launch(const char*, void (*kernel)(KArgs...), unsigned int grid, uns
                 "kernel arguments exceed the 4 KB parameter limit");
   kernel<<<grid, block, 0, stream>>>(std::forward<Args>(args)...);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Blocks of kKernel, launched with kBlock threads and no dynamic shared memory, the current device
+// holds at once: its SMs times the blocks one SM holds (registers, shared memory, warps). Asked of
+// the runtime once per kernel and device (the answer does not change while the process runs), so
+// that a step's host time does not grow by it.
+template <auto kKernel, unsigned int kBlock>
+int resident_blocks() {
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices];  // 0: not asked yet (static storage starts zeroed)
+  const int device = c10::cuda::current_device();
+  const bool cached = device >= 0 && device < kDevices;
+  if (cached) {
+    const int n = known[device].load(std::memory_order_relaxed);
+    if (n > 0) return n;
+  }
+  int per_sm = 0, sms = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kBlock, 0));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int n = per_sm * sms;
+  if (cached && n > 0) known[device].store(n, std::memory_order_relaxed);
+  return n;
 }
 
 __device__ __forceinline__ void count_load(uint64_t) {}

@@ -24,6 +24,7 @@
 
 #include <math.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -57,6 +58,11 @@ struct dim3 {
 
 namespace mp_wrappers {
 namespace cuda_host {
+
+// Blocks of any kernel the emulated device holds at once (the launch planner sizes the launches of
+// some kernels by it). Fewer than the tiny geometry's 7 blocks a launch, so that its launches come
+// in whole waves; the tests set other values (set_resident_blocks), 0 for a device that cannot say.
+inline std::atomic<int> g_resident_blocks{3};
 
 constexpr int kWarpSize = 32;
 constexpr int kDeadlockSeconds = 60;
