@@ -42,7 +42,12 @@ def main() -> None:
     ap.add_argument('--steps', type=int, default=1)
     ap.add_argument('--kernel-table', action='store_true',
                     help='print each kernel\'s device time per step (torch.profiler)')
+    ap.add_argument('--host-profile', type=int, default=0, metavar='STEPS',
+                    help='also run STEPS steps under cProfile and print the functions that take '
+                         'the most host time per step (where a step\'s Python and launches go)')
     args = ap.parse_args()
+    if args.host_profile < 0:
+        ap.error(f'--host-profile: {args.host_profile}; allowed: a number of steps >= 0')
     unknown = [n for n in args.pipelines if n not in PIPELINES]
     if unknown:
         ap.error(f'--pipelines: unknown {unknown}; allowed: {sorted(PIPELINES)}')
@@ -70,6 +75,8 @@ def main() -> None:
               '(fastest)', flush=True)
         if args.kernel_table:
             print_kernel_table(step, device, args.steps)
+        if args.host_profile > 0:
+            print_host_profile(step, device, args.host_profile)
         del step
         if device.type == 'cuda':
             torch.cuda.empty_cache()
@@ -116,6 +123,32 @@ def print_kernel_table(step, device: torch.device, steps: int) -> None:
     print(f'    kernels {device_us / 1e3:.3f} ms/step of {wall * 1e3:.3f} ms wall '
           f'({len(kernels)} kernels); host {min(host) * 1e3:.3f} ms/step to the return of step() '
           '(fastest, under the profiler)', flush=True)
+
+
+def print_host_profile(step, device: torch.device, steps: int, top: int = 15) -> None:
+    """The functions with the most own host time over ``steps`` steps under cProfile, per step.
+    On CUDA the kernels queue asynchronously, so this is the Python and launch work that sets a
+    step's wall time when the host is the bottleneck; on the CPU the kernels' time shows under the
+    op calls."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    bo.sync(device)
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    bo.sync(device)
+    stats = pstats.Stats(prof)
+    total = stats.total_tt / steps
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    print(f'    host profile: {total * 1e3:.3f} ms/step under cProfile ({steps} steps); '
+          f'own time per step, calls per step:')
+    for (file, line, func), (_, ncalls, tottime, cumtime, _) in rows:
+        where = f'{pathlib.Path(file).name}:{line}' if line else file
+        print(f'    {tottime / steps * 1e3:8.3f} ms  {ncalls / steps:7.1f}  {func[:60]}  ({where}; '
+              f'cumulative {cumtime / steps * 1e3:.3f} ms)')
+    sys.stdout.flush()
 
 
 if __name__ == '__main__':

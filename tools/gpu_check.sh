@@ -21,7 +21,8 @@
 #   profile-quantized  Nsight Compute over one step each of FusedAdam int8, FusedAdam fp32 and
 #                      torch's fused AdamW on 108M params (benchmarks/profile_cuda_step.py: speed of
 #                      light, occupancy, launch statistics, warp stalls): why the 8-bit kernel ran
-#                      at 17% of the bandwidth on the H100 (benchmarks/RESULTS.md)
+#                      at 17% of the bandwidth on the H100 (benchmarks/RESULTS.md); before it, each
+#                      pipeline's kernel table and a cProfile of its host work (--host-profile)
 #   subnormal-and-norms  tests/kernels/test_subnormal.py and tests/wrappers/test_overflow_nonfinite_norm.py
 #   full-suite         the whole test suite (--maxfail=25: one GPU run sees as many failures as it can)
 #   sanitizer-memcheck, sanitizer-racecheck, sanitizer-initcheck
@@ -182,7 +183,7 @@ attach bench-quantized "$WORK/bench-quantized.log"
 # The kernel table first (torch.profiler: device time against wall time, no counters needed), then
 # Nsight Compute, which needs the GPU's performance counters (some machines refuse them).
 step profile-quantized bash -c '"$0" benchmarks/profile_cuda_step.py --device cuda --steps 3 \
-  --kernel-table && ncu --clock-control none --nvtx --nvtx-include "profiled/" \
+  --kernel-table --host-profile 50 && ncu --clock-control none --nvtx --nvtx-include "profiled/" \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
   "$0" benchmarks/profile_cuda_step.py --device cuda' "$PY"
 step subnormal-and-norms "$PY" -m pytest -q -rs tests/kernels/test_subnormal.py tests/wrappers/test_overflow_nonfinite_norm.py
