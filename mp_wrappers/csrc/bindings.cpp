@@ -97,7 +97,8 @@ TORCH_LIBRARY(mp_wrappers, m) {
         "Tensor(c!)[] exp_avg_absmaxes, Tensor(d!)[] exp_avg_sqs, "
         "Tensor(e!)[] exp_avg_sq_absmaxes, Tensor(f!)[] model_params, Tensor(g!) step, "
         "float lr, float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, "
-        "bool bias_correction, Tensor? grad_scale, Tensor? found_inf) -> ()");
+        "bool bias_correction, Tensor? grad_scale, Tensor? found_inf, "
+        "Tensor? lr_tensor=None) -> ()");
   // The same on bfloat16 params stored the lean way (storage, aux and seed as in
   // multi_tensor_adam_lean_); reference/quant.py multi_tensor_adam8bit_lean_.
   m.def("multi_tensor_adam8bit_lean_(Tensor(a!)[] params, Tensor(b!)[] aux, Tensor[] grads, "

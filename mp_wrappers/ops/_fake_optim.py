@@ -120,7 +120,8 @@ def _multi_tensor_adam8bit_fake(params: List[Tensor], grads: List[Tensor], exp_a
                                 exp_avg_sq_absmaxes: List[Tensor], model_params: List[Tensor],
                                 step: Tensor, lr: float, beta1: float, beta2: float, eps: float,
                                 weight_decay: float, adam_w_mode: bool, bias_correction: bool,
-                                grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+                                grad_scale: Optional[Tensor], found_inf: Optional[Tensor],
+                                lr_tensor: Optional[Tensor] = None) -> None:
     check_tensor_lists('multi_tensor_adam8bit_', ('params', 'grads', 'model_params'),
                        (params, grads, model_params), allow_empty=('model_params',))
 

@@ -11,7 +11,7 @@ them before any work, naming the fix, rather than running the pure-PyTorch refer
 The argument order follows the op schema in ``csrc/bindings.cpp``.
 :class:`mp_wrappers.optim.FusedAdam` with ``state_dtype='int8'`` builds these lists for you.
 """
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -19,6 +19,7 @@ from torch import Tensor
 from ._checks import _check_adam_scalars, _check_lists
 from ._dispatch import _op_has_kernel, run
 from .lean import _check_lean
+from .optimizers import _split_lr
 from .reference.quant import BLOCK_SIZE, num_blocks
 
 __all__ = ['multi_tensor_adam8bit', 'multi_tensor_adam8bit_lean', 'BLOCK_SIZE', 'num_blocks', 'check_quantized_device',
@@ -90,9 +91,10 @@ def _check_state(op: str, name: str, tensors: List[Tensor], params: List[Tensor]
 def multi_tensor_adam8bit(params: Sequence[Tensor], grads: Sequence[Tensor],
                           exp_avgs: Sequence[Tensor], exp_avg_absmaxes: Sequence[Tensor],
                           exp_avg_sqs: Sequence[Tensor], exp_avg_sq_absmaxes: Sequence[Tensor],
-                          model_params: Sequence[Tensor], step: Tensor, lr: float, beta1: float,
-                          beta2: float, eps: float, weight_decay: float, adam_w_mode: bool,
-                          bias_correction: bool, grad_scale: Optional[Tensor] = None,
+                          model_params: Sequence[Tensor], step: Tensor, lr: Union[float, Tensor],
+                          beta1: float, beta2: float, eps: float, weight_decay: float,
+                          adam_w_mode: bool, bias_correction: bool,
+                          grad_scale: Optional[Tensor] = None,
                           found_inf: Optional[Tensor] = None) -> None:
     """One Adam/AdamW update of ``params`` with block-wise 8-bit moments.
 
@@ -104,7 +106,9 @@ def multi_tensor_adam8bit(params: Sequence[Tensor], grads: Sequence[Tensor],
             :data:`BLOCK_SIZE` elements, updated in place.
         model_params: Empty, or half copies that receive the new values rounded to their dtype.
         step, lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_scale,
-            found_inf: As in :func:`~mp_wrappers.ops.multi_tensor_adam` (lr a number).
+            found_inf: As in :func:`~mp_wrappers.ops.multi_tensor_adam`: lr a number, or
+            (capturable=True) a 1-element float32 tensor on the params' device, read when the
+            step runs.
 
     Examples:
         >>> codes = [torch.zeros(p.numel(), dtype=torch.uint8) for p in params]
@@ -120,12 +124,13 @@ def multi_tensor_adam8bit(params: Sequence[Tensor], grads: Sequence[Tensor],
     check_quantized_device(op, device)
     lists = _checked_states(op, params, device, exp_avgs, exp_avg_absmaxes, exp_avg_sqs,
                             exp_avg_sq_absmaxes)
+    lr, lr_tensor = _split_lr(op, lr, device)
     _check_adam_scalars(op, lr, beta1, beta2, eps, weight_decay, step, grad_scale, found_inf,
                         device)
     if params:
         run('multi_tensor_adam8bit_', device, params, grads, *lists, model_params, step,
              float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-             bool(adam_w_mode), bool(bias_correction), grad_scale, found_inf)
+             bool(adam_w_mode), bool(bias_correction), grad_scale, found_inf, lr_tensor)
 
 
 def multi_tensor_adam8bit_lean(params: Sequence[Tensor], aux: Sequence[Tensor],

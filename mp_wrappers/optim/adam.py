@@ -80,7 +80,7 @@ class FusedAdam(QuantizedStateMixin, LeanStorageMixin, FusedOptimizer):
         self.master_weights = bool(master_weights)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode)
-        state_dtype = self._init_quantized(state_dtype, min_8bit_size, capturable)
+        state_dtype = self._init_quantized(state_dtype, min_8bit_size)
         self._init_lean(bf16_storage, state_dtype, seed)
         super().__init__(params, defaults, set_grad_none, capturable)
 
@@ -115,7 +115,7 @@ class FusedAdam(QuantizedStateMixin, LeanStorageMixin, FusedOptimizer):
         g = bucket.group
         beta1, beta2 = g['betas']
         lr, lr_tensor = self._lr_args(g, bucket.device)
-        bucket = self._launch_quantized(bucket, grad_scale, found_inf)
+        bucket = self._launch_quantized(bucket, grad_scale, found_inf, lr, lr_tensor)
         if bucket is None:  # all of its slots had 8-bit moments
             return
         if self._is_lean(bucket.params[0]):

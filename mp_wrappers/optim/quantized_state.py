@@ -24,8 +24,10 @@ placed like the param (:mod:`.quantized_shards`, Note [8-bit blocks on FSDP2 sha
 keep float32 moments. Under FSDP1 every param is this rank's flat piece of it, quantized in blocks
 of its own, and ``state_dict()`` writes 8-bit moments as float32 (Note [8-bit states under FSDP1]).
 
-Refused with ``state_dtype='int8'`` (the optimizer's or a param group's): ``master_weights=True``,
-``capturable=True`` (a tensor lr), params on a device without the 8-bit kernel (CUDA params with a
+``capturable=True`` (a tensor lr, read by the 8-bit kernel where it runs, Note [capturable] in
+:mod:`.base`) works as with float32 moments, but for lean bf16 params (``bf16_storage``), whose
+kernels take lr as a number. Refused with ``state_dtype='int8'`` (the optimizer's or a param
+group's): ``master_weights=True``, params on a device without the 8-bit kernel (CUDA params with a
 build that has no CUDA kernels, :func:`~mp_wrappers.ops.quantized_states.check_quantized_device`)
 and non-dense params.
 
@@ -100,7 +102,7 @@ class QuantizedStateMixin:
     #: local-shard address -> FSDP2 param (:meth:`_shard_state`)
     _shard_owners: Dict[int, Tensor] = {}
 
-    def _init_quantized(self, state_dtype: Any, min_8bit_size: int, capturable: bool) -> Any:
+    def _init_quantized(self, state_dtype: Any, min_8bit_size: int) -> Any:
         """Record the int8 choice; return the ``state_dtype`` for the lean storages."""
         name = type(self).__name__
         if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) \
@@ -111,10 +113,8 @@ class QuantizedStateMixin:
         self.int8_states = isinstance(state_dtype, str) and state_dtype == 'int8'
         if not self.int8_states:
             return state_dtype
-        if capturable:
-            raise ValueError(f"{name}: capturable=True is not supported with state_dtype='int8' "
-                             "(the 8-bit kernel takes lr as a number); use capturable=False, or "
-                             "state_dtype='float32'")
+        # capturable=True (a tensor lr, Note [capturable]) is allowed: the 8-bit kernel reads it
+        # where it runs, like the fp32 kernels; the lean storages refuse it themselves.
         if getattr(self, 'master_weights', False):
             raise ValueError(f"{name}: master_weights=True is not supported with "
                              "state_dtype='int8'; use a wrapper's fp32 masters (e.g. "
@@ -132,11 +132,10 @@ class QuantizedStateMixin:
             raise ValueError(f'{type(self).__name__}: param group state_dtype={value!r} is not '
                              f'allowed; expected one of {list(_GROUP_STATE_DTYPES)}')
         # What the optimizer-wide state_dtype='int8' refuses, a group's may not bring in.
-        for option in ('master_weights', 'capturable'):
-            if value == 'int8' and getattr(self, option, False):
-                raise ValueError(f"{type(self).__name__}: a param group's state_dtype='int8' is "
-                                 f'not supported with {option}=True; set the group\'s '
-                                 f"state_dtype='float32', or {option}=False")
+        if value == 'int8' and getattr(self, 'master_weights', False):
+            raise ValueError(f"{type(self).__name__}: a param group's state_dtype='int8' is not "
+                             "supported with master_weights=True; set the group's "
+                             "state_dtype='float32', or master_weights=False")
         super().add_param_group(param_group)  # type: ignore[misc]
         self._check_lean_devices(self.param_groups[-1])  # type: ignore[attr-defined]
 
@@ -292,8 +291,10 @@ class QuantizedStateMixin:
 
     # ---- the update ----------------------------------------------------------------------------------
     def _launch_quantized(self, bucket: _Bucket, grad_scale: Optional[Tensor],
-                          found_inf: Optional[Tensor]) -> Optional[_Bucket]:
-        """Step the bucket's 8-bit slots; return the bucket of the others (None when none)."""
+                          found_inf: Optional[Tensor], lr: float, lr_tensor: Optional[Tensor]
+                          ) -> Optional[_Bucket]:
+        """Step the bucket's 8-bit slots; return the bucket of the others (None when none).
+        ``lr, lr_tensor``: the group's lr as ``_lr_args`` gives it."""
         eight: List[int] = []
         rest: List[int] = []
         for i, t in enumerate(bucket.states.get('exp_avg', ())):
@@ -301,12 +302,9 @@ class QuantizedStateMixin:
         if not eight:
             return bucket
         g = bucket.group
-        if isinstance(g['lr'], Tensor):
-            raise ValueError(f"{type(self).__name__}: a tensor lr is not supported with "
-                             "state_dtype='int8'; use a float lr")
         # One step counter serves both calls: the 8-bit one advances a copy when another follows.
         step = bucket.step.clone() if rest else bucket.step
-        self._call_8bit(bucket, eight, step, grad_scale, found_inf)
+        self._call_8bit(bucket, eight, step, grad_scale, found_inf, lr, lr_tensor)
         if not rest:
             return None
         others = _Bucket(g, bucket.device, bucket.step, tuple(bucket.states))
@@ -321,7 +319,8 @@ class QuantizedStateMixin:
         return others
 
     def _call_8bit(self, bucket: _Bucket, eight: List[int], step: Tensor,
-                   grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+                   grad_scale: Optional[Tensor], found_inf: Optional[Tensor], lr: float,
+                   lr_tensor: Optional[Tensor]) -> None:
         """The 8-bit op on the bucket's slots ``eight``: ``multi_tensor_adam8bit_``, or its lean
         form for bf16 params with a ``bf16_storage`` (the aux state in the same pass)."""
         g = bucket.group
@@ -334,10 +333,11 @@ class QuantizedStateMixin:
         lists = (pick(bucket.params), pick(bucket.grads), pick(bucket.states['exp_avg']),
                  [a[0] for a in absmax], pick(bucket.states['exp_avg_sq']),
                  [a[1] for a in absmax])
-        hyper = (float(g['lr']), float(beta1), float(beta2), float(g['eps']),
+        hyper = (lr, float(beta1), float(beta2), float(g['eps']),
                  float(g['weight_decay']), bool(g['adam_w_mode']), bool(g['bias_correction']))
         # The kernel checks its lists again; the optimizer built them (as _call_op's other ops).
         if self._lean_8bit(bucket.params[0]):
+            self._lean_lr(lr, lr_tensor)  # type: ignore[attr-defined] - refuses a tensor lr
             storage = self.bf16_storage  # type: ignore[attr-defined]
             key = AUX_STATE_KEYS.get(storage)
             aux = pick(bucket.states[key]) if key else []
@@ -348,7 +348,7 @@ class QuantizedStateMixin:
             return
         models = pick(bucket.model_params) if bucket.model_params else []
         self._call_op(  # type: ignore[attr-defined]
-            bucket, *lists, models, step, *hyper, grad_scale, found_inf,
+            bucket, *lists, models, step, *hyper, grad_scale, found_inf, lr_tensor,
             op='multi_tensor_adam8bit_')
 
     def _absmax_of(self, bucket: _Bucket, i: int) -> Tuple[Tensor, Tensor]:

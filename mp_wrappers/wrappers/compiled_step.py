@@ -81,8 +81,6 @@ def check_compile_step(value: Any, optimizer: Optional[Optimizer] = None
             "(also FusedSGD, FusedLAMB, FusedNovoGrad, FusedAdagrad), or compile_step=False")
     if optimizer is not None and getattr(optimizer, 'bf16_storage', None) is not None:
         refuse_lr_as_number(value, f'bf16_storage={optimizer.bf16_storage!r}')
-    if optimizer is not None and _has_int8_states(optimizer):
-        refuse_lr_as_number(value, "state_dtype='int8'")
     if optimizer is not None and not _lr_on_device(optimizer):
         raise ValueError(
             f'compile_step={value!r} needs the learning rate on the device: a float lr is a '
@@ -104,12 +102,6 @@ def refuse_lr_as_number(value: Any, what: str) -> None:
         'number, a constant of the compiled graph (every new value an LR schedule sets would '
         'compile the step again). Use master_weights=True (fp32 masters) with '
         "optimizer=dict(type='mp_wrappers.FusedAdam', ..., capturable=True), or compile_step=False")
-
-
-def _has_int8_states(optimizer: Optimizer) -> bool:
-    """Whether any param group keeps 8-bit moments (the optimizer's default, or its own)."""
-    default = 'int8' if getattr(optimizer, 'int8_states', False) else 'float32'
-    return any(g.get('state_dtype', default) == 'int8' for g in optimizer.param_groups)
 
 
 def _lr_on_device(optimizer: Optimizer) -> bool:

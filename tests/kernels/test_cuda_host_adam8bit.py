@@ -90,9 +90,9 @@ class State:
         c.step = guarded(self.step)
         return c
 
-    def run(self, fn, grads, hp, found_inf=None):
+    def run(self, fn, grads, hp, found_inf=None, lr_tensor=None):
         fn(self.params, grads, self.mc, self.ma, self.vc, self.va, self.model, self.step,
-           *hp.values(), self.scale, found_inf)
+           *hp.values(), self.scale, found_inf, lr_tensor)
 
 
 def _assert_equal(got, want, what):
@@ -230,6 +230,21 @@ def test_adam8bit_on_flat_buffers(host, shift):
         got.run(host.ops.multi_tensor_adam8bit_, grads, ADAM)
         st.run(torch.ops.mp_wrappers.multi_tensor_adam8bit_, grads, ADAM)
         _assert_equal(got.tensors(), st.tensors(), f'flat buffers step {i + 1}')
+
+
+def test_adam8bit_tensor_lr(host):
+    """lr_tensor (capturable=True), read by thread 0 of each block when the kernel runs: the bits of
+    the CPU kernel with the float lr, the tensor's value changed between steps (the float passed
+    with it is 0: a kernel reading that instead would not move the params)."""
+    st = State('o2-bf16', sizes_of(host), seed=37)
+    cpu = st.clone()
+    lr = guarded(torch.zeros(1))
+    for value in (1e-2, 4e-3):
+        grads = st.grads()
+        lr.fill_(value)
+        st.run(host.ops.multi_tensor_adam8bit_, grads, dict(ADAM, lr=0.0), lr_tensor=lr)
+        cpu.run(torch.ops.mp_wrappers.multi_tensor_adam8bit_, grads, dict(ADAM, lr=value))
+        _assert_equal(st.tensors(), cpu.tensors(), f'lr {value}')
 
 
 @pytest.fixture

@@ -163,9 +163,9 @@ class Case:
         c.step = guarded(self.step)
         return c
 
-    def run(self, fn, grads, hp, found_inf=None):
+    def run(self, fn, grads, hp, found_inf=None, **extra):
         fn(self.params, grads, self.mc, self.ma, self.vc, self.va, self.model, self.step,
-           **hp, grad_scale=self.scale, found_inf=found_inf)
+           **hp, grad_scale=self.scale, found_inf=found_inf, **extra)
 
 
 class EdgeCase(Case):
@@ -278,6 +278,27 @@ def test_kernel_matches_reference_bitwise(setup, hp):
     assert k.step.item() == 5.0
 
 
+@pytest.mark.parametrize('impl', [pytest.param('kernel', marks=needs_kernel), 'reference',
+                                  'public op'])
+def test_a_tensor_lr_is_read_when_the_step_runs(impl):
+    """lr as a 1-element float32 tensor (capturable=True): the same bits as the float lr, with a
+    value changed between steps (an LR schedule writing in place) read by the next step."""
+    want = Case('o2-bf16')
+    got = want.clone()
+    lr = torch.zeros(1)
+    for value in (1e-2, 4e-3, 0.0, 2.5e-2):
+        grads = want.grads()
+        want.run(_kernel() if HAS_KERNEL else reference.multi_tensor_adam8bit_, grads,
+                 dict(ADAM, lr=value))
+        lr.fill_(value)
+        if impl == 'public op':
+            got.run(multi_tensor_adam8bit, grads, dict(ADAM, lr=lr))
+        else:  # the float says nothing: a kernel reading it instead would not step
+            op = _kernel() if impl == 'kernel' else reference.multi_tensor_adam8bit_
+            got.run(op, grads, dict(ADAM, lr=0.0), lr_tensor=lr)
+        _assert_equal(got.tensors(), want.tensors(), f'{impl}, lr {value}')
+
+
 def _cuda_matches_cpu(device, case, cuda_op, cpu_op, what):
     """Two steps of ``cuda_op`` (the public op) on CUDA copies of ``case``'s tensors against the CPU
     kernel ``cpu_op`` on ``case``, bit for bit without bias correction (ADAM_L2: no float64 pow on
@@ -384,6 +405,8 @@ def _args(**change):
                                                              'elements'),
     (dict(exp_avg_absmaxes=[]), ValueError, 'exp_avg_absmaxes has 0 tensors'),
     (dict(lr=-1.0), ValueError, 'Invalid learning rate'),
+    (dict(lr=torch.tensor([1e-3], dtype=torch.float64)), ValueError,
+     'lr must be a 1-element float32 tensor on cpu'),
 ])
 def test_errors_name_the_argument(change, err, match):
     with pytest.raises(err, match=match):

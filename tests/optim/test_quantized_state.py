@@ -267,10 +267,55 @@ def test_checkpoints_convert_between_int8_and_float32_states():
     _train(model, opt, _batches(2))
 
 
+# ---- a tensor lr (capturable=True) -------------------------------------------------------------------
+
+def test_capturable_steps_like_a_float_lr_under_a_schedule():
+    """capturable=True: each group's lr becomes a 1-element tensor at the first step, which the
+    8-bit kernel (and the float32-moment one of the small params) reads when it runs; an LR
+    schedule writing into it in place gives the same bits as float lrs."""
+    models = [_mlp(), _mlp()]
+    opts = [FusedAdam(models[0].parameters(), state_dtype='int8', **ADAMW),
+            FusedAdam(models[1].parameters(), state_dtype='int8', capturable=True, **ADAMW)]
+    for i, (x, y) in enumerate(_batches(4)):
+        lr = ADAMW['lr'] * 0.5 ** i
+        for model, opt in zip(models, opts):
+            group = opt.param_groups[0]
+            if isinstance(group['lr'], torch.Tensor):
+                group['lr'].fill_(lr)  # as torch's schedulers write a tensor lr
+            else:
+                group['lr'] = lr
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    lr = opts[1].param_groups[0]['lr']
+    assert isinstance(lr, torch.Tensor) and lr.shape == (1,) and lr.dtype == torch.float32
+    assert opts[1].state[models[1][0].weight]['exp_avg'].dtype == torch.uint8
+    _assert_states_equal(_states(opts[0]), _states(opts[1]))
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+
+
+def test_lean_params_with_8bit_moments_refuse_a_tensor_lr():
+    """The lean bf16 storages' kernels take lr as a number: a tensor lr is refused at the step,
+    saying so, before anything changes (capturable=True with bf16_storage at construction)."""
+    model = cast_model(_mlp(), torch.bfloat16)
+    with pytest.raises(ValueError, match="capturable=True.*not supported with bf16_storage='kahan'"):
+        FusedAdam(model.parameters(), state_dtype='int8', bf16_storage='kahan', capturable=True,
+                  **ADAMW)
+    opt = FusedAdam([dict(params=model.parameters(), lr=torch.tensor([1e-2]))],
+                    state_dtype='int8', bf16_storage='kahan', weight_decay=0.01)
+    x, y = _batches(1)[0]
+    F.mse_loss(model(x.bfloat16()).float(), y).backward()
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="tensor lr .capturable=True. is not supported with "
+                                         "bf16_storage='kahan'"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 # ---- refused combinations --------------------------------------------------------------------------
 
 @pytest.mark.parametrize('kwargs,match', [
-    (dict(capturable=True), "capturable=True is not supported with state_dtype='int8'"),
     (dict(master_weights=True), "master_weights=True is not supported with state_dtype='int8'"),
     (dict(min_8bit_size=-1), 'min_8bit_size=-1 is not allowed'),
 ])
@@ -284,7 +329,7 @@ def test_refused_group_values():
                                          r"\['float32', 'int8'\]"):
         FusedAdam([dict(params=_mlp().parameters(), state_dtype='int4')])
     # A group's int8 may not bring in what the optimizer-wide one refuses, before any step.
-    for option in ('master_weights', 'capturable'):
+    for option in ('master_weights',):
         with pytest.raises(ValueError, match=rf"state_dtype='int8' is not supported with "
                                              rf"{option}=True; set the group's "
                                              rf"state_dtype='float32', or {option}=False"):

@@ -61,8 +61,17 @@ def _fp16_static_clip(model, compile_step):
                             clip_grad=dict(max_norm=0.5), verbose=False, compile_step=compile_step)
 
 
+def _apex_o2_int8(model, compile_step):
+    # Every param with 8-bit moments (the tiny model's are all under the default min_8bit_size).
+    return ApexOptimWrapper(FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.01,
+                                      capturable=True, state_dtype='int8', min_8bit_size=0),
+                            opt_level='O2', dtype='bfloat16', loss_scale='dynamic', verbosity=0,
+                            compile_step=compile_step)
+
+
 WRAPPERS = {
     'apex-o2-adam-bf16': _apex_o2,
+    'apex-o2-adam-int8-states': _apex_o2_int8,
     'fp16-sgd-dynamic': _fp16_sgd,
     'fp16-lamb-static-clip': _fp16_static_clip,
 }
@@ -200,8 +209,8 @@ def test_compile_step_refuses_the_lean_master_modes(mode):
 
 
 @pytest.mark.parametrize('adam, what', [
-    (dict(state_dtype='int8'), "state_dtype='int8'"),
     (dict(bf16_storage='kahan'), "bf16_storage='kahan'"),
+    (dict(bf16_storage='stochastic', state_dtype='int8'), "bf16_storage='stochastic'"),
 ])
 def test_compile_step_refuses_optimizers_taking_the_lr_as_a_number(adam, what):
     model = cast_model(_model(), torch.bfloat16)
@@ -209,11 +218,12 @@ def test_compile_step_refuses_optimizers_taking_the_lr_as_a_number(adam, what):
         FP16OptimWrapper(FusedAdam(model.parameters(), lr=1e-2, **adam), compile_step=True)
 
 
-def test_compile_step_refuses_a_param_group_with_int8_states():
+def test_compile_step_with_int8_states_needs_the_lr_on_the_device():
+    """8-bit moments take a tensor lr like float32 ones: a float lr is refused for that reason."""
     model = _model()
     groups = [dict(params=[model[0].weight], state_dtype='int8'),
               dict(params=[p for n, p in model.named_parameters() if n != '0.weight'])]
-    with pytest.raises(ValueError, match="does not combine with state_dtype='int8'"):
+    with pytest.raises(ValueError, match='needs the learning rate on the device.*capturable=True'):
         ApexOptimWrapper(FusedAdam(groups, lr=1e-2), opt_level='O2', dtype='bfloat16',
                          compile_step=True)
 

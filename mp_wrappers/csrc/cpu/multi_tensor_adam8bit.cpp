@@ -556,7 +556,7 @@ Adam8bitConsts adam8bit_consts(const AdamHyper& hyper, const UpdateScalars& scal
                                double beta1, double beta2, bool bias_correction) {
   Adam8bitConsts c;
   static_cast<AdamHyper&>(c) = hyper;
-  c.lr = scalars.lr;
+  c.lr = optim::resolve_lr(scalars);  // the lean ops: always the float
   c.rbc1 = 1.f;
   c.rsbc2 = 1.f;
   if (bias_correction) {
@@ -581,11 +581,12 @@ void multi_tensor_adam8bit_cpu(at::TensorList params, at::TensorList grads,
                                double beta1, double beta2, double eps, double weight_decay,
                                bool adam_w_mode, bool bias_correction,
                                const c10::optional<at::Tensor>& grad_scale,
-                               const c10::optional<at::Tensor>& found_inf) {
+                               const c10::optional<at::Tensor>& found_inf,
+                               const c10::optional<at::Tensor>& lr_tensor) {
   const UpdateArgs<AdamHyper> set_up = multi_tensor_adam8bit_args(
       Backend::kCpu, params, grads, exp_avgs, exp_avg_absmaxes, exp_avg_sqs, exp_avg_sq_absmaxes,
       model_params, step, lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction,
-      grad_scale, found_inf);
+      grad_scale, found_inf, lr_tensor);
   // A skipped step returns before touching anything: codes and absmax keep their bits.
   if (optim::should_skip(set_up.scalars.found_inf)) return;
 

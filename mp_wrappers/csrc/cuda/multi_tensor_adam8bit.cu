@@ -94,19 +94,19 @@ struct Adam8bitOp : AdamHyper {
   const float* found_inf;
   const float* grad_scale;
   const float* step;
-  float lr;
+  DeviceLr lr;  // the float, or (capturable=True) lr_tensor, read by thread 0 of each block
 
   // The update's constants: reference/quant.py _reciprocal_bias_corrections (float64, rounded
   // once), as the CPU kernel computes them on the host.
   struct Ctx {
-    float rbc1, rsbc2;
+    float rbc1, rsbc2, lr;
     DeviceUnscale unscale;
   };
   // The number of this update, as the reference counts.
   __device__ __forceinline__ float count() const { return fadd(ld(step), 1.f); }
   __device__ __forceinline__ Ctx begin(int32_t /*tensor_index*/) const { return begin_at(count()); }
   __device__ __forceinline__ Ctx begin_at(float count) const {
-    Ctx c{1.f, 1.f, make_unscale(grad_scale)};
+    Ctx c{1.f, 1.f, lr.get(), make_unscale(grad_scale)};
     if (use_bias_correction) {
       const double n = static_cast<double>(count);
       c.rbc1 = static_cast<float>(1.0 / (1.0 - pow(beta1_d, n)));
@@ -123,7 +123,7 @@ struct Adam8bitOp : AdamHyper {
     v = fadd(fmul(beta2, v), fmul(fmul(one_minus_beta2, g), g));
     float u = fdiv(fmul(m, c.rbc1), fadd(fmul(fsqrt(v), c.rsbc2), eps));
     if (decoupled) u = fadd(u, fmul(weight_decay, p));
-    return fmul(lr, u);
+    return fmul(c.lr, u);
   }
 };
 static_assert(std::is_trivial<Adam8bitOp::Ctx>::value, "Ctx lives in shared memory");
@@ -433,14 +433,15 @@ void multi_tensor_adam8bit_cuda(at::TensorList params, at::TensorList grads,
                                 double beta1, double beta2, double eps, double weight_decay,
                                 bool adam_w_mode, bool bias_correction,
                                 const c10::optional<at::Tensor>& grad_scale,
-                                const c10::optional<at::Tensor>& found_inf) {
+                                const c10::optional<at::Tensor>& found_inf,
+                                const c10::optional<at::Tensor>& lr_tensor) {
   const UpdateArgs<AdamHyper> args = multi_tensor_adam8bit_args(
       Backend::kCuda, params, grads, exp_avgs, exp_avg_absmaxes, exp_avg_sqs, exp_avg_sq_absmaxes,
       model_params, step, lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction,
-      grad_scale, found_inf);
+      grad_scale, found_inf, lr_tensor);
   const DeviceGuard guard(step.device());
   const Adam8bitOp a{{args.hyper}, args.scalars.found_inf, args.scalars.grad_scale,
-                     step.data_ptr<float>(), args.scalars.lr};
+                     step.data_ptr<float>(), device_lr(args.scalars)};
   if (!params.empty()) {
     dispatch_dtype(params, [&](auto* p_tag) {
       dispatch_dtype(grads, [&](auto* g_tag) {
@@ -466,7 +467,7 @@ void adam8bit_lean_cuda(const LeanArgs<AdamHyper>& args, const Adam8bitLeanLists
                         const at::Tensor& step, int64_t seed) {
   const DeviceGuard guard(step.device());
   const Adam8bitLeanOp a{{{args.hyper}, args.scalars.found_inf, args.scalars.grad_scale,
-                          step.data_ptr<float>(), args.scalars.lr},
+                          step.data_ptr<float>(), device_lr(args.scalars)},
                          static_cast<int>(args.storage),
                          static_cast<uint32_t>(seed)};
   if (!l.params.empty()) {

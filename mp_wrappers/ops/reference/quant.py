@@ -38,7 +38,7 @@ from typing import List, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ._common import _commit_, _skip_mask, _unscaled
+from ._common import _commit_, _lr, _skip_mask, _unscaled
 from .lean import _check_storage, _read_param, _write_param
 
 __all__ = ['BLOCK_SIZE', 'Minifloat', 'EXP_AVG_CODE', 'EXP_AVG_SQ_CODE', 'num_blocks',
@@ -232,13 +232,16 @@ def multi_tensor_adam8bit_(params: List[Tensor], grads: List[Tensor], exp_avgs: 
                            exp_avg_sq_absmaxes: List[Tensor], model_params: List[Tensor],
                            step: Tensor, lr: float, beta1: float, beta2: float, eps: float,
                            weight_decay: float, adam_w_mode: bool, bias_correction: bool,
-                           grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+                           grad_scale: Optional[Tensor], found_inf: Optional[Tensor],
+                           lr_tensor: Optional[Tensor] = None) -> None:
     """Adam / AdamW with block-wise 8-bit moments (Note [8-bit optimizer states]).
 
     ``exp_avgs`` / ``exp_avg_sqs`` are uint8 codes with ``params``' element counts, their absmax
     lists float32 with :func:`num_blocks` elements. Otherwise ``multi_tensor_adam_``'s conventions:
-    a nonzero ``found_inf`` leaves every tensor, codes and absmax included, bit-identical.
+    a nonzero ``found_inf`` leaves every tensor, codes and absmax included, bit-identical, and
+    ``lr_tensor`` (capturable=True), when given, is the lr, read where the step runs.
     """
+    lr = _lr(lr, lr_tensor)
     skip = _skip_mask(found_inf)
     count = step + 1
     rbc1, rsbc2 = _reciprocal_bias_corrections(beta1, beta2, count, bias_correction)

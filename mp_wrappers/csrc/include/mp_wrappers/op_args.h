@@ -413,14 +413,14 @@ inline void check_absmax(const char* op, const char* name, at::TensorList absmax
   }
 }
 
-// lr is a float (no lr_tensor: scalars.lr_tensor is nullptr).
+// lr the float, or (capturable=True) read from lr_tensor where the kernel runs.
 inline UpdateArgs<AdamHyper> multi_tensor_adam8bit_args(
     Backend backend, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
     at::TensorList exp_avg_absmaxes, at::TensorList exp_avg_sqs,
     at::TensorList exp_avg_sq_absmaxes, at::TensorList model_params, const at::Tensor& step,
     double lr, double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
     bool bias_correction, const c10::optional<at::Tensor>& grad_scale,
-    const c10::optional<at::Tensor>& found_inf) {
+    const c10::optional<at::Tensor>& found_inf, const c10::optional<at::Tensor>& lr_tensor) {
   constexpr const char* op = "multi_tensor_adam8bit_";
   const at::Device device = call_device(
       check_tensor_lists(op, {{"params", params}, {"grads", grads}, {"model_params", model_params}},
@@ -433,7 +433,7 @@ inline UpdateArgs<AdamHyper> multi_tensor_adam8bit_args(
   check_one_dtype(backend, op,
                   {{"params", params}, {"grads", grads}, {"model_params", model_params}});
   check_step(op, step, device);
-  return {device, update_scalars(op, device, lr, grad_scale, found_inf, c10::nullopt),
+  return {device, update_scalars(op, device, lr, grad_scale, found_inf, lr_tensor),
           adam_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction)};
 }
 
