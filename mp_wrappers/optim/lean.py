@@ -15,7 +15,7 @@ in :mod:`mp_wrappers.ops.reference.lean`).
 The wrappers' ``master_weights='split'|'kahan'|'stochastic'`` set ``bf16_storage`` through
 :meth:`LeanStorageMixin.set_bf16_storage`.
 """
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -131,6 +131,16 @@ class LeanStorageMixin:
         if aux is None or aux.dtype != want or aux.shape != param.shape:
             state[key] = aux = torch.zeros_like(param, dtype=want)
         return aux
+
+    def _prepare(self, buckets: List[Any], grad_scale: Optional[Tensor]) -> Any:
+        """Refuse a tensor lr for lean bf16 params before any bucket launches: in a group that also
+        holds fp32 params, their bucket would otherwise have stepped already (its params and state
+        moved, the group's step counter not)."""
+        for bucket in buckets:
+            if self._is_lean(bucket.params[0]) and isinstance(bucket.group['lr'], Tensor):
+                raise ValueError(_CAPTURABLE_LEAN.format(name=type(self).__name__,
+                                                         storage=self.bf16_storage))
+        return super()._prepare(buckets, grad_scale)  # type: ignore[misc]
 
     def _lean_lr(self, lr: float, lr_tensor: Optional[Tensor]) -> float:
         """The lean kernels take lr as a number: a tensor lr (Note [capturable]) is refused."""

@@ -31,9 +31,9 @@ Note [compiled step]
     ``capturable=True``, Note [capturable] in :mod:`mp_wrappers.optim.base`): a float lr is a
     constant of the graph, and an LR schedule would recompile the step at every new value, so
     ``compile_step`` refuses it. Schedulers that write the tensor in place (torch's) or assign a
-    new one (mmengine's) both reuse the graph. The lean bf16 storages and the 8-bit states take
-    the lr as a number (no ``capturable``), so ``compile_step`` refuses them too; a compiled
-    ``opt.step`` of such an optimizer alone works, at a constant lr. ``compile_step`` needs an
+    new one (mmengine's) both reuse the graph. The lean bf16 storages take the lr as a number (no
+    ``capturable``), so ``compile_step`` refuses them too (8-bit states take a tensor lr, but not
+    with them); a compiled ``opt.step`` of such an optimizer alone works, at a constant lr. ``compile_step`` needs an
     optimizer with the fused master step (refused otherwise, at construction); a step that still
     cannot fuse (the gradients of several loss scalers, clipping other than by the L2 norm) takes
     the eager path as before.

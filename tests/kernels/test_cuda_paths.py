@@ -306,6 +306,10 @@ def test_fused_o2_step_with_dynamic_scaling_makes_no_host_sync(device, clip, ind
 
 CAPTURABLE = {
     'FusedAdam': lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01, capturable=True),
+    # 8-bit moments for the params of at least 4096 elements, float32 for the others: one bucket
+    # stepping both (its step counter cloned for the 8-bit call) inside the graph.
+    'FusedAdam int8': lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01, capturable=True,
+                                           state_dtype='int8'),
     'FusedSGD': lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9, capturable=True),
     'FusedLAMB': lambda ps: FusedLAMB(ps, lr=1e-2, weight_decay=0.01, capturable=True),
     'FusedAdagrad': lambda ps: FusedAdagrad(ps, lr=1e-2, capturable=True),

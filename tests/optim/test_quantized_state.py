@@ -295,22 +295,38 @@ def test_capturable_steps_like_a_float_lr_under_a_schedule():
         assert torch.equal(a, b)
 
 
-def test_lean_params_with_8bit_moments_refuse_a_tensor_lr():
+@pytest.mark.parametrize('mixed', [False, True], ids=['bf16', 'fp32-then-bf16'])
+def test_lean_params_with_8bit_moments_refuse_a_tensor_lr(mixed):
     """The lean bf16 storages' kernels take lr as a number: a tensor lr is refused at the step,
-    saying so, before anything changes (capturable=True with bf16_storage at construction)."""
-    model = cast_model(_mlp(), torch.bfloat16)
+    saying so, before any bucket launches: nothing changes, not even the fp32 params of the same
+    group, whose bucket steps first (capturable=True with bf16_storage: at construction)."""
     with pytest.raises(ValueError, match="capturable=True.*not supported with bf16_storage='kahan'"):
-        FusedAdam(model.parameters(), state_dtype='int8', bf16_storage='kahan', capturable=True,
+        FusedAdam(_mlp().parameters(), state_dtype='int8', bf16_storage='kahan', capturable=True,
                   **ADAMW)
-    opt = FusedAdam([dict(params=model.parameters(), lr=torch.tensor([1e-2]))],
-                    state_dtype='int8', bf16_storage='kahan', weight_decay=0.01)
-    x, y = _batches(1)[0]
-    F.mse_loss(model(x.bfloat16()).float(), y).backward()
-    before = [p.clone() for p in model.parameters()]
+    model = _mlp()
+    if mixed:
+        model[2].to(torch.bfloat16)  # fp32 first layer, bf16 last: two buckets, one step counter
+    else:
+        model = cast_model(model, torch.bfloat16)
+    opt = FusedAdam(model.parameters(), state_dtype='int8', bf16_storage='kahan',
+                    min_8bit_size=0, **ADAMW)
+
+    def backward(x, y):
+        h = model[1](model[0](x.to(model[0].weight.dtype)))
+        F.mse_loss(model[2](h.to(model[2].weight.dtype)).float(), y).backward()
+    (x, y), (x2, y2) = _batches(2)
+    backward(x, y)
+    opt.step()  # a float lr: the state exists, with 8-bit moments and Kahan compensations
+    opt.zero_grad()
+    opt.param_groups[0]['lr'] = torch.tensor([1e-2])
+    backward(x2, y2)
+    params, states = [p.clone() for p in model.parameters()], _states(opt)
+    assert any(k == 'kahan_comp' for k, _ in states)
     with pytest.raises(ValueError, match="tensor lr .capturable=True. is not supported with "
                                          "bf16_storage='kahan'"):
         opt.step()
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    _assert_states_equal(_states(opt), states)
 
 
 # ---- refused combinations --------------------------------------------------------------------------

@@ -153,14 +153,16 @@ def test_functionalized_fused_step_matches_eager():
     _compare(_apex_o2, 'aot_eager')
 
 
+@pytest.mark.parametrize('make', [_apex_o2, _apex_o2_int8], ids=['fp32-states', 'int8-states'])
 @needs_compile
-def test_mmengine_lr_schedule_reuses_the_graph():
-    """mmengine's schedulers assign a new lr tensor every step: no recompilation either."""
+def test_mmengine_lr_schedule_reuses_the_graph(make):
+    """mmengine's schedulers assign a new lr tensor every step: no recompilation either, and the
+    kernels read each new value (the compiled steps equal the eager ones, whose lrs change)."""
     from mmengine.optim.scheduler import CosineAnnealingLR
     counter = CompileCounter()
 
     def scheduled(model, compile_step):
-        w = _apex_o2(model, compile_step)
+        w = make(model, compile_step)
         w.scheduler = CosineAnnealingLR(w, T_max=20, by_epoch=False)
         w.update_params = _then(w.update_params, w.scheduler.step)
         return w
