@@ -337,7 +337,6 @@ class QuantizedStateMixin:
                  float(g['weight_decay']), bool(g['adam_w_mode']), bool(g['bias_correction']))
         # The kernel checks its lists again; the optimizer built them (as _call_op's other ops).
         if self._lean_8bit(bucket.params[0]):
-            self._lean_lr(lr, lr_tensor)  # type: ignore[attr-defined] - refuses a tensor lr
             storage = self.bf16_storage  # type: ignore[attr-defined]
             key = AUX_STATE_KEYS.get(storage)
             aux = pick(bucket.states[key]) if key else []
