@@ -50,6 +50,9 @@ class LeanStorageMixin:
 
     def _init_lean(self, bf16_storage: Optional[str], state_dtype: Any, seed: int) -> None:
         name = type(self).__name__
+        if state_dtype is None:  # parse_dtype passes None through (an unset option elsewhere)
+            raise ValueError(f"{name}: state_dtype=None is not supported; allowed: 'float32', "
+                             "'bfloat16'")
         self.state_dtype = parse_dtype(state_dtype, f'{name}: state_dtype',
                                        allowed=('float32', 'bfloat16'))
         if isinstance(seed, bool) or not isinstance(seed, int):

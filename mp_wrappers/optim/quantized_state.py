@@ -57,6 +57,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..casting import parse_dtype
 from ..sharding import dtensor_type, is_dtensor
 from ..ops.quantized_states import check_quantized_device
 from ..ops.reference.quant import (EXP_AVG_CODE, EXP_AVG_SQ_CODE, dequantize_invertibly,
@@ -112,6 +113,13 @@ class QuantizedStateMixin:
         self.min_8bit_size = min_8bit_size
         self.int8_states = isinstance(state_dtype, str) and state_dtype == 'int8'
         if not self.int8_states:
+            try:  # the lean mixin knows only its own two values: name all three here
+                if state_dtype is None:  # parse_dtype passes None through
+                    raise ValueError
+                parse_dtype(state_dtype, f'{name}: state_dtype', allowed=('float32', 'bfloat16'))
+            except ValueError:
+                raise ValueError(f'{name}: state_dtype={state_dtype!r} is not supported; allowed: '
+                                 f'{", ".join(repr(s) for s in STATE_DTYPES)}') from None
             return state_dtype
         # capturable=True (a tensor lr, Note [capturable]) is allowed: the 8-bit kernel reads it
         # where it runs, like the fp32 kernels; the lean storages refuse it themselves.

@@ -340,6 +340,14 @@ def test_refused_options_name_option_value_and_alternatives(kwargs, match):
         FusedAdam(_mlp().parameters(), state_dtype='int8', **kwargs)
 
 
+@pytest.mark.parametrize('value', ['int4', 'float16', torch.int8, None])
+def test_refused_state_dtype_names_every_allowed_value(value):
+    # The lean storages' parser alone would list 'float32' and 'bfloat16' and leave out 'int8'.
+    with pytest.raises(ValueError, match=rf"FusedAdam: state_dtype={value!r} is not supported; "
+                                         r"allowed: 'float32', 'bfloat16', 'int8'$"):
+        FusedAdam(_mlp().parameters(), state_dtype=value)
+
+
 def test_refused_group_values():
     with pytest.raises(ValueError, match=r"state_dtype='int4' is not allowed; expected one of "
                                          r"\['float32', 'int8'\]"):

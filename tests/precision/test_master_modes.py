@@ -75,6 +75,11 @@ def test_wrapper_needs_a_lean_optimizer():
     (FusedAdam, dict(bf16_storage='kahan', master_weights=True), ValueError,
      'cannot be combined with master_weights=True'),
     (FusedSGD, dict(lr=0.1, bf16_storage='stochastic', seed=1.5), TypeError, 'seed must be an int'),
+    # None is no choice: refused here, not at the first step as a 'bfloat16' without a storage.
+    (FusedSGD, dict(lr=0.1, state_dtype=None), ValueError,
+     r"FusedSGD: state_dtype=None is not supported; allowed: 'float32', 'bfloat16'$"),
+    (FusedSGD, dict(lr=0.1, state_dtype='int8'), ValueError,
+     r"FusedSGD: state_dtype='int8' is not supported; allowed: 'float32', 'bfloat16'$"),
 ])
 def test_optimizer_options_are_validated(cls, kwargs, err, match):
     with pytest.raises(err, match=match):
