@@ -10,6 +10,7 @@ from typing import Any, Optional, Tuple
 import torch
 from mmengine.registry import OPTIM_WRAPPERS as ROOT_OPTIM_WRAPPERS
 
+from .casting import parse_dtype
 from .policy import Properties, resolve_properties
 from .registry import OPTIM_WRAPPERS
 from .wrappers import ApexOptimWrapper, FP16OptimWrapper, MixedPrecisionOptimWrapper
@@ -37,7 +38,10 @@ def optim_cfg_properties(optim: Any) -> Optional[Properties]:
     type_ = optim.get('type', None)
     if not (type_ in _APEX_TYPES or type_ is ApexOptimWrapper):
         return None
-    kwargs = {k: optim[k] for k in _PROPERTY_KEYS if optim.get(k, None) is not None}
+    # An override set to None means the level's default, except dtype, where None is refused
+    # (resolve_properties): the wrapper would refuse it too.
+    kwargs = {k: optim[k] for k in _PROPERTY_KEYS
+              if optim.get(k, None) is not None or (k == 'dtype' and k in optim)}
     return resolve_properties(optim.get('opt_level', 'O1'), **kwargs)
 
 
@@ -50,9 +54,13 @@ def model_cast_of(optim: Any) -> Tuple[Optional[torch.dtype], bool]:
     wrapper_type = optim.get('type', None)
     if wrapper_type in _FP16_TYPES or wrapper_type is FP16OptimWrapper:
         dtype = optim.get('dtype', None)
-        if isinstance(dtype, str) and dtype in ('float16', 'bfloat16'):
-            return getattr(torch, dtype), True
-        return None, True  # None, fp32 or 'auto' (resolved per device by the wrapper)
+        if dtype is None or (isinstance(dtype, str) and dtype == 'auto'):
+            return None, True  # no cast, or 'auto' (resolved per device by the wrapper)
+        try:  # every spelling the wrapper takes: 'bf16', 'half', torch.bfloat16...
+            cast = parse_dtype(dtype, 'dtype', allowed=('float16', 'bfloat16', 'float32'))
+        except ValueError:
+            return None, True  # the wrapper refuses it, naming what is allowed
+        return (cast if cast in (torch.float16, torch.bfloat16) else None), True
     props = optim_cfg_properties(optim)
     if props is None:
         return None, True

@@ -128,6 +128,8 @@ def _resolve_compute_dtype(dtype: Any, device: Union[str, torch.device, None]) -
         from .hardware import auto_dtype
         return auto_dtype(device).dtype
     try:
+        if dtype is None:  # parse_dtype passes None through; here it would mean no cast at all
+            raise ValueError
         return parse_dtype(dtype, 'dtype', allowed=('float16', 'bfloat16', 'float32'))
     except ValueError:
         raise ValueError(f"dtype={dtype!r} is not supported; allowed: 'float16', 'bfloat16', "

@@ -416,3 +416,17 @@ def test_does_not_shadow_mmengine_names():
     from mmengine.registry import OPTIM_WRAPPERS
     assert 'FP16OptimWrapper' not in OPTIM_WRAPPERS.module_dict
     assert OPTIM_WRAPPERS.get('OptimWrapper') is OptimWrapper
+
+
+@pytest.mark.parametrize('dtype,cast', [('bf16', torch.bfloat16), ('fp16', torch.float16),
+                                        ('half', torch.float16), (torch.bfloat16, torch.bfloat16),
+                                        ('float16', torch.float16), ('float32', None), (None, None),
+                                        ('auto', None), ('bogus', None)])
+def test_config_reading_knows_every_dtype_spelling_the_wrapper_takes(dtype, cast):
+    # The launcher casts the model before DDP wraps it when the config says the wrapper will; a
+    # spelling the wrapper takes but the config reader missed would make the wrapper cast after DDP.
+    from mp_wrappers.optim_config import model_cast_of, optim_cfg_properties
+    assert model_cast_of(dict(type='mp_wrappers.FP16OptimWrapper', dtype=dtype)) == (cast, True)
+    # ApexOptimWrapper refuses dtype=None; so does the reader, not the level's default silently.
+    with pytest.raises(ValueError, match=r"dtype=None is not supported"):
+        optim_cfg_properties(dict(type='mp_wrappers.ApexOptimWrapper', opt_level='O2', dtype=None))
