@@ -42,6 +42,7 @@
 
 Every refusal says what was given and what is allowed, at construction, before anything is changed.
 """
+import math
 from typing import Any
 
 from torch.optim import Optimizer
@@ -68,12 +69,12 @@ def check_options(optimizer: Any, accumulative_counts: Any, clip_grad: Any,
             or accumulative_counts < 1):
         raise ValueError(f'accumulative_counts must be an integer >= 1, got '
                          f'{accumulative_counts!r}')
-    if clip_grad is not None and not isinstance(clip_grad, dict):
-        raise TypeError(f'clip_grad must be a dict such as dict(max_norm=1.0) or None, got '
-                        f'{clip_grad!r}')
+    _check_clip_grad(clip_grad)
     if on_scale_collapse not in COLLAPSE_POLICIES:
         raise ValueError(f'on_scale_collapse={on_scale_collapse!r} is not allowed; expected '
                          f'one of {COLLAPSE_POLICIES}')
+    if collapse_patience is None:  # _positive_int lets None through (log_interval's default)
+        raise ValueError('collapse_patience must be an integer >= 1, got None')
     _positive_int('collapse_patience', collapse_patience)
     _positive_int('log_interval', log_interval)
     if grad_check not in GRAD_CHECKS:
@@ -81,6 +82,46 @@ def check_options(optimizer: Any, accumulative_counts: Any, clip_grad: Any,
                          f'{GRAD_CHECKS}')
     if sync_found_inf is not None and not isinstance(sync_found_inf, bool):
         raise ValueError(f'sync_found_inf must be True, False or None, got {sync_found_inf!r}')
+
+
+# The keywords of torch.nn.utils.clip_grad_norm_ / clip_grad_value_, which mmengine calls with the
+# rest of clip_grad once it has popped 'type'.
+CLIP_KEYS = {'norm': ('max_norm', 'norm_type', 'error_if_nonfinite', 'foreach'),
+             'value': ('clip_value', 'foreach')}
+
+
+def _positive_number(value: Any, inf_ok: bool = False) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+            and (inf_ok or math.isfinite(value)))
+
+
+def _check_clip_grad(clip_grad: Any) -> None:
+    """Refuse a clip_grad that torch would take wrongly or only reject at the first step: a
+    negative max_norm flips every gradient (the clip coefficient is negative), a misspelt key
+    or a string limit fails inside the first step. An unknown 'type' is mmengine's to refuse."""
+    if clip_grad is None:
+        return
+    if not isinstance(clip_grad, dict):
+        raise TypeError(f'clip_grad must be a dict such as dict(max_norm=1.0) or None, got '
+                        f'{clip_grad!r}')
+    kind = clip_grad.get('type', 'norm')
+    if kind not in CLIP_KEYS:
+        return
+    allowed = CLIP_KEYS[kind]
+    unknown = sorted(k for k in clip_grad if k != 'type' and k not in allowed)
+    if unknown:
+        raise ValueError(f"clip_grad has unknown keys {unknown} for type={kind!r}; allowed: "
+                         f'{list(allowed)}')
+    limit = allowed[0]
+    if limit not in clip_grad:
+        raise ValueError(f'clip_grad needs {limit} (a positive number) for type={kind!r}, got '
+                         f'{clip_grad!r}')
+    if not _positive_number(clip_grad[limit]):
+        raise ValueError(f'clip_grad {limit} must be a positive finite number, got '
+                         f'{clip_grad[limit]!r}')
+    if 'norm_type' in clip_grad and not _positive_number(clip_grad['norm_type'], inf_ok=True):
+        raise ValueError(f"clip_grad norm_type must be a positive number (float('inf') for the "
+                         f"max norm), got {clip_grad['norm_type']!r}")
 
 
 def check_optimizer(optimizer: Optimizer, master_weights: bool, wrapper: str) -> None:
