@@ -4,6 +4,7 @@ A leaf of :mod:`mp_wrappers.ops`: the public ops, the fake kernels (registered w
 loads) and :mod:`mp_wrappers.optim` all check with these, so one wording reaches the user whichever
 way a call came in, and nothing here imports the dispatcher or the extension.
 """
+import math
 from typing import Any, List, Optional, Sequence, Union
 
 import torch
@@ -73,12 +74,19 @@ def _check_lr(owner: str, lr: Union[float, Tensor]) -> None:
             raise ValueError(f'{owner}: Invalid learning rate: a tensor lr must be a 1-element '
                              f'float32 tensor, got dtype {lr.dtype} and shape {tuple(lr.shape)}')
         value = float(lr.detach().reshape(()))
-        if not value >= 0.0:
+        if not 0.0 <= value < math.inf:
             raise ValueError(f'{owner}: Invalid learning rate: the tensor lr holds {value!r}; '
-                             'expected lr >= 0')
+                             'expected lr >= 0 and finite')
         return
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr >= 0.0:
-        raise ValueError(f'{owner}: Invalid learning rate: {lr!r}; expected a number lr >= 0')
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not 0.0 <= lr < math.inf:
+        raise ValueError(f'{owner}: Invalid learning rate: {lr!r}; expected a number lr >= 0 and '
+                         'finite')
+
+
+def _as_pair(betas: Any) -> Any:
+    """A list of betas (a config's) as the tuple torch's optimizers keep; anything else as it is,
+    for _check_betas to refuse by name (``tuple(None)`` would fail with a bare TypeError)."""
+    return tuple(betas) if isinstance(betas, (tuple, list)) else betas
 
 
 def _check_betas(owner: str, betas: Sequence[float]) -> None:
@@ -90,9 +98,14 @@ def _check_betas(owner: str, betas: Sequence[float]) -> None:
                              'expected 0 <= beta < 1')
 
 
-def _check_nonnegative(owner: str, option: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0.0:
-        raise ValueError(f'{owner}: Invalid {option} value: {value!r}; expected {option} >= 0')
+def _check_nonnegative(owner: str, option: str, value: float, finite: bool = True) -> None:
+    """A number >= 0; finite unless ``finite=False`` (LAMB's max_grad_norm: inf clips nothing).
+    An infinite lr, eps, weight decay, momentum or dampening would leave inf/nan params after
+    one step."""
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0.0
+            or (finite and value == math.inf)):
+        raise ValueError(f'{owner}: Invalid {option} value: {value!r}; expected {option} >= 0'
+                         + (' and finite' if finite else ''))
 
 
 def _check_norm_type(owner: str, norm_type: int) -> None:

@@ -151,7 +151,7 @@ def multi_tensor_lamb(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avg
     _check_betas(op, (beta1, beta2))
     _check_nonnegative(op, 'eps', eps)
     _check_nonnegative(op, 'weight_decay', weight_decay)
-    _check_nonnegative(op, 'max_grad_norm', max_grad_norm)
+    _check_nonnegative(op, 'max_grad_norm', max_grad_norm, finite=False)
     _check_step(op, step, device)
     _check_scalar(op, 'global_grad_norm', global_grad_norm, device, optional=False)
     _check_scalar(op, 'grad_scale', grad_scale, device)

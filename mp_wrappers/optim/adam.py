@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from ..casting import HALF_DTYPES
-from ..ops._checks import _check_betas, _check_lr, _check_nonnegative
+from ..ops._checks import _as_pair, _check_betas, _check_lr, _check_nonnegative
 from ..registry import OPTIMIZERS
 from . import layout
 from .base import FusedOptimizer, ParamsT
@@ -78,7 +78,7 @@ class FusedAdam(QuantizedStateMixin, LeanStorageMixin, FusedOptimizer):
             raise ValueError('FusedAdam: amsgrad=True is not supported (there is no fused AMSGrad '
                              'update); use amsgrad=False or torch.optim.Adam(amsgrad=True)')
         self.master_weights = bool(master_weights)
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=_as_pair(betas), eps=eps,
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode)
         state_dtype = self._init_quantized(state_dtype, min_8bit_size)
         self._init_lean(bf16_storage, state_dtype, seed)

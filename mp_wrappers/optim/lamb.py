@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from ..ops.multi_tensor import multi_tensor_l2norm, multi_tensor_unscale_l2norm
-from ..ops._checks import _check_betas, _check_lr, _check_nonnegative
+from ..ops._checks import _as_pair, _check_betas, _check_lr, _check_nonnegative
 from ..registry import OPTIMIZERS
 from .base import FusedOptimizer, ParamsT
 from .buckets import _Bucket
@@ -58,7 +58,7 @@ class FusedLAMB(FusedOptimizer):
                  capturable: bool = False) -> None:
         if amsgrad:
             raise ValueError('FusedLAMB: amsgrad=True is not supported; use amsgrad=False')
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=_as_pair(betas), eps=eps,
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode,
                         grad_averaging=grad_averaging, max_grad_norm=max_grad_norm,
                         use_nvlamb=use_nvlamb)
@@ -69,7 +69,7 @@ class FusedLAMB(FusedOptimizer):
         _check_betas('FusedLAMB', group['betas'])
         _check_nonnegative('FusedLAMB', 'eps', group['eps'])
         _check_nonnegative('FusedLAMB', 'weight_decay', group['weight_decay'])
-        _check_nonnegative('FusedLAMB', 'max_grad_norm', group['max_grad_norm'])
+        _check_nonnegative('FusedLAMB', 'max_grad_norm', group['max_grad_norm'], finite=False)
 
     def _prepare(self, buckets: List[_Bucket], grad_scale: Optional[Tensor]) -> Tensor:
         """The L2 norm of all unscaled grads of the step (every group), as in apex."""

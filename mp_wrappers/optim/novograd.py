@@ -4,7 +4,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..ops._checks import _check_betas, _check_lr, _check_nonnegative, _check_norm_type
+from ..ops._checks import _as_pair, _check_betas, _check_lr, _check_nonnegative, _check_norm_type
 from ..registry import OPTIMIZERS
 from .base import FusedOptimizer, ParamsT
 from .buckets import _Bucket
@@ -60,7 +60,7 @@ class FusedNovoGrad(FusedOptimizer):
                  capturable: bool = False) -> None:
         if amsgrad:
             raise ValueError('FusedNovoGrad: amsgrad=True is not supported; use amsgrad=False')
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=_as_pair(betas), eps=eps,
                         weight_decay=weight_decay, reg_inside_moment=reg_inside_moment,
                         grad_averaging=grad_averaging, norm_type=norm_type, init_zero=init_zero)
         super().__init__(params, defaults, set_grad_none, capturable)

@@ -16,6 +16,7 @@ from torch import nn
 import mp_wrappers
 from mp_wrappers import (ApexOptimWrapper, DynamicLossScaler, FP16OptimWrapper,
                          MixedPrecisionDistributedDataParallel, StaticLossScaler, cast_model)
+from mp_wrappers.optim import FusedAdam, FusedLAMB, FusedSGD
 from mp_wrappers.wrappers.checkpoint_format import CheckpointMismatchWarning
 from mp_wrappers.ops import multi_tensor_axpby, multi_tensor_l2norm, multi_tensor_scale, new_found_inf
 
@@ -165,8 +166,24 @@ CATALOGUE = [
      r'clip_grad must be a dict such as dict\(max_norm=1\.0\) or None, got 1\.0'),
     ('clip_grad-unknown-type', lambda: _fp16(clip_grad=dict(type='l3', max_norm=1.0)), ValueError,
      r'type of clip_grad should be "norm" or "value" but got l3'),
+    # A negative max_norm would flip every gradient; the others would fail inside the first step.
+    ('clip_grad-negative-max_norm', lambda: _fp16(clip_grad=dict(max_norm=-1.0)), ValueError,
+     r'clip_grad max_norm must be a positive finite number, got -1\.0'),
+    ('clip_grad-string-max_norm', lambda: _fp16(clip_grad=dict(max_norm='1')), ValueError,
+     r"clip_grad max_norm must be a positive finite number, got '1'"),
+    ('clip_grad-misspelt-key', lambda: _fp16(clip_grad=dict(max_nrm=1.0)), ValueError,
+     r"clip_grad has unknown keys \['max_nrm'\] for type='norm'; allowed: \['max_norm', "
+     r"'norm_type', 'error_if_nonfinite', 'foreach'\]"),
+    ('clip_grad-without-max_norm', lambda: _fp16(clip_grad=dict(norm_type=2)), ValueError,
+     r"clip_grad needs max_norm \(a positive number\) for type='norm', got \{'norm_type': 2\}"),
+    ('clip_grad-norm_type-word', lambda: _fp16(clip_grad=dict(max_norm=1.0, norm_type='fro')),
+     ValueError, r"clip_grad norm_type must be a positive number .*got 'fro'"),
+    ('clip_grad-negative-clip_value', lambda: _fp16(clip_grad=dict(type='value', clip_value=-0.5)),
+     ValueError, r'clip_grad clip_value must be a positive finite number, got -0\.5'),
     ('on_scale_collapse-unknown', lambda: _fp16(on_scale_collapse='explode'), ValueError,
      r"on_scale_collapse='explode' is not allowed; expected one of \('warn', 'raise', 'ignore'\)"),
+    ('collapse_patience-None', lambda: _fp16(collapse_patience=None), ValueError,
+     r'collapse_patience must be an integer >= 1, got None'),
     ('collapse_patience-zero', lambda: _fp16(collapse_patience=0), ValueError,
      r'collapse_patience must be an integer >= 1, got 0'),
     ('log_interval-negative', lambda: _fp16(log_interval=-5), ValueError,
@@ -205,6 +222,9 @@ CATALOGUE = [
     ('opt_level-O4', lambda: _apex(opt_level='O4'), RuntimeError,
      r"Unexpected optimization level 'O4'\. Options are \"O0\", \"O1\", \"O2\", \"O3\""),
     ('dtype-float8', lambda: _apex(dtype='float8'), ValueError, r"dtype.*'float8'.*bfloat16"),
+    # None would leave an O2 model uncast (fp32, silently) and O1 on torch's autocast default.
+    ('dtype-None', lambda: _apex(opt_level='O2', dtype=None), ValueError,
+     r"dtype=None is not supported; allowed: 'float16', 'bfloat16', 'float32', 'auto'"),
     ('loss_scale-word', lambda: _apex(loss_scale='big'), ValueError,
      r"loss_scale.*'big'.*dynamic"),
     ('loss_scale-negative', lambda: _apex(loss_scale=-1.0), ValueError,
@@ -243,6 +263,19 @@ CATALOGUE = [
      r"ApexOptimWrapper\(opt_level='O2'\) has not prepared the model yet: run the forward inside "
      r'optim_context\(model\) or call initialize\(model\)'),
     ('second-model', _second_model, RuntimeError, r'initialized with another model'),
+    # ---- fused optimizer hyperparameters ----
+    ('betas-None', lambda: FusedAdam(_model().parameters(), betas=None), ValueError,
+     r'FusedAdam: Invalid betas: None; expected a pair \(beta1, beta2\)'),
+    ('lr-inf', lambda: FusedAdam(_model().parameters(), lr=float('inf')), ValueError,
+     r'FusedAdam: Invalid learning rate: inf; expected a number lr >= 0 and finite'),
+    ('tensor-lr-inf', lambda: FusedAdam(_model().parameters(), lr=torch.tensor([float('inf')])),
+     ValueError, r'FusedAdam: Invalid learning rate: the tensor lr holds inf; expected lr >= 0 '
+                 r'and finite'),
+    ('momentum-inf', lambda: FusedSGD(_model().parameters(), lr=0.1, momentum=float('inf')),
+     ValueError, r'FusedSGD: Invalid momentum value: inf; expected momentum >= 0 and finite'),
+    ('weight_decay-inf', lambda: FusedAdam(_model().parameters(), weight_decay=float('inf')),
+     ValueError, r'FusedAdam: Invalid weight_decay value: inf; expected weight_decay >= 0 and '
+                 r'finite'),
     # ---- parameters ----
     ('params-on-mixed-devices', _mixed_device_params, ValueError,
      r"several devices \(\['cpu', 'meta'\]\); mixed-precision wrappers need them on one device"),
@@ -351,6 +384,17 @@ def test_bad_input_is_refused_clearly(row):
         call()
     message = str(info.value.args[0]) if isinstance(info.value, KeyError) else str(info.value)
     assert re.search(pattern, message), f'{name}: {message!r} does not match {pattern!r}'
+
+
+@pytest.mark.parametrize('make', [
+    lambda: _fp16(clip_grad=dict(type='value', clip_value=0.5)),
+    lambda: _fp16(clip_grad=dict(max_norm=35, norm_type=2)),
+    lambda: _fp16(clip_grad=dict(max_norm=1.0, norm_type=float('inf'), foreach=False)),
+    lambda: FusedLAMB(_model().parameters(), max_grad_norm=float('inf')),  # clips nothing
+    lambda: FusedAdam(_model().parameters(), betas=[0.8, 0.9]),  # a config's list
+], ids=['clip-value', 'clip-norm-int', 'clip-inf-norm', 'lamb-no-clip', 'betas-list'])
+def test_valid_forms_next_to_the_refused_ones_are_accepted(make):
+    make()
 
 
 def test_frozen_parameters_are_left_exactly_alone():
