@@ -143,11 +143,11 @@ class ApexOptimWrapper(ModelCastingOptimWrapper):
             return DynamicLossScaler(init_scale=init_scale, scale_window=scale_window,
                                      min_loss_scale=min_loss_scale,
                                      max_loss_scale=max_loss_scale, hysteresis=hysteresis)
-        # Validate the bounds even when unused: a contradictory config is a mistake either way.
-        if (min_loss_scale is not None and max_loss_scale is not None
-                and min_loss_scale > max_loss_scale):
-            raise ValueError(f'min_loss_scale={min_loss_scale!r} is greater than '
-                             f'max_loss_scale={max_loss_scale!r}')
+        # Validate the dynamic options even when unused (bf16, a numeric loss_scale): a wrong
+        # value is a mistake either way. The dynamic scaler's own checks give the same messages.
+        DynamicLossScaler(init_scale=init_scale, scale_window=scale_window,
+                          min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
+                          hysteresis=hysteresis)
         return StaticLossScaler(self.properties.loss_scale)
 
     @property
