@@ -83,6 +83,12 @@ def _check_lr(owner: str, lr: Union[float, Tensor]) -> None:
                          'finite')
 
 
+def _check_flag(owner: str, option: str, value: Any) -> None:
+    """True or False (or 1 / 0). A string such as 'False' would otherwise be taken as true."""
+    if not (isinstance(value, bool) or (isinstance(value, int) and value in (0, 1))):
+        raise ValueError(f'{owner}: {option}={value!r} must be True or False')
+
+
 def _as_pair(betas: Any) -> Any:
     """A list of betas (a config's) as the tuple torch's optimizers keep; anything else as it is,
     for _check_betas to refuse by name (``tuple(None)`` would fail with a bare TypeError)."""

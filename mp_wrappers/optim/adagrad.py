@@ -46,6 +46,8 @@ class FusedAdagrad(FusedOptimizer):
         defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode)
         super().__init__(params, defaults, set_grad_none, capturable)
 
+    _flag_options = ('adagrad_w_mode',)
+
     def _check_hyperparameters(self, group: Dict[str, Any]) -> None:
         _check_lr('FusedAdagrad', group['lr'])
         _check_nonnegative('FusedAdagrad', 'eps', group['eps'])

@@ -5,7 +5,8 @@ import torch
 from torch import Tensor
 
 from ..casting import HALF_DTYPES
-from ..ops._checks import _as_pair, _check_betas, _check_lr, _check_nonnegative
+from ..ops._checks import (_as_pair, _check_betas, _check_flag, _check_lr,
+                           _check_nonnegative)
 from ..registry import OPTIMIZERS
 from . import layout
 from .base import FusedOptimizer, ParamsT
@@ -74,15 +75,19 @@ class FusedAdam(QuantizedStateMixin, LeanStorageMixin, FusedOptimizer):
                  master_weights: bool = False, bf16_storage: Optional[str] = None,
                  state_dtype: str = 'float32', seed: int = 0,
                  min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE) -> None:
+        _check_flag('FusedAdam', 'amsgrad', amsgrad)
         if amsgrad:
             raise ValueError('FusedAdam: amsgrad=True is not supported (there is no fused AMSGrad '
                              'update); use amsgrad=False or torch.optim.Adam(amsgrad=True)')
+        _check_flag('FusedAdam', 'master_weights', master_weights)
         self.master_weights = bool(master_weights)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=_as_pair(betas), eps=eps,
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode)
         state_dtype = self._init_quantized(state_dtype, min_8bit_size)
         self._init_lean(bf16_storage, state_dtype, seed)
         super().__init__(params, defaults, set_grad_none, capturable)
+
+    _flag_options = ('bias_correction', 'adam_w_mode')
 
     def _check_hyperparameters(self, group: Dict[str, Any]) -> None:
         _check_lr('FusedAdam', group['lr'])

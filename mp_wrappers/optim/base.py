@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 
 from .. import compat
 from ..sharding import dtensor_type, local_slot
+from ..ops._checks import _check_flag
 from ..ops._dispatch import implementation
 from ..ops._extension import extension
 from . import layout, saved_state
@@ -92,6 +93,8 @@ class FusedOptimizer(Optimizer):
     _op: ClassVar[str] = ''
     #: Per-parameter float32 state tensors shaped like the param (besides ``step``).
     _tensor_state: ClassVar[Tuple[str, ...]] = ()
+    #: The group options that are True/False (checked as such: 'False' would be true).
+    _flag_options: ClassVar[Tuple[str, ...]] = ()
     #: Per-parameter 1-element float32 state (NovoGrad's running grad norm).
     _scalar_state: ClassVar[Tuple[str, ...]] = ()
     #: ``state_dict()`` writes every state tensor as float32, as it does by itself when a param is
@@ -100,7 +103,9 @@ class FusedOptimizer(Optimizer):
 
     def __init__(self, params: ParamsT, defaults: Dict[str, Any], set_grad_none: bool,
                  capturable: bool = False) -> None:
-        self._check_hyperparameters(defaults)
+        _check_flag(type(self).__name__, 'set_grad_none', set_grad_none)
+        _check_flag(type(self).__name__, 'capturable', capturable)
+        self._check_group(defaults)
         self.set_grad_none = bool(set_grad_none)
         self.capturable = bool(capturable)
         if self.capturable and getattr(self, 'bf16_storage', None) is not None:
@@ -119,6 +124,13 @@ class FusedOptimizer(Optimizer):
     def _check_hyperparameters(self, group: Dict[str, Any]) -> None:
         """Raise ValueError naming the option when a group's hyperparameter is invalid."""
         raise NotImplementedError
+
+    def _check_group(self, group: Dict[str, Any]) -> None:
+        """The group's True/False options (``_flag_options``), then its other hyperparameters."""
+        for option in self._flag_options:
+            if option in group:
+                _check_flag(type(self).__name__, option, group[option])
+        self._check_hyperparameters(group)
 
     def _tensor_state_keys(self, group: Dict[str, Any]) -> Tuple[str, ...]:
         """The tensor-state keys a param of ``group`` needs (SGD needs none without momentum)."""
@@ -161,7 +173,7 @@ class FusedOptimizer(Optimizer):
         """Add a group after checking its hyperparameters (those it sets and the defaults)."""
         merged = dict(self.defaults)
         merged.update({k: v for k, v in param_group.items() if k != 'params'})
-        self._check_hyperparameters(merged)
+        self._check_group(merged)
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
@@ -254,7 +266,7 @@ class FusedOptimizer(Optimizer):
                                          self._state_dtype)
         for group in self.param_groups:
             saved_state.complete_group(group, self._hyperparameter_keys, self.defaults)
-            self._check_hyperparameters(group)
+            self._check_group(group)
             saved_state.check_loaded_state(group, self.state,
                                            self._tensor_state_keys(group) + self._scalar_state,
                                            self._scalar_state, name, self._set_up_state_keys())

@@ -5,7 +5,8 @@ import torch
 from torch import Tensor
 
 from ..ops.multi_tensor import multi_tensor_l2norm, multi_tensor_unscale_l2norm
-from ..ops._checks import _as_pair, _check_betas, _check_lr, _check_nonnegative
+from ..ops._checks import (_as_pair, _check_betas, _check_flag, _check_lr,
+                           _check_nonnegative)
 from ..registry import OPTIMIZERS
 from .base import FusedOptimizer, ParamsT
 from .buckets import _Bucket
@@ -56,6 +57,7 @@ class FusedLAMB(FusedOptimizer):
                  grad_averaging: bool = True, set_grad_none: bool = True,
                  max_grad_norm: float = 1.0, use_nvlamb: bool = False,
                  capturable: bool = False) -> None:
+        _check_flag('FusedLAMB', 'amsgrad', amsgrad)
         if amsgrad:
             raise ValueError('FusedLAMB: amsgrad=True is not supported; use amsgrad=False')
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=_as_pair(betas), eps=eps,
@@ -63,6 +65,8 @@ class FusedLAMB(FusedOptimizer):
                         grad_averaging=grad_averaging, max_grad_norm=max_grad_norm,
                         use_nvlamb=use_nvlamb)
         super().__init__(params, defaults, set_grad_none, capturable)
+
+    _flag_options = ('bias_correction', 'adam_w_mode', 'grad_averaging', 'use_nvlamb')
 
     def _check_hyperparameters(self, group: Dict[str, Any]) -> None:
         _check_lr('FusedLAMB', group['lr'])

@@ -4,7 +4,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..ops._checks import _as_pair, _check_betas, _check_lr, _check_nonnegative, _check_norm_type
+from ..ops._checks import (_as_pair, _check_betas, _check_flag, _check_lr, _check_nonnegative,
+                           _check_norm_type)
 from ..registry import OPTIMIZERS
 from .base import FusedOptimizer, ParamsT
 from .buckets import _Bucket
@@ -58,12 +59,15 @@ class FusedNovoGrad(FusedOptimizer):
                  reg_inside_moment: bool = False, grad_averaging: bool = True, norm_type: int = 2,
                  init_zero: bool = False, set_grad_none: bool = True,
                  capturable: bool = False) -> None:
+        _check_flag('FusedNovoGrad', 'amsgrad', amsgrad)
         if amsgrad:
             raise ValueError('FusedNovoGrad: amsgrad=True is not supported; use amsgrad=False')
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=_as_pair(betas), eps=eps,
                         weight_decay=weight_decay, reg_inside_moment=reg_inside_moment,
                         grad_averaging=grad_averaging, norm_type=norm_type, init_zero=init_zero)
         super().__init__(params, defaults, set_grad_none, capturable)
+
+    _flag_options = ('bias_correction', 'reg_inside_moment', 'grad_averaging', 'init_zero')
 
     def _check_hyperparameters(self, group: Dict[str, Any]) -> None:
         _check_lr('FusedNovoGrad', group['lr'])

@@ -3,7 +3,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from torch import Tensor
 
-from ..ops._checks import _check_lr, _check_nonnegative
+from ..ops._checks import _check_flag, _check_lr, _check_nonnegative
 from ..registry import OPTIMIZERS
 from .base import FusedOptimizer, ParamsT
 from .buckets import _Bucket
@@ -60,11 +60,14 @@ class FusedSGD(LeanStorageMixin, FusedOptimizer):
                  wd_after_momentum: bool = False, materialize_master_grads: bool = True,
                  set_grad_none: bool = False, bf16_storage: Optional[str] = None,
                  state_dtype: str = 'float32', seed: int = 0, capturable: bool = False) -> None:
+        _check_flag('FusedSGD', 'materialize_master_grads', materialize_master_grads)
         self.materialize_master_grads = bool(materialize_master_grads)
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, wd_after_momentum=wd_after_momentum)
         self._init_lean(bf16_storage, state_dtype, seed)
         super().__init__(params, defaults, set_grad_none, capturable)
+
+    _flag_options = ('nesterov', 'wd_after_momentum')
 
     def _check_hyperparameters(self, group: Dict[str, Any]) -> None:
         _check_lr('FusedSGD', group['lr'])

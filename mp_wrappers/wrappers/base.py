@@ -78,6 +78,8 @@ class MixedPrecisionOptimWrapper(WrapperMasters, WrapperCheckpoint, OptimWrapper
                  compile_step: Union[bool, dict] = False) -> None:
         options.check_options(optimizer, accumulative_counts, clip_grad, on_scale_collapse,
                               collapse_patience, log_interval, grad_check, sync_found_inf)
+        options.check_flag('overflow_report', overflow_report)
+        options.check_flag('verbose', verbose)
         self._device_stages = DeviceStages(compile_step, optimizer)  # Note [compiled step]
         options.check_optimizer(optimizer, master_weights, type(self).__name__)
         # mmengine pops 'type' from clip_grad; give it a copy so the user's config stays intact.

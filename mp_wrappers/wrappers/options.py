@@ -47,7 +47,8 @@ from typing import Any
 
 from torch.optim import Optimizer
 
-__all__ = ['COLLAPSE_POLICIES', 'GRAD_CHECKS', 'check_options', 'check_optimizer', 'check_loss_id']
+__all__ = ['COLLAPSE_POLICIES', 'GRAD_CHECKS', 'check_flag', 'check_options', 'check_optimizer',
+           'check_loss_id']
 
 COLLAPSE_POLICIES = ('warn', 'raise', 'ignore')
 GRAD_CHECKS = ('auto', 'always')
@@ -56,6 +57,12 @@ GRAD_CHECKS = ('auto', 'always')
 def _positive_int(name: str, value: Any) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f'{name} must be an integer >= 1, got {value!r}')
+
+
+def check_flag(name: str, value: Any) -> None:
+    """True or False (or 1 / 0): a string such as 'False' would otherwise be taken as true."""
+    if not (isinstance(value, bool) or (isinstance(value, int) and value in (0, 1))):
+        raise ValueError(f'{name}={value!r} must be True or False')
 
 
 def check_options(optimizer: Any, accumulative_counts: Any, clip_grad: Any,
