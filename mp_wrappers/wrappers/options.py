@@ -45,6 +45,7 @@ Every refusal says what was given and what is allowed, at construction, before a
 import math
 from typing import Any
 
+import torch
 from torch.optim import Optimizer
 
 __all__ = ['COLLAPSE_POLICIES', 'GRAD_CHECKS', 'check_flag', 'check_options', 'check_optimizer',
@@ -146,6 +147,26 @@ def check_optimizer(optimizer: Optimizer, master_weights: bool, wrapper: str) ->
                             'can be optimized')
     if master_weights:
         _refuse_sharded_inner_optimizer(optimizer, wrapper)
+        _refuse_unused_bf16_storage(optimizer, wrapper)
+
+
+def _refuse_unused_bf16_storage(optimizer: Optimizer, wrapper: str) -> None:
+    """Under fp32 master weights the optimizer steps fp32 masters, never a bf16 param: its own
+    bf16 storage would be ignored silently, and bf16 moments (which need one) would fail at the
+    first step. The wrapper's lean masters (ApexOptimWrapper master_weights='split' & co.) are the
+    way to store bf16 params without fp32 masters."""
+    name = type(optimizer).__name__
+    lean = ("ApexOptimWrapper(opt_level='O2', dtype='bfloat16', master_weights='split', 'kahan' "
+            "or 'stochastic')")
+    storage = getattr(optimizer, 'bf16_storage', None)
+    if storage is not None:
+        raise ValueError(f'{wrapper} keeps fp32 master weights, so {name} never steps a bf16 '
+                         f'param and its bf16_storage={storage!r} would be ignored. Drop '
+                         f'bf16_storage, or let the wrapper store the bf16 params: {lean}')
+    if getattr(optimizer, 'state_dtype', None) == torch.bfloat16:
+        raise ValueError(f"{name}(state_dtype='bfloat16') needs a bf16 storage, which {wrapper}'s "
+                         f'fp32 master weights leave unused: use state_dtype=\'float32\' (or '
+                         f"'int8' with FusedAdam), or {lean}")
 
 
 def _refuse_sharded_inner_optimizer(optimizer: Optimizer, wrapper: str) -> None:

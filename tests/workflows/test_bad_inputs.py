@@ -271,6 +271,20 @@ CATALOGUE = [
      r"ApexOptimWrapper\(opt_level='O2'\) has not prepared the model yet: run the forward inside "
      r'optim_context\(model\) or call initialize\(model\)'),
     ('second-model', _second_model, RuntimeError, r'initialized with another model'),
+    # Under fp32 masters the optimizer never sees a bf16 param: its bf16 storage would be dead.
+    ('bf16_storage-under-O2-masters', lambda: ApexOptimWrapper(
+        FusedAdam(_model().parameters(), bf16_storage='kahan'), opt_level='O2', dtype='bfloat16',
+        verbosity=0), ValueError,
+     r"ApexOptimWrapper keeps fp32 master weights, so FusedAdam never steps a bf16 param and its "
+     r"bf16_storage='kahan' would be ignored\. Drop bf16_storage, or .*master_weights='split'"),
+    ('bf16_storage-under-FP16OptimWrapper', lambda: FP16OptimWrapper(
+        FusedAdam(_model().parameters(), bf16_storage='split'), dtype='bfloat16'), ValueError,
+     r"FP16OptimWrapper keeps fp32 master weights, so FusedAdam never steps a bf16 param"),
+    ('bf16-states-under-O2-masters', lambda: ApexOptimWrapper(
+        FusedAdam(_model().parameters(), state_dtype='bfloat16'), opt_level='O2',
+        dtype='bfloat16', verbosity=0), ValueError,
+     r"FusedAdam\(state_dtype='bfloat16'\) needs a bf16 storage, which ApexOptimWrapper's fp32 "
+     r"master weights leave unused: use state_dtype='float32'"),
     # ---- fused optimizer hyperparameters ----
     # A True/False option given as a string: 'False' would have meant True.
     ('adam_w_mode-string', lambda: FusedAdam(_model().parameters(), adam_w_mode='False'),
