@@ -109,7 +109,11 @@ def _parse_loss_scale(value: Any) -> Union[float, str]:
 def _parse_cast_type(option: str, value: Any) -> Union[torch.dtype, None, bool]:
     if value is None or value is False:
         return value
-    return parse_dtype(value, option, allowed=('float16', 'bfloat16', 'float32'))
+    try:
+        return parse_dtype(value, option, allowed=('float16', 'bfloat16', 'float32'))
+    except ValueError:
+        raise ValueError(f"{option}={value!r} is not supported; allowed: 'float16', 'bfloat16', "
+                         "'float32', None (the level's default) or False (no cast)") from None
 
 
 def _check_opt_level(opt_level: Any) -> None:
@@ -183,10 +187,12 @@ def _check_lean_storage(master: str, half: torch.dtype, final_cast: Any, dtype: 
                         opt_level: str, cast_model_type: Any) -> None:
     """A lean storage needs a bf16 model."""
     if half != torch.bfloat16:
+        why = ('an fp16 model has no such master' if half == torch.float16 else
+               'an fp32 model needs no lean storage')
         raise ValueError(
             f"master_weights={master!r} needs dtype='bfloat16', got dtype={dtype!r}: the lean "
-            'storages rely on a bf16 being the top half of an fp32 (same exponent range); an '
-            "fp16 model has no such master. Use dtype='bfloat16', or master_weights=True")
+            'storages rely on a bf16 being the top half of an fp32 (same exponent range); '
+            f"{why}. Use dtype='bfloat16', or master_weights=True")
     if final_cast != torch.bfloat16:
         raise ValueError(
             f'master_weights={master!r} needs a bf16 model, but opt_level={opt_level!r} with '

@@ -57,6 +57,9 @@ class LeanStorageMixin:
                                        allowed=('float32', 'bfloat16'))
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f'{name}: seed must be an int, got {seed!r}')
+        if not -2**63 <= seed < 2**63:  # the kernels take it as an int64
+            raise ValueError(f'{name}: seed={seed!r} is out of range; expected an int in '
+                             '[-2**63, 2**63)')
         self.seed = seed
         self.set_bf16_storage(bf16_storage)
 

@@ -103,6 +103,9 @@ class ApexOptimWrapper(ModelCastingOptimWrapper):
                  hysteresis: int = 1, scale_window: int = 2000, init_scale: float = 2.**16,
                  accumulative_counts: int = 1, clip_grad: Optional[dict] = None,
                  **kwargs) -> None:
+        if 'verbose' in kwargs:  # the base class's name for it; apex's option is verbosity
+            raise TypeError(f"ApexOptimWrapper takes verbosity=0 or 1 (apex's option), not "
+                            f"verbose={kwargs['verbose']!r}")
         device = _optimizer_device(optimizer)
         self.properties: Properties = resolve_properties(
             opt_level, dtype=dtype, enabled=enabled, loss_scale=loss_scale,
@@ -115,7 +118,8 @@ class ApexOptimWrapper(ModelCastingOptimWrapper):
         if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
             raise ValueError(f'num_losses must be an integer >= 1, got {num_losses!r}')
         if isinstance(verbosity, bool) or not isinstance(verbosity, int) or verbosity < 0:
-            raise ValueError(f'verbosity must be 0 or 1, got {verbosity!r}')
+            raise ValueError(f'verbosity must be an integer >= 0 (0: quiet, 1: the level and '
+                             f'scale messages), got {verbosity!r}')
         if self.properties.lean_storage is not None and self.properties.enabled:
             refuse_lr_as_number(kwargs.get('compile_step', False),
                                 f'master_weights={self.properties.lean_storage!r}')

@@ -31,7 +31,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.mark.parametrize('kwargs,err,match', [
     (dict(opt_level='O2', dtype='float16', master_weights='split'), ValueError,
-     "master_weights='split' needs dtype='bfloat16'"),
+     "master_weights='split' needs dtype='bfloat16'.*an fp16 model has no such master"),
+    (dict(opt_level='O2', dtype='float32', master_weights='kahan'), ValueError,
+     "master_weights='kahan' needs dtype='bfloat16'.*an fp32 model needs no lean storage"),
     (dict(opt_level='O1', dtype='bfloat16', master_weights='kahan'), RuntimeError,
      "master_weights='kahan' .* O1"),
     (dict(opt_level='O0', dtype='bfloat16', master_weights='stochastic'), ValueError,
@@ -75,6 +77,9 @@ def test_wrapper_needs_a_lean_optimizer():
     (FusedAdam, dict(bf16_storage='kahan', master_weights=True), ValueError,
      'cannot be combined with master_weights=True'),
     (FusedSGD, dict(lr=0.1, bf16_storage='stochastic', seed=1.5), TypeError, 'seed must be an int'),
+    (FusedSGD, dict(lr=0.1, bf16_storage='stochastic', seed=2**70), ValueError,
+     r'FusedSGD: seed=1180591620717411303424 is out of range; expected an int in \[-2\*\*63, '
+     r'2\*\*63\)'),
     # None is no choice: refused here, not at the first step as a 'bfloat16' without a storage.
     (FusedSGD, dict(lr=0.1, state_dtype=None), ValueError,
      r"FusedSGD: state_dtype=None is not supported; allowed: 'float32', 'bfloat16'$"),
