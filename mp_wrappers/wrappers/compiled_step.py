@@ -41,6 +41,7 @@ Note [compiled step]
     gradients), while ``sync_found_inf=True`` without DDP all-reduces the flags inside them, which
     ``fullgraph`` refuses if this torch cannot trace it. FSDP is refused at the first step.
 """
+import inspect
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -90,7 +91,39 @@ def check_compile_step(value: Any, optimizer: Optional[Optimizer] = None
             'capturable=True): the lr becomes a 1-element tensor the kernels read when they run')
     compat.require('fake_kernels')
     compat.require('compile_list_ops')
+    _check_compile_keywords(value)
     return dict(value)
+
+
+#: torch.compile's modes (torch refuses any other only when the step first compiles).
+COMPILE_MODES = (None, 'default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs')
+
+
+def _check_compile_keywords(value: Dict[str, Any]) -> None:
+    """Refuse, at construction, what torch.compile would refuse only at the first step: an
+    unknown keyword, mode or backend name, or mode with options (torch takes one of them)."""
+    allowed = [k for k in inspect.signature(torch.compile).parameters
+               if k not in ('model', 'fullgraph')]
+    unknown = sorted(k for k in value if k not in allowed)
+    if unknown:
+        raise ValueError(f'compile_step has unknown torch.compile keywords {unknown}; allowed: '
+                         f'{allowed}')
+    if value.get('mode') not in COMPILE_MODES:
+        raise ValueError(f"compile_step mode={value['mode']!r} is not a torch.compile mode; "
+                         f'allowed: {list(COMPILE_MODES)}')
+    if value.get('mode') is not None and value.get('options') is not None:
+        raise ValueError("compile_step: torch.compile takes mode or options, not both; got "
+                         f"mode={value['mode']!r} and options={value['options']!r}")
+    backend = value.get('backend', 'inductor')
+    if isinstance(backend, str):
+        from torch._dynamo import list_backends  # imports dynamo: only when compiling anyway
+        known = list_backends(exclude_tags=())
+        if backend not in known:
+            raise ValueError(f'compile_step backend={backend!r} is not a registered '
+                             f'torch.compile backend; registered here: {known}')
+    elif not callable(backend):
+        raise TypeError(f'compile_step backend must be a backend name or a callable, got '
+                        f'{backend!r}')
 
 
 def refuse_lr_as_number(value: Any, what: str) -> None:

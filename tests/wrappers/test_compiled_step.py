@@ -188,6 +188,16 @@ def test_deferred_outcomes_after_a_compiled_step():
 @pytest.mark.parametrize('value, error, match', [
     ('yes', TypeError, r"compile_step must be True, False or a dict .* got 'yes'"),
     (dict(fullgraph=False), ValueError, 'fullgraph is always True'),
+    # What torch.compile itself would refuse only when the first step compiles:
+    (dict(bogus=1), ValueError,
+     r"compile_step has unknown torch.compile keywords \['bogus'\]; allowed: \[.*'backend'"),
+    (dict(mode='nonsense'), ValueError,
+     r"compile_step mode='nonsense' is not a torch.compile mode; allowed: \[None, 'default'"),
+    (dict(backend='nope'), ValueError,
+     r"compile_step backend='nope' is not a registered torch.compile backend"),
+    (dict(backend=3), TypeError, r'compile_step backend must be a backend name or a callable, '
+                                 r'got 3'),
+    (dict(mode='default', options={}), ValueError, r'takes mode or options, not both'),
 ])
 def test_wrong_compile_step_is_refused(value, error, match):
     with pytest.raises(error, match=match):
