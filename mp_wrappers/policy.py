@@ -222,7 +222,10 @@ def resolve_properties(opt_level: str = 'O1', *, dtype: Union[str, torch.dtype] 
     _check_opt_level(opt_level)
     if not isinstance(enabled, bool):
         raise ValueError(f'enabled={enabled!r} must be True or False')
-    half = _resolve_compute_dtype(dtype, device)
+    if dtype is None and (opt_level == 'O0' or not enabled):
+        half = None  # nothing is cast or autocast: the compute dtype does not matter (as ever)
+    else:
+        half = _resolve_compute_dtype(dtype, device)
     level_cast, level_patch, level_keep_bn, level_master, level_scale = OPT_LEVELS[opt_level]
     level_cast = half if level_cast == 'half' else level_cast
 

@@ -5,6 +5,7 @@ loads) and :mod:`mp_wrappers.optim` all check with these, so one wording reaches
 way a call came in, and nothing here imports the dispatcher or the extension.
 """
 import math
+import numbers
 from typing import Any, List, Optional, Sequence, Union
 
 import torch
@@ -83,16 +84,27 @@ def _check_lr(owner: str, lr: Union[float, Tensor]) -> None:
                          'finite')
 
 
+def is_flag(value: Any) -> bool:
+    """True/False, a numpy bool, 1/0, or None (taken as False, as it always was): anything but a
+    string such as 'False', which ``bool()`` would take as True, or another number."""
+    if value is None or isinstance(value, (bool, numbers.Integral)):
+        return value is None or value in (0, 1)
+    kind = type(value)  # numpy.bool (numpy.bool_ before numpy 2), without importing numpy
+    return kind.__module__ == 'numpy' and kind.__name__ in ('bool', 'bool_')
+
+
 def _check_flag(owner: str, option: str, value: Any) -> None:
-    """True or False (or 1 / 0). A string such as 'False' would otherwise be taken as true."""
-    if not (isinstance(value, bool) or (isinstance(value, int) and value in (0, 1))):
+    if not is_flag(value):
         raise ValueError(f'{owner}: {option}={value!r} must be True or False')
 
 
 def _as_pair(betas: Any) -> Any:
-    """A list of betas (a config's) as the tuple torch's optimizers keep; anything else as it is,
-    for _check_betas to refuse by name (``tuple(None)`` would fail with a bare TypeError)."""
-    return tuple(betas) if isinstance(betas, (tuple, list)) else betas
+    """Betas given as a list (a config's) or an array as the tuple torch's optimizers keep; what is
+    not iterable as it is, for _check_betas to refuse by name (``tuple(None)`` would fail with a
+    bare TypeError)."""
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, '__iter__'):
+        return betas
+    return tuple(betas)  # a numpy array's too
 
 
 def _check_betas(owner: str, betas: Sequence[float]) -> None:

@@ -125,8 +125,11 @@ class ApexOptimWrapper(ModelCastingOptimWrapper):
                                 f'master_weights={self.properties.lean_storage!r}')
         scalers = [self._build_scaler(min_loss_scale, max_loss_scale, hysteresis, scale_window,
                                       init_scale) for _ in range(num_losses)]
+        # enabled=False makes no masters (a plain OptimWrapper): the checks of an optimizer under
+        # fp32 masters (ZeRO, an unused bf16 storage) do not apply then.
         super().__init__(optimizer, scalers,
-                         master_weights=self.properties.master_weights is True,
+                         master_weights=self.properties.master_weights is True
+                         and self.properties.enabled,
                          verbose=verbosity > 0, accumulative_counts=accumulative_counts,
                          clip_grad=clip_grad, **kwargs)
         self.num_losses = num_losses
@@ -149,9 +152,11 @@ class ApexOptimWrapper(ModelCastingOptimWrapper):
                                      max_loss_scale=max_loss_scale, hysteresis=hysteresis)
         # Validate the dynamic options even when unused (bf16, a numeric loss_scale): a wrong
         # value is a mistake either way. The dynamic scaler's own checks give the same messages.
-        DynamicLossScaler(init_scale=init_scale, scale_window=scale_window,
-                          min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
-                          hysteresis=hysteresis)
+        # enabled=False (a plain OptimWrapper) ignores them, as it ignores every amp option.
+        if self.properties.enabled:
+            DynamicLossScaler(init_scale=init_scale, scale_window=scale_window,
+                              min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
+                              hysteresis=hysteresis)
         return StaticLossScaler(self.properties.loss_scale)
 
     @property

@@ -95,32 +95,38 @@ def check_compile_step(value: Any, optimizer: Optional[Optimizer] = None
     return dict(value)
 
 
-#: torch.compile's modes (torch refuses any other only when the step first compiles).
-COMPILE_MODES = (None, 'default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs')
-
-
 def _check_compile_keywords(value: Dict[str, Any]) -> None:
-    """Refuse, at construction, what torch.compile would refuse only at the first step: an
-    unknown keyword, mode or backend name, or mode with options (torch takes one of them)."""
+    """Refuse, at construction, what torch.compile would refuse only when the first step compiles:
+    an unknown keyword, backend name or inductor mode, or mode with options (torch takes one).
+    The names are the running torch's own (its backend registry, entry points included; its
+    inductor modes), so what that torch takes stays allowed."""
     allowed = [k for k in inspect.signature(torch.compile).parameters
                if k not in ('model', 'fullgraph')]
     unknown = sorted(k for k in value if k not in allowed)
     if unknown:
         raise ValueError(f'compile_step has unknown torch.compile keywords {unknown}; allowed: '
                          f'{allowed}')
-    if value.get('mode') not in COMPILE_MODES:
-        raise ValueError(f"compile_step mode={value['mode']!r} is not a torch.compile mode; "
-                         f'allowed: {list(COMPILE_MODES)}')
-    if value.get('mode') is not None and value.get('options') is not None:
+    mode, backend = value.get('mode'), value.get('backend')
+    if mode is not None and value.get('options') is not None:
         raise ValueError("compile_step: torch.compile takes mode or options, not both; got "
-                         f"mode={value['mode']!r} and options={value['options']!r}")
-    backend = value.get('backend', 'inductor')
-    if isinstance(backend, str):
-        from torch._dynamo import list_backends  # imports dynamo: only when compiling anyway
-        known = list_backends(exclude_tags=())
-        if backend not in known:
+                         f"mode={mode!r} and options={value['options']!r}")
+    if backend is None or isinstance(backend, str):
+        # Both import dynamo / inductor: only done when a step is to be compiled anyway.
+        from torch._dynamo.backends.registry import lookup_backend
+        name = 'inductor' if backend is None else backend
+        try:
+            lookup_backend(name)
+        except Exception:  # InvalidBackend (a RuntimeError), whatever torch version raises it
+            from torch._dynamo import list_backends
             raise ValueError(f'compile_step backend={backend!r} is not a registered '
-                             f'torch.compile backend; registered here: {known}')
+                             f'torch.compile backend; registered here: '
+                             f'{list_backends(exclude_tags=())}') from None
+        if name == 'inductor' and mode is not None:
+            from torch._inductor import list_mode_options
+            modes = list(list_mode_options())
+            if mode not in modes:
+                raise ValueError(f'compile_step mode={mode!r} is not an inductor mode of this '
+                                 f'torch; allowed: {modes} or None')
     elif not callable(backend):
         raise TypeError(f'compile_step backend must be a backend name or a callable, got '
                         f'{backend!r}')

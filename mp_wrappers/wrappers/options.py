@@ -48,6 +48,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from ..ops._checks import is_flag
+
 __all__ = ['COLLAPSE_POLICIES', 'GRAD_CHECKS', 'check_flag', 'check_options', 'check_optimizer',
            'check_loss_id']
 
@@ -61,8 +63,8 @@ def _positive_int(name: str, value: Any) -> None:
 
 
 def check_flag(name: str, value: Any) -> None:
-    """True or False (or 1 / 0): a string such as 'False' would otherwise be taken as true."""
-    if not (isinstance(value, bool) or (isinstance(value, int) and value in (0, 1))):
+    """True or False (``is_flag``): a string such as 'False' would otherwise be taken as true."""
+    if not is_flag(value):
         raise ValueError(f'{name}={value!r} must be True or False')
 
 
@@ -98,15 +100,23 @@ CLIP_KEYS = {'norm': ('max_norm', 'norm_type', 'error_if_nonfinite', 'foreach'),
              'value': ('clip_value', 'foreach')}
 
 
-def _positive_number(value: Any, inf_ok: bool = False) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-            and (inf_ok or math.isfinite(value)))
+def _positive_number(value: Any, strings: bool = False) -> bool:
+    """Whether ``float(value)`` is > 0 (inf included, NaN not): numpy scalars and 0-d tensors
+    are taken as torch takes them; strings only where torch documents them (norm_type='inf')."""
+    if isinstance(value, bool) or (isinstance(value, str) and not strings):
+        return False
+    try:
+        return float(value) > 0
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several elements
+        return False
 
 
 def _check_clip_grad(clip_grad: Any) -> None:
     """Refuse a clip_grad that torch would take wrongly or only reject at the first step: a
     negative max_norm flips every gradient (the clip coefficient is negative), a misspelt key
-    or a string limit fails inside the first step. An unknown 'type' is mmengine's to refuse."""
+    or a string limit fails inside the first step. An unknown 'type' is mmengine's to refuse.
+    Whatever torch takes stays allowed: inf (log the norm, clip nothing), numpy scalars, 0-d
+    tensors, norm_type='inf'."""
     if clip_grad is None:
         return
     if not isinstance(clip_grad, dict):
@@ -125,10 +135,10 @@ def _check_clip_grad(clip_grad: Any) -> None:
         raise ValueError(f'clip_grad needs {limit} (a positive number) for type={kind!r}, got '
                          f'{clip_grad!r}')
     if not _positive_number(clip_grad[limit]):
-        raise ValueError(f'clip_grad {limit} must be a positive finite number, got '
-                         f'{clip_grad[limit]!r}')
-    if 'norm_type' in clip_grad and not _positive_number(clip_grad['norm_type'], inf_ok=True):
-        raise ValueError(f"clip_grad norm_type must be a positive number (float('inf') for the "
+        raise ValueError(f"clip_grad {limit} must be a number > 0 (float('inf') clips nothing), "
+                         f'got {clip_grad[limit]!r}')
+    if 'norm_type' in clip_grad and not _positive_number(clip_grad['norm_type'], strings=True):
+        raise ValueError(f"clip_grad norm_type must be a number > 0 (float('inf') or 'inf' for the "
                          f"max norm), got {clip_grad['norm_type']!r}")
 
 

@@ -8,6 +8,7 @@ around (see ``test_frozen_parameters_are_left_exactly_alone``).
 """
 import re
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,7 @@ from torch import nn
 import mp_wrappers
 from mp_wrappers import (ApexOptimWrapper, DynamicLossScaler, FP16OptimWrapper,
                          MixedPrecisionDistributedDataParallel, StaticLossScaler, cast_model)
-from mp_wrappers.optim import FusedAdam, FusedLAMB, FusedSGD
+from mp_wrappers.optim import FusedAdagrad, FusedAdam, FusedLAMB, FusedSGD
 from mp_wrappers.wrappers.checkpoint_format import CheckpointMismatchWarning
 from mp_wrappers.ops import multi_tensor_axpby, multi_tensor_l2norm, multi_tensor_scale, new_found_inf
 
@@ -168,18 +169,18 @@ CATALOGUE = [
      r'type of clip_grad should be "norm" or "value" but got l3'),
     # A negative max_norm would flip every gradient; the others would fail inside the first step.
     ('clip_grad-negative-max_norm', lambda: _fp16(clip_grad=dict(max_norm=-1.0)), ValueError,
-     r'clip_grad max_norm must be a positive finite number, got -1\.0'),
+     r"clip_grad max_norm must be a number > 0 \(float\('inf'\) clips nothing\), got -1\.0"),
     ('clip_grad-string-max_norm', lambda: _fp16(clip_grad=dict(max_norm='1')), ValueError,
-     r"clip_grad max_norm must be a positive finite number, got '1'"),
+     r"clip_grad max_norm must be a number > 0 .*got '1'"),
     ('clip_grad-misspelt-key', lambda: _fp16(clip_grad=dict(max_nrm=1.0)), ValueError,
      r"clip_grad has unknown keys \['max_nrm'\] for type='norm'; allowed: \['max_norm', "
      r"'norm_type', 'error_if_nonfinite', 'foreach'\]"),
     ('clip_grad-without-max_norm', lambda: _fp16(clip_grad=dict(norm_type=2)), ValueError,
      r"clip_grad needs max_norm \(a positive number\) for type='norm', got \{'norm_type': 2\}"),
     ('clip_grad-norm_type-word', lambda: _fp16(clip_grad=dict(max_norm=1.0, norm_type='fro')),
-     ValueError, r"clip_grad norm_type must be a positive number .*got 'fro'"),
+     ValueError, r"clip_grad norm_type must be a number > 0 .*got 'fro'"),
     ('clip_grad-negative-clip_value', lambda: _fp16(clip_grad=dict(type='value', clip_value=-0.5)),
-     ValueError, r'clip_grad clip_value must be a positive finite number, got -0\.5'),
+     ValueError, r'clip_grad clip_value must be a number > 0 .*got -0\.5'),
     ('on_scale_collapse-unknown', lambda: _fp16(on_scale_collapse='explode'), ValueError,
      r"on_scale_collapse='explode' is not allowed; expected one of \('warn', 'raise', 'ignore'\)"),
     ('collapse_patience-None', lambda: _fp16(collapse_patience=None), ValueError,
@@ -298,9 +299,11 @@ CATALOGUE = [
      r"FusedAdam: amsgrad='False' must be True or False"),
     ('nesterov-string', lambda: FusedSGD(_model().parameters(), lr=0.1, nesterov='False'),
      ValueError, r"FusedSGD: nesterov='False' must be True or False"),
-    ('group-bias_correction-None',
-     lambda: FusedLAMB([dict(params=_model().parameters(), bias_correction=None)]), ValueError,
-     r'FusedLAMB: bias_correction=None must be True or False'),
+    ('group-bias_correction-string',
+     lambda: FusedLAMB([dict(params=_model().parameters(), bias_correction='no')]), ValueError,
+     r"FusedLAMB: bias_correction='no' must be True or False"),
+    ('adagrad_w_mode-float', lambda: FusedAdagrad(_model().parameters(), adagrad_w_mode=0.5),
+     ValueError, r'FusedAdagrad: adagrad_w_mode=0\.5 must be True or False'),
     ('capturable-string', lambda: FusedAdam(_model().parameters(), capturable='yes'), ValueError,
      r"FusedAdam: capturable='yes' must be True or False"),
     ('overflow_report-string', lambda: _fp16(overflow_report='False'), ValueError,
@@ -433,9 +436,29 @@ def test_bad_input_is_refused_clearly(row):
     lambda: _fp16(clip_grad=dict(type='value', clip_value=0.5)),
     lambda: _fp16(clip_grad=dict(max_norm=35, norm_type=2)),
     lambda: _fp16(clip_grad=dict(max_norm=1.0, norm_type=float('inf'), foreach=False)),
+    # What torch and mmengine take: inf (log grad_norm, clip nothing), 'inf', numpy, 0-d tensors.
+    lambda: _fp16(clip_grad=dict(max_norm=float('inf'))),
+    lambda: _fp16(clip_grad=dict(type='value', clip_value=float('inf'))),
+    lambda: _fp16(clip_grad=dict(max_norm=1.0, norm_type='inf')),
+    lambda: _fp16(clip_grad=dict(max_norm=np.float32(1.0), norm_type=np.int64(2))),
+    lambda: _fp16(clip_grad=dict(max_norm=torch.tensor(1.0))),
     lambda: FusedLAMB(_model().parameters(), max_grad_norm=float('inf')),  # clips nothing
     lambda: FusedAdam(_model().parameters(), betas=[0.8, 0.9]),  # a config's list
-], ids=['clip-value', 'clip-norm-int', 'clip-inf-norm', 'lamb-no-clip', 'betas-list'])
+    lambda: FusedAdam(_model().parameters(), betas=np.array([0.8, 0.9])),
+    # Flags as bool() took them before, but for strings: numpy bools, 1/0, None (False).
+    lambda: FusedSGD(_model().parameters(), lr=0.1, momentum=0.9, nesterov=np.True_),
+    lambda: FusedAdam(_model().parameters(), bias_correction=1, set_grad_none=None),
+    lambda: _fp16(verbose=np.False_, overflow_report=None),
+    # dtype=None where nothing is cast (O0, enabled=False): refused at O1-O3 only.
+    lambda: _apex(opt_level='O0', dtype=None),
+    lambda: _apex(opt_level='O2', dtype=None, enabled=False),
+    # enabled=False is a plain OptimWrapper: the optimizer's own bf16 storage steps the params.
+    lambda: ApexOptimWrapper(FusedAdam(_model().parameters(), bf16_storage='kahan'),
+                             opt_level='O2', dtype='bfloat16', enabled=False, hysteresis=-1),
+], ids=['clip-value', 'clip-norm-int', 'clip-inf-norm', 'clip-inf', 'clip-value-inf',
+        'clip-norm-type-word-inf', 'clip-numpy', 'clip-tensor', 'lamb-no-clip', 'betas-list',
+        'betas-numpy', 'flag-numpy', 'flag-int-and-None', 'wrapper-flags-numpy-and-None',
+        'dtype-None-O0', 'dtype-None-disabled', 'disabled-with-bf16-storage'])
 def test_valid_forms_next_to_the_refused_ones_are_accepted(make):
     make()
 

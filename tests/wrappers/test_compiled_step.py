@@ -192,7 +192,7 @@ def test_deferred_outcomes_after_a_compiled_step():
     (dict(bogus=1), ValueError,
      r"compile_step has unknown torch.compile keywords \['bogus'\]; allowed: \[.*'backend'"),
     (dict(mode='nonsense'), ValueError,
-     r"compile_step mode='nonsense' is not a torch.compile mode; allowed: \[None, 'default'"),
+     r"compile_step mode='nonsense' is not an inductor mode of this torch; allowed: \['default'"),
     (dict(backend='nope'), ValueError,
      r"compile_step backend='nope' is not a registered torch.compile backend"),
     (dict(backend=3), TypeError, r'compile_step backend must be a backend name or a callable, '
@@ -202,6 +202,13 @@ def test_deferred_outcomes_after_a_compiled_step():
 def test_wrong_compile_step_is_refused(value, error, match):
     with pytest.raises(error, match=match):
         _apex_o2(_model(), value)
+
+
+@pytest.mark.parametrize('value', [dict(backend=None), dict(mode='max-autotune'),
+                                   dict(backend='eager', mode='anything-eager-ignores'),
+                                   dict(backend=CompileCounter())])
+def test_what_torch_compile_takes_is_taken(value):
+    _apex_o2(_model(), value)
 
 
 def test_compile_step_needs_the_lr_on_the_device():
