@@ -102,8 +102,9 @@ def _as_pair(betas: Any) -> Any:
     """Betas given as a list (a config's) or an array as the tuple torch's optimizers keep; what is
     not iterable as it is, for _check_betas to refuse by name (``tuple(None)`` would fail with a
     bare TypeError)."""
-    if isinstance(betas, (str, bytes)) or not hasattr(betas, '__iter__'):
-        return betas
+    if isinstance(betas, (str, bytes, dict)) or not (hasattr(betas, '__len__')
+                                                     and hasattr(betas, '__getitem__')):
+        return betas  # not an ordered sequence (a set's order would be its hashes')
     return tuple(betas)  # a numpy array's too
 
 

@@ -95,6 +95,21 @@ def check_compile_step(value: Any, optimizer: Optional[Optimizer] = None
     return dict(value)
 
 
+def _invalid_backend() -> type:
+    """What lookup_backend raises for an unknown name: torch._dynamo.exc.InvalidBackend (a
+    RuntimeError), or RuntimeError on a torch without it."""
+    try:
+        from torch._dynamo.exc import InvalidBackend
+        return InvalidBackend
+    except ImportError:
+        return RuntimeError
+
+
+def _registered_backends() -> List[str]:
+    from torch._dynamo import list_backends
+    return list_backends(exclude_tags=())
+
+
 def _check_compile_keywords(value: Dict[str, Any]) -> None:
     """Refuse, at construction, what torch.compile would refuse only when the first step compiles:
     an unknown keyword, backend name or inductor mode, or mode with options (torch takes one).
@@ -116,15 +131,14 @@ def _check_compile_keywords(value: Dict[str, Any]) -> None:
         name = 'inductor' if backend is None else backend
         try:
             lookup_backend(name)
-        except Exception:  # InvalidBackend (a RuntimeError), whatever torch version raises it
-            from torch._dynamo import list_backends
+        except _invalid_backend():  # only that: a plugin failing to load keeps its own error
             raise ValueError(f'compile_step backend={backend!r} is not a registered '
                              f'torch.compile backend; registered here: '
-                             f'{list_backends(exclude_tags=())}') from None
+                             f'{_registered_backends()}') from None
         if name == 'inductor' and mode is not None:
             from torch._inductor import list_mode_options
             modes = list(list_mode_options())
-            if mode not in modes:
+            if mode not in modes and mode != '':  # torch takes '' as the default mode
                 raise ValueError(f'compile_step mode={mode!r} is not an inductor mode of this '
                                  f'torch; allowed: {modes} or None')
     elif not callable(backend):

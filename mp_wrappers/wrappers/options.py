@@ -103,7 +103,7 @@ CLIP_KEYS = {'norm': ('max_norm', 'norm_type', 'error_if_nonfinite', 'foreach'),
 def _positive_number(value: Any, strings: bool = False) -> bool:
     """Whether ``float(value)`` is > 0 (inf included, NaN not): numpy scalars and 0-d tensors
     are taken as torch takes them; strings only where torch documents them (norm_type='inf')."""
-    if isinstance(value, bool) or (isinstance(value, str) and not strings):
+    if isinstance(value, (bool, bytes)) or (isinstance(value, str) and not strings):
         return False
     try:
         return float(value) > 0

@@ -172,6 +172,10 @@ CATALOGUE = [
      r"clip_grad max_norm must be a number > 0 \(float\('inf'\) clips nothing\), got -1\.0"),
     ('clip_grad-string-max_norm', lambda: _fp16(clip_grad=dict(max_norm='1')), ValueError,
      r"clip_grad max_norm must be a number > 0 .*got '1'"),
+    ('clip_grad-bytes-max_norm', lambda: _fp16(clip_grad=dict(max_norm=b'1.0')), ValueError,
+     r"clip_grad max_norm must be a number > 0 .*got b'1\.0'"),
+    ('betas-set', lambda: FusedAdam(_model().parameters(), betas={0.9, 0.5}), ValueError,
+     r'FusedAdam: Invalid betas: \{.*\}; expected a pair \(beta1, beta2\)'),
     ('clip_grad-misspelt-key', lambda: _fp16(clip_grad=dict(max_nrm=1.0)), ValueError,
      r"clip_grad has unknown keys \['max_nrm'\] for type='norm'; allowed: \['max_norm', "
      r"'norm_type', 'error_if_nonfinite', 'foreach'\]"),
