@@ -78,8 +78,6 @@ class MixedPrecisionOptimWrapper(WrapperMasters, WrapperCheckpoint, OptimWrapper
                  compile_step: Union[bool, dict] = False) -> None:
         options.check_options(optimizer, accumulative_counts, clip_grad, on_scale_collapse,
                               collapse_patience, log_interval, grad_check, sync_found_inf)
-        options.check_flag('overflow_report', overflow_report)
-        options.check_flag('verbose', verbose)
         self._device_stages = DeviceStages(compile_step, optimizer)  # Note [compiled step]
         options.check_optimizer(optimizer, master_weights, type(self).__name__)
         # mmengine pops 'type' from clip_grad; give it a copy so the user's config stays intact.
@@ -87,8 +85,8 @@ class MixedPrecisionOptimWrapper(WrapperMasters, WrapperCheckpoint, OptimWrapper
                          clip_grad=dict(clip_grad) if clip_grad else None)
         self.loss_scalers: List[LossScaler] = list(loss_scalers)
         self.master_weights = bool(master_weights)
-        self.verbose = bool(verbose)
-        self.overflow_report = bool(overflow_report)
+        self.verbose = options.flag('verbose', verbose)
+        self.overflow_report = options.flag('overflow_report', overflow_report)
         self.on_scale_collapse = on_scale_collapse
         self.collapse_patience = collapse_patience
         self.sync_found_inf = sync_found_inf

@@ -50,8 +50,8 @@ from torch.optim import Optimizer
 
 from ..ops._checks import is_flag
 
-__all__ = ['COLLAPSE_POLICIES', 'GRAD_CHECKS', 'check_flag', 'check_options', 'check_optimizer',
-           'check_loss_id']
+__all__ = ['COLLAPSE_POLICIES', 'GRAD_CHECKS', 'check_options', 'check_optimizer', 'check_loss_id',
+           'flag']
 
 COLLAPSE_POLICIES = ('warn', 'raise', 'ignore')
 GRAD_CHECKS = ('auto', 'always')
@@ -62,10 +62,12 @@ def _positive_int(name: str, value: Any) -> None:
         raise ValueError(f'{name} must be an integer >= 1, got {value!r}')
 
 
-def check_flag(name: str, value: Any) -> None:
-    """True or False (``is_flag``): a string such as 'False' would otherwise be taken as true."""
+def flag(name: str, value: Any) -> bool:
+    """``bool(value)`` of True or False (``is_flag``): a string such as 'False' is refused, as
+    ``bool()`` would take it as true."""
     if not is_flag(value):
         raise ValueError(f'{name}={value!r} must be True or False')
+    return bool(value)
 
 
 def check_options(optimizer: Any, accumulative_counts: Any, clip_grad: Any,
