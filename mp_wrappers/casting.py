@@ -29,9 +29,12 @@ _NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm,
 
 
 def parse_dtype(value: Union[str, torch.dtype, None], option: str = 'dtype',
-                allowed=('float16', 'bfloat16')) -> Optional[torch.dtype]:
-    """Turn ``'float16'``, ``'bf16'``, ``torch.bfloat16``... into a torch dtype, or raise naming ``option``."""
-    if value is None:
+                allowed=('float16', 'bfloat16'), allow_none: bool = True) -> Optional[torch.dtype]:
+    """Turn ``'float16'``, ``'bf16'``, ``torch.bfloat16``... into a torch dtype, or raise naming ``option``.
+
+    None passes through as None (an unset option) unless ``allow_none=False``, where it is refused
+    like any other value outside ``allowed``."""
+    if value is None and allow_none:
         return None
     allowed_dtypes = {_DTYPE_NAMES[a] for a in allowed}
     if isinstance(value, torch.dtype):

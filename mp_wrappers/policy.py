@@ -131,10 +131,9 @@ def _resolve_compute_dtype(dtype: Any, device: Union[str, torch.device, None]) -
     if isinstance(dtype, str) and dtype == 'auto':
         from .hardware import auto_dtype
         return auto_dtype(device).dtype
-    try:
-        if dtype is None:  # parse_dtype passes None through; here it would mean no cast at all
-            raise ValueError
-        return parse_dtype(dtype, 'dtype', allowed=('float16', 'bfloat16', 'float32'))
+    try:  # None would mean no cast at all (resolve_properties lets it through where none is made)
+        return parse_dtype(dtype, 'dtype', allowed=('float16', 'bfloat16', 'float32'),
+                           allow_none=False)
     except ValueError:
         raise ValueError(f"dtype={dtype!r} is not supported; allowed: 'float16', 'bfloat16', "
                          "'float32', 'auto'") from None

@@ -50,11 +50,8 @@ class LeanStorageMixin:
 
     def _init_lean(self, bf16_storage: Optional[str], state_dtype: Any, seed: int) -> None:
         name = type(self).__name__
-        if state_dtype is None:  # parse_dtype passes None through (an unset option elsewhere)
-            raise ValueError(f"{name}: state_dtype=None is not supported; allowed: 'float32', "
-                             "'bfloat16'")
         self.state_dtype = parse_dtype(state_dtype, f'{name}: state_dtype',
-                                       allowed=('float32', 'bfloat16'))
+                                       allowed=('float32', 'bfloat16'), allow_none=False)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f'{name}: seed must be an int, got {seed!r}')
         if not -2**63 <= seed < 2**63:  # the kernels take it as an int64

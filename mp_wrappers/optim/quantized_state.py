@@ -114,9 +114,8 @@ class QuantizedStateMixin:
         self.int8_states = isinstance(state_dtype, str) and state_dtype == 'int8'
         if not self.int8_states:
             try:  # the lean mixin knows only its own two values: name all three here
-                if state_dtype is None:  # parse_dtype passes None through
-                    raise ValueError
-                parse_dtype(state_dtype, f'{name}: state_dtype', allowed=('float32', 'bfloat16'))
+                parse_dtype(state_dtype, f'{name}: state_dtype', allowed=('float32', 'bfloat16'),
+                            allow_none=False)
             except ValueError:
                 raise ValueError(f'{name}: state_dtype={state_dtype!r} is not supported; allowed: '
                                  f'{", ".join(repr(s) for s in STATE_DTYPES)}') from None
