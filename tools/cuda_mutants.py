@@ -98,23 +98,24 @@ EQUIVALENT: Dict[str, str] = {
     'multi_tensor_scale.cu:37:rel:70b8d9ee': _TAIL + 'and 0 is finite (no found_inf)',
     'multi_tensor_scale.cu:81:rel:420d481b': _TAIL + 'and 0 is finite in x and y (no found_inf)',
     # multi_tensor_adam8bit.cu: the boundaries of the codes, where both branches give the same code.
-    'multi_tensor_adam8bit.cu:57:rel:b389cf53': 'code 2^M (the first normal) decoded as a subnormal '
+    'multi_tensor_adam8bit.cu:59:rel:b389cf53': 'code 2^M (the first normal) decoded as a subnormal '
                                                 'is 2^M * 2^(1-B-M) = 2^(1-B), its normal value',
-    'multi_tensor_adam8bit.cu:70:rel:50b71e5f': 'a magnitude equal to MAX is clamped to MAX',
-    'multi_tensor_adam8bit.cu:72:rel:d9d703f1': 'min_normal encoded as a subnormal rounds to code '
+    'multi_tensor_adam8bit.cu:71:rel:50b71e5f': 'a magnitude equal to MAX is clamped to MAX',
+    'multi_tensor_adam8bit.cu:73:rel:d9d703f1': 'min_normal encoded as a subnormal rounds to code '
                                                 '2^M, its normal code',
-    'multi_tensor_adam8bit.cu:212:rel:e5c568d0': 'the lane at i == n of a short block loaded p = g = 0 '
+    'multi_tensor_adam8bit.cu:216:rel:e5c568d0': 'the lane at i == n of a short block loaded p = g = 0 '
                                                  'and code 0: its new moments are 0 and do not '
                                                  'raise a max that starts at 0 (only an infinite '
                                                  'absmax in the state, which no finite step writes, '
                                                  'would make them NaN)',
-    'multi_tensor_adam8bit.cu:297:logic:ba1853d4': 'launch bounds are a register budget for nvcc '
+    'multi_tensor_adam8bit.cu:301:logic:ba1853d4': 'launch bounds are a register budget for nvcc '
                                                    '(empty in the host build); '
                                                    'tools/check_cuda_compile.sh checks it',
-    'multi_tensor_adam8bit.cu:168:arith:1b25fc34': 'the vector layout\'s index is used with j == 0 '
+    'multi_tensor_adam8bit.cu:170:arith:1b25fc34': 'the vector layout\'s index is used with j == 0 '
                                                    '(a pack\'s first element, where + j and - j '
                                                    'agree) and in the absmax guard `< b.n`, where '
-                                                   'the vector path has b.n == 256 (line 374) and '
+                                                   'the vector path has b.n == 256 '
+                                                   '(adam8bit_kernel passes `vector` only then) and '
                                                    'both indices (0..255, -3..252) are below it',
     'optim_apply.cuh:111:rel:7b4c2f91': 'the state pointer loop runs once more: state has S + 1 '
                                         'slots and state[S] gets addresses[N - 1] (the model '
@@ -141,17 +142,17 @@ EQUIVALENT: Dict[str, str] = {
                                                  'with || it never fails, and no caller passes a '
                                                  'max_blocks outside 1..kMaxBlocks (the && form '
                                                  'is held by the other two mutants of the line)',
-    'multi_tensor_apply.cuh:280:arith:6b574a8a': 'NanMaxOp\'s NaN branch: with a NaN operand a + b '
+    'multi_tensor_apply.cuh:282:arith:6b574a8a': 'NanMaxOp\'s NaN branch: with a NaN operand a + b '
                                                  'and a - b are the same NaN (IEEE 754 returns '
                                                  'the NaN operand, quieted, sign unchanged, on '
                                                  'x86; CUDA returns its canonical NaN for both)',
-    'multi_tensor_apply.cuh:280:rel:737c0a0a': 'NanMaxOp with a == b returns a instead of b, the '
+    'multi_tensor_apply.cuh:282:rel:737c0a0a': 'NanMaxOp with a == b returns a instead of b, the '
                                                'same bits: both users reduce values that are '
                                                'never -0 (NovoGrad fabsf(g) and 0.0; the 8-bit '
                                                'absmax fabsf(m) and v = b2 * v_old + (1 - b2) * '
                                                'g * g with v_old >= +0, from 0.f), so equal '
                                                'operands are equal bit patterns',
-    'multi_tensor_apply.cuh:294:rel:b3ee76ab': 'block_reduce\'s second stage by every warp but '
+    'multi_tensor_apply.cuh:296:rel:b3ee76ab': 'block_reduce\'s second stage by every warp but '
                                                'the first instead of the first: each reads the '
                                                'same per-warp values from shared memory, reduces '
                                                'them in the same order and lane 0 writes the '
@@ -160,8 +161,8 @@ EQUIVALENT: Dict[str, str] = {
                                                'memory, which the host build does not count). '
                                                'A one-warp block (no such launch reduces) would '
                                                'keep its first stage, equal but for -0 + 0',
-    'multi_tensor_adam8bit.cu:403:rel:61e25f20': 'with size - b0 == 256 both branches give 256',
-    'multi_tensor_adam8bit.cu:247:rel:75579f15': 'the scalar encode loop runs once more per half: '
+    'multi_tensor_adam8bit.cu:407:rel:61e25f20': 'with size - b0 == 256 both branches give 256',
+    'multi_tensor_adam8bit.cu:251:rel:75579f15': 'the scalar encode loop runs once more per half: '
                                                  'element (h * kILP + kILP) * 32 + lane of h == 0 '
                                                  'is element (1 * kILP + 0) * 32 + lane, so it '
                                                  'writes the code h == 1 writes next, the same '
@@ -169,12 +170,12 @@ EQUIVALENT: Dict[str, str] = {
                                                  'written (the i < n guard)',
     # The L2 prefetch of a warp's next block: a hint, read by nothing, so only its address can
     # matter, and the host build touches it (a fault, or AddressSanitizer, outside the tensors).
-    'multi_tensor_adam8bit.cu:265:rel:b93f907a': 'one lane more asks for the line right after the '
+    'multi_tensor_adam8bit.cu:269:rel:b93f907a': 'one lane more asks for the line right after the '
                                                  'next block: a line of the chunk, or at its end '
                                                  'one line past the tensor, which the GPU drops '
                                                  'and only an AddressSanitizer build would see '
                                                  '(not the mutants\' build); no result changes',
-    'multi_tensor_adam8bit.cu:266:arith:988d06d4': 'the lines asked for lie before the next block '
+    'multi_tensor_adam8bit.cu:270:arith:988d06d4': 'the lines asked for lie before the next block '
                                                    'instead of in it: next >= b0 + 256 elements '
                                                    'and a lane asks at most 896 bytes back, so '
                                                    'they are lines of this chunk; only the '

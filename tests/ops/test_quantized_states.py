@@ -14,13 +14,16 @@ of ``multi_tensor_adam8bit_`` against its reference.
   'stochastic'), whose reference is the 8-bit moments plus the lean master update.
 """
 import copy
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
 from _guards import checked, flat, guarded
 from mp_wrappers.ops import backend, multi_tensor_adam8bit, multi_tensor_adam8bit_lean, reference
 from mp_wrappers.ops._dispatch import _op_has_kernel
+from mp_wrappers.ops.reference import quant as quant_ref
 from mp_wrappers.ops.reference.lean import bf16_join, bf16_split
 from mp_wrappers.ops.reference.quant import (BLOCK_SIZE, EXP_AVG_CODE, EXP_AVG_SQ_CODE,
                                              code_table, dequantize_blockwise,
@@ -73,6 +76,43 @@ def test_quantization_picks_the_nearest_code(code):
     cands = code_table(code)[None, :] * scale[:, None]
     best = (cands - x[:, None]).abs().min(dim=1).values
     assert torch.all((got - x).abs() <= best * (1 + 1e-6) + 1e-30)
+
+
+def _fl32_of_fraction(x):
+    """The float32 nearest to the rational ``x`` (ties to the even mantissa), by exact comparison
+    with the neighbours of ``float32(float(x))``, which is at most an ulp away."""
+    f = np.float32(float(x))
+    cands = [f]
+    for _ in range(2):
+        cands = [np.nextafter(cands[0], np.float32(-np.inf))] + cands + [
+            np.nextafter(cands[-1], np.float32(np.inf))]
+    return min((float(c) for c in cands),
+               key=lambda c: (abs(Fraction(c) - x), int(np.float32(c).view(np.int32)) & 1))
+
+
+def test_reference_fma_is_correctly_rounded():
+    """``_fma_rn`` (the kernels' fused multiply-add in the 8-bit update) against exact rational
+    arithmetic, on random triples and on sums just off a float32 midpoint, where rounding the
+    float64 sum and then to float32 (double rounding) picks the wrong neighbour."""
+    g = torch.Generator().manual_seed(0)
+    n = 400
+    a = torch.randn(n, generator=g) * torch.exp(8 * torch.randn(n, generator=g))
+    b = torch.randn(n, generator=g) * torch.exp(8 * torch.randn(n, generator=g))
+    c = -(a * b) * (1 + 1e-3 * torch.randn(n, generator=g))  # cancellation
+    c[::3] = torch.randn(n, generator=g)[::3]
+    # 1 + 2**-23 + (2**-24 - 2**-70): below the midpoint of 1 + 2**-23 and 1 + 2**-22, but its
+    # float64 rounding is the midpoint, which ties to the even 1 + 2**-22.
+    hard = (torch.tensor([2.0 ** -24 * (1 - 2.0 ** -23), -2.0 ** -24 * (1 - 2.0 ** -23)]),
+            torch.tensor([1 + 2.0 ** -23, 1 + 2.0 ** -23]),
+            torch.tensor([1 + 2.0 ** -23, -(1 + 2.0 ** -23)]))
+    a, b, c = (torch.cat([x, h]) for x, h in zip((a, b, c), hard))
+    got = quant_ref._fma_rn(a, b, c)
+    want = [_fl32_of_fraction(Fraction(x) * Fraction(y) + Fraction(z))
+            for x, y, z in zip(a.tolist(), b.tolist(), c.tolist())]
+    assert got.tolist() == want
+    assert got[-2].item() == 1 + 2.0 ** -23 and got[-1].item() == -(1 + 2.0 ** -23)
+    twice = (a.double() * b.double() + c.double()).float()
+    assert twice[-2].item() != got[-2].item()  # the hard cases do catch a double rounding
 
 
 def test_zero_blocks_and_partial_blocks():
@@ -215,8 +255,9 @@ def test_kernel_matches_reference_on_edge_blocks(setup, hp):
 class LargeAbsmaxCase(Case):
     """Whole blocks of normal codes whose absmax is near or past where the kernels' re-based decode
     factor overflows (Note [normal decode without the re-base] in
-    csrc/cpu/multi_tensor_adam8bit.cpp: exp_avg ~1.2e5, exp_avg_sq ~8e9), one moment at a time:
-    just below both bounds, exp_avg past it, exp_avg_sq past it, both far past (1e30 / 1e37)."""
+    csrc/cpu/multi_tensor_adam8bit.cpp: exp_avg ~1.2e5 / beta1, exp_avg_sq ~8e9 / beta2), one
+    moment at a time: just below both bounds, exp_avg past it, exp_avg_sq past it, both far past
+    (1e30 / 1e37)."""
 
     SCALES = [(7e4, 5e9), (2e5, 1.0), (1.0, 1e10), (1e30, 1e37)]
 

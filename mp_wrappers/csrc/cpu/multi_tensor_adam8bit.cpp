@@ -6,7 +6,8 @@
 //
 // One pass per block of kBlock elements: dequantize both moments, apply the fp32 Adam update with
 // reciprocal bias corrections (one divide and one square root per element, the reference's
-// operations in its order), store the param and the rounded model copy, keep the new
+// operations in its order, its fused multiply-adds as FMAs: V::fmadd is one rounding in every
+// flavour), store the param and the rounded model copy, keep the new
 // moments in a block buffer (L1) while their absmax is reduced, then requantize the block. The
 // block is the unit a CUDA version maps onto one thread block (absmax reduction, then encode).
 // Chunks of the ChunkPlan start at multiples of kChunkElems, a multiple of kBlock, so a block never
@@ -18,11 +19,17 @@
 // converts with the current (round-to-nearest-even) mode. 16 bytes per fp32 parameter (p read and
 // written, g read, 1 byte per moment read and written, plus the absmax) against fp32 Adam's 28.
 //
+// Note [the folded decode factor]
+//   The reference's new moment is fma(code value, fl(beta * absmax / MAX), fl((1 - beta) * g...)):
+//   the decay and the block's decode factor are one factor per block, so a moment costs one FMA
+//   where dequantize, decay and add were three roundings (and on one core the step waits on its
+//   floating-point operations: docs/quantized_states.md measured 9% for these and the other FMAs).
+//   The decode paths below therefore return code values, not dequantized moments.
+//
 // Speed (docs/quantized_states.md): on one core the step is bound by vector instructions, not by
 // memory, so the common case gets shorter paths that give the same bits. A whole block whose codes
 // of both moments all have a nonzero exponent field decodes without the subnormal lanes and without
-// the exponent re-base (2-3 instructions and the multiply per moment; Note [normal decode without
-// the re-base]); the encode needs no clamp when the block factor is finite (the block's
+// the exponent re-base (2-3 instructions per moment; Note [normal decode without the re-base]); the encode needs no clamp when the block factor is finite (the block's
 // own absmax bounds every scaled value by MAX (1 + 2^-23), which rounds to MAX) and no absolute
 // value for exp_avg_sq (never negative), and whole blocks store their codes packed 32 or 64 at a
 // time; the block's absmax of exp_avg is one VRANGEPS per vector; g * 1 (no loss scale) is skipped.
@@ -57,8 +64,10 @@ using quant::ExpAvgCode;
 using quant::ExpAvgSqCode;
 
 // ---- scalar forms: the baseline flavour, and the meaning of the vector forms ------------------
+// The value of a code with absmax = MAX (reference/quant.py code_table; exact in fp32). The block's
+// decode factor is applied by the update's fused multiply-add (Note [the folded decode factor]).
 template <class C>
-inline float decode_scalar(uint8_t byte, float dec) {
+inline float decode_scalar(uint8_t byte) {
   const int32_t c = C::S ? (byte & 0x7F) : byte;
   float v;
   if (c < C::kFirstNormal) {
@@ -67,7 +76,6 @@ inline float decode_scalar(uint8_t byte, float dec) {
     const int32_t bits = (c + C::kRebase) << C::kShift;
     std::memcpy(&v, &bits, sizeof(v));
   }
-  v *= dec;
   return (C::S && byte >= 0x80) ? -v : v;
 }
 
@@ -98,11 +106,11 @@ struct Quant;
 // Note [normal decode without the re-base]
 //   A normal code's bits, shifted into an fp32's exponent and mantissa fields, are a normal fp32
 //   value 2^(127 - kBias) times too small (its exponent field is the code's, not re-based by
-//   kRebase). Multiplying it by the block's decode factor times 2^(127 - kBias) (exact: a power of
-//   two, when the product is finite) is the same real product as code value times decode factor,
-//   so it rounds to the same bits, and the integer add of the re-base is saved. A block whose
-//   re-based factor would overflow (absmax above ~1.2e5 for exp_avg, ~8e9 for exp_avg_sq) takes the
-//   general decode.
+//   kRebase). Multiplying it by the block's factor times 2^(127 - kBias) (exact: a power of two,
+//   when the product is finite) is the same real product as code value times factor, so the
+//   update's fused multiply-add rounds it to the same bits, and the integer add of the re-base is
+//   saved. A block whose re-based factor would overflow (absmax above ~1.2e5 / beta1 for exp_avg,
+//   ~8e9 / beta2 for exp_avg_sq) takes the general decode.
 template <class C>
 constexpr float kDecodeRebase = quant::pow2(127 - C::kBias);
 
@@ -110,17 +118,17 @@ template <>
 struct Quant<VecBaseline> {
   using V = VecBaseline;
   template <class C>
-  static inline V::F decode(const uint8_t* p, int64_t n, float dec) {
+  static inline V::F decode(const uint8_t* p, int64_t n) {
     V::F r;
-    for (int i = 0; i < V::kWidth; ++i) r.v[i] = i < n ? decode_scalar<C>(p[i], dec) : 0.f;
+    for (int i = 0; i < V::kWidth; ++i) r.v[i] = i < n ? decode_scalar<C>(p[i]) : 0.f;
     return r;
   }
   // The scalar forms have no faster cases: the whole-block flags change nothing here.
   template <class C>
   static inline bool all_normal(const uint8_t*) { return false; }
   template <class C>
-  static inline V::F decode_normal(const uint8_t* p, V::F dec_rebased) {
-    return decode<C>(p, V::kWidth, dec_rebased.v[0] / kDecodeRebase<C>);
+  static inline V::F decode_normal(const uint8_t* p) {
+    return V::mul(decode<C>(p, V::kWidth), V::set1(1.f / kDecodeRebase<C>));  // exact
   }
   template <class C>
   static inline void encode(uint8_t* p, V::F x, V::F enc, bool, int64_t n) {
@@ -157,7 +165,7 @@ struct Quant<VecAvx2> {
     return _mm256_movemask_epi8(_mm256_cmpeq_epi8(low, _mm256_setzero_si256())) == 0;
   }
   template <class C>
-  MP_WRAPPERS_TARGET_AVX2 static inline V::F decode(const uint8_t* p, int64_t n, float dec) {
+  MP_WRAPPERS_TARGET_AVX2 static inline V::F decode(const uint8_t* p, int64_t n) {
     uint64_t raw = 0;
     std::memcpy(&raw, p, static_cast<size_t>(std::min<int64_t>(n, 8)));
     const __m256i b = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(raw)));
@@ -170,7 +178,6 @@ struct Quant<VecAvx2> {
       const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(C::kSubDec));
       v = _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(is_sub));
     }
-    v = _mm256_mul_ps(v, _mm256_set1_ps(dec));
     if (C::S) {
       const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
       v = _mm256_xor_ps(v, _mm256_castsi256_ps(sign));
@@ -179,9 +186,9 @@ struct Quant<VecAvx2> {
   }
   // 8 codes with nonzero exponent fields (Note [normal decode without the re-base] above): the
   // code's bits as an fp32 value's, with the sign (sign-extended from bit 7 into bits 27-31, bit 31
-  // kept) in place, times the block's re-based factor.
+  // kept) in place, for the block's re-based factor.
   template <class C>
-  MP_WRAPPERS_TARGET_AVX2 static inline V::F decode_normal(const uint8_t* p, V::F dec_rebased) {
+  MP_WRAPPERS_TARGET_AVX2 static inline V::F decode_normal(const uint8_t* p) {
     const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     __m256i bits;
     if (C::S) {
@@ -190,7 +197,7 @@ struct Quant<VecAvx2> {
     } else {
       bits = _mm256_slli_epi32(_mm256_cvtepu8_epi32(raw), C::kShift);
     }
-    return _mm256_mul_ps(_mm256_castsi256_ps(bits), dec_rebased);
+    return _mm256_castsi256_ps(bits);
   }
   // The codes of 8 lanes, one per int32 lane (the low byte, as the reference's uint8 cast).
   template <class C>
@@ -262,7 +269,7 @@ struct Quant<VecAvx512> {
     return zero == 0;
   }
   template <class C>
-  MP_WRAPPERS_TARGET_AVX512 static inline V::F decode(const uint8_t* p, int64_t n, float dec) {
+  MP_WRAPPERS_TARGET_AVX512 static inline V::F decode(const uint8_t* p, int64_t n) {
     const __m128i raw = n >= 16 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
                                 : _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << n) - 1u), p);
     const __m512i b = _mm512_cvtepu8_epi32(raw);
@@ -275,7 +282,6 @@ struct Quant<VecAvx512> {
       v = _mm512_mask_mov_ps(
           normal, is_sub, _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(C::kSubDec)));
     }
-    v = _mm512_mul_ps(v, _mm512_set1_ps(dec));
     if (C::S) {
       const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
       v = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), sign));
@@ -283,7 +289,7 @@ struct Quant<VecAvx512> {
     return v;
   }
   template <class C>
-  MP_WRAPPERS_TARGET_AVX512 static inline V::F decode_normal(const uint8_t* p, V::F dec_rebased) {
+  MP_WRAPPERS_TARGET_AVX512 static inline V::F decode_normal(const uint8_t* p) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     __m512i bits;
     if (C::S) {
@@ -292,7 +298,7 @@ struct Quant<VecAvx512> {
     } else {
       bits = _mm512_slli_epi32(_mm512_cvtepu8_epi32(raw), C::kShift);
     }
-    return _mm512_mul_ps(_mm512_castsi512_ps(bits), dec_rebased);
+    return _mm512_castsi512_ps(bits);
   }
   template <class C>
   MP_WRAPPERS_TARGET_AVX512 static inline __m512i codes(V::F x, V::F enc, bool clamp) {
@@ -435,19 +441,22 @@ inline void adam8bit_block(const PM& pm, const G* g, uint8_t* mc, float* ma, uin
                            float* va, int64_t n, const Adam8bitConsts& c, BlockBuffer& buf) {
   using F = typename V::F;
   using Q = Quant<V>;
-  const F lr = V::set1(c.lr), b1 = V::set1(c.beta1), b2 = V::set1(c.beta2);
+  const F lr = V::set1(c.lr);
   const F omb1 = V::set1(c.one_minus_beta1), omb2 = V::set1(c.one_minus_beta2);
   const F eps = V::set1(c.eps), wd = V::set1(c.weight_decay);
   const F rbc1 = V::set1(c.rbc1), rsbc2 = V::set1(c.rsbc2), us = V::set1(c.unscale.factor);
-  const float m_dec = *ma / ExpAvgCode::kMax, v_dec = *va / ExpAvgSqCode::kMax;
-  // Note [normal decode without the re-base]: the factors of decode_normal
-  const float m_dec_rebased = m_dec * kDecodeRebase<ExpAvgCode>;
-  const float v_dec_rebased = v_dec * kDecodeRebase<ExpAvgSqCode>;
-  const F m_dec_v = V::set1(m_dec_rebased), v_dec_v = V::set1(v_dec_rebased);
+  // Note [the folded decode factor]: a moment's decay times its block's decode factor, one
+  // rounding per block, multiplies the code values in the update's fused multiply-add.
+  const float m_fac = c.beta1 * (*ma / ExpAvgCode::kMax);
+  const float v_fac = c.beta2 * (*va / ExpAvgSqCode::kMax);
+  // Note [normal decode without the re-base]: the factors of decode_normal's codes
+  const float m_fac_rebased = m_fac * kDecodeRebase<ExpAvgCode>;
+  const float v_fac_rebased = v_fac * kDecodeRebase<ExpAvgSqCode>;
   const bool scaled = c.unscale.divide || c.unscale.factor != 1.f;  // g * 1 is exact: skip it
-  const bool normal = n == kBlock && m_dec_rebased <= FLT_MAX && v_dec_rebased <= FLT_MAX &&
+  const bool normal = n == kBlock && m_fac_rebased <= FLT_MAX && v_fac_rebased <= FLT_MAX &&
                       Q::template all_normal<ExpAvgCode>(mc) &&
                       Q::template all_normal<ExpAvgSqCode>(vc);
+  F m_fac_v = V::set1(m_fac), v_fac_v = V::set1(v_fac);
   F m_max = V::zero(), v_max = V::zero();
   // Two copies of the loop: whole blocks of normal codes (no tail, no subnormal lanes), and the rest.
   const auto update = [&](auto normal_codes) {
@@ -470,18 +479,18 @@ inline void adam8bit_block(const PM& pm, const G* g, uint8_t* mc, float* ma, uin
       F g32 = load_n<V>(g + i, k);
       if (scaled) g32 = c.unscale.template apply<V>(g32, us);
       if (c.l2) g32 = V::add(g32, V::mul(wd, p32));
-      F m_old, v_old;
+      F m_code, v_code;
       if constexpr (kNormal) {
-        m_old = Q::template decode_normal<ExpAvgCode>(mc + i, m_dec_v);
-        v_old = Q::template decode_normal<ExpAvgSqCode>(vc + i, v_dec_v);
+        m_code = Q::template decode_normal<ExpAvgCode>(mc + i);
+        v_code = Q::template decode_normal<ExpAvgSqCode>(vc + i);
       } else {
-        m_old = Q::template decode<ExpAvgCode>(mc + i, k, m_dec);
-        v_old = Q::template decode<ExpAvgSqCode>(vc + i, k, v_dec);
+        m_code = Q::template decode<ExpAvgCode>(mc + i, k);
+        v_code = Q::template decode<ExpAvgSqCode>(vc + i, k);
       }
-      const F m_new = V::add(V::mul(b1, m_old), V::mul(omb1, g32));
-      const F v_new = V::add(V::mul(b2, v_old), V::mul(V::mul(omb2, g32), g32));
-      F step = V::div(V::mul(m_new, rbc1), V::add(V::mul(V::sqrt(v_new), rsbc2), eps));
-      if (c.decoupled) step = V::add(step, V::mul(wd, p32));
+      const F m_new = V::fmadd(m_code, m_fac_v, V::mul(omb1, g32));
+      const F v_new = V::fmadd(v_code, v_fac_v, V::mul(V::mul(omb2, g32), g32));
+      F step = V::div(V::mul(m_new, rbc1), V::fmadd(V::sqrt(v_new), rsbc2, eps));
+      if (c.decoupled) step = V::fmadd(wd, p32, step);
       pm.store(i, k, p32, V::mul(lr, step));
       // Padded lanes hold 0 (zero grad, param and codes), so they never raise the absmax.
       V::store(buf.m + i, m_new);
@@ -490,8 +499,13 @@ inline void adam8bit_block(const PM& pm, const G* g, uint8_t* mc, float* ma, uin
       v_max = V::max(v_max, v_new);
     }
   };
-  if (normal) update(std::true_type{});
-  else update(std::false_type{});
+  if (normal) {
+    m_fac_v = V::set1(m_fac_rebased);
+    v_fac_v = V::set1(v_fac_rebased);
+    update(std::true_type{});
+  } else {
+    update(std::false_type{});
+  }
   const float m_abs = lane_max<V>(m_max), v_abs = lane_max<V>(v_max);
   // An all-zero block keeps absmax 0 and codes 0 (reference/quant.py _block_factors).
   const float m_enc = m_abs > 0.f ? ExpAvgCode::kMax / m_abs : 0.f;

@@ -51,13 +51,14 @@ static_assert(kQuantChunkSize <= (1 << 30), "in-chunk offsets are int");
 
 // ---- the codes: cpu/multi_tensor_adam8bit.cpp's scalar forms, with the IEEE intrinsics ---------
 
+// The value of a code with absmax = MAX (exact); the update's FMA applies the block's factor (Note
+// [the folded decode factor] in cpu/multi_tensor_adam8bit.cpp).
 template <class C>
-__device__ __forceinline__ float decode(uint32_t byte, float dec) {
+__device__ __forceinline__ float decode(uint32_t byte) {
   const int32_t c = C::S ? static_cast<int32_t>(byte & 0x7Fu) : static_cast<int32_t>(byte);
   const float mag = c < C::kFirstNormal ? fmul(static_cast<float>(c), C::kSubDec)
                                         : __int_as_float((c + C::kRebase) << C::kShift);
-  const float v = fmul(mag, dec);
-  return C::S && byte >= 0x80u ? -v : v;
+  return C::S && byte >= 0x80u ? -mag : mag;
 }
 
 // The nearest code of x * enc (ties to the even mantissa). `enc` infinite (a subnormal absmax):
@@ -114,15 +115,16 @@ struct Adam8bitOp : AdamHyper {
     }
     return c;
   }
-  // One element: g unscaled; m and v the dequantized moments in, the new ones out; -> the step
-  // lr * update (the param subtracts it: MasterParam, LeanParam).
-  __device__ __forceinline__ float update(const Ctx& c, float p, float g, float& m,
-                                          float& v) const {
+  // One element: g unscaled; m and v the code values in, the new moments out, m_fac and v_fac the
+  // block's decays times decode factors; -> the step lr * update (the param subtracts it:
+  // MasterParam, LeanParam). The reference's fused multiply-adds are FMAs.
+  __device__ __forceinline__ float update(const Ctx& c, float p, float g, float& m, float& v,
+                                          float m_fac, float v_fac) const {
     if (l2) g = fadd(g, fmul(weight_decay, p));
-    m = fadd(fmul(beta1, m), fmul(one_minus_beta1, g));
-    v = fadd(fmul(beta2, v), fmul(fmul(one_minus_beta2, g), g));
-    float u = fdiv(fmul(m, c.rbc1), fadd(fmul(fsqrt(v), c.rsbc2), eps));
-    if (decoupled) u = fadd(u, fmul(weight_decay, p));
+    m = ffma(m, m_fac, fmul(one_minus_beta1, g));
+    v = ffma(v, v_fac, fmul(fmul(one_minus_beta2, g), g));
+    float u = fdiv(fmul(m, c.rbc1), ffma(fsqrt(v), c.rsbc2, eps));
+    if (decoupled) u = ffma(weight_decay, p, u);
     return fmul(c.lr, u);
   }
 };
@@ -173,8 +175,10 @@ __device__ __forceinline__ int lane_element(bool vector, int lane, int h, int j)
 template <class PM, class G>
 __device__ __forceinline__ void adam8bit_block(const Adam8bitOp& op, const Adam8bitOp::Ctx& ctx,
                                                const QBlock<PM, G>& b, bool vector, int lane) {
-  const float m_dec = fdiv(ld_warp_uniform(b.ma + b.b0 / kQBlock), ExpAvgCode::kMax);
-  const float v_dec = fdiv(ld_warp_uniform(b.va + b.b0 / kQBlock), ExpAvgSqCode::kMax);
+  const float m_fac =
+      fmul(op.beta1, fdiv(ld_warp_uniform(b.ma + b.b0 / kQBlock), ExpAvgCode::kMax));
+  const float v_fac =
+      fmul(op.beta2, fdiv(ld_warp_uniform(b.va + b.b0 / kQBlock), ExpAvgSqCode::kMax));
   float m[kPerLane], v[kPerLane];
   float m_abs = 0.f, v_abs = 0.f;
 #pragma unroll
@@ -206,9 +210,9 @@ __device__ __forceinline__ void adam8bit_block(const Adam8bitOp& op, const Adam8
     for (int j = 0; j < kILP; ++j) {
       float& mj = m[h * kILP + j];
       float& vj = v[h * kILP + j];
-      mj = decode<ExpAvgCode>(mk[j], m_dec);
-      vj = decode<ExpAvgSqCode>(vk[j], v_dec);
-      step[j] = op.update(ctx, rp[j], ctx.unscale(rg[j]), mj, vj);
+      mj = decode<ExpAvgCode>(mk[j]);
+      vj = decode<ExpAvgSqCode>(vk[j]);
+      step[j] = op.update(ctx, rp[j], ctx.unscale(rg[j]), mj, vj, m_fac, v_fac);
       if (lane_element(vector, lane, h, j) < b.n) {  // elements past a short block do not count
         m_abs = max_nan(m_abs, fabsf(mj));
         v_abs = max_nan(v_abs, vj);

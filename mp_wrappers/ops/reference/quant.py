@@ -25,13 +25,23 @@ Note [8-bit optimizer states]
     The 8-bit Adam update (:func:`multi_tensor_adam8bit_`) dequantizes both moments, applies the
     float32 Adam update, writes the param and the optional half model copy, and requantizes the new
     moments with the new absmax of every block: one pass, the block's absmax computed from the
-    updated moments before its codes. The update is ``multi_tensor_adam_``'s with the bias
-    corrections applied as precomputed reciprocals,
-    ``(m * (1 / bc1)) / (sqrt(v) * (1 / sqrt(bc2)) + eps)`` (both factors computed in float64 and
-    rounded once): one division and one square root per element instead of three divisions and one,
-    the difference from fp32 Adam's rounding far below the quantization's. Square roots are
-    correctly rounded here (computed in float64, then rounded to float32), as the C++ kernels' are,
-    so every output matches the kernels bit for bit.
+    updated moments before its codes. It is Adam's update in float32 with fewer roundings than
+    ``multi_tensor_adam_``'s (each difference far below the quantization's), so that the kernels
+    spend fewer vector operations per element (docs/quantized_states.md measures them):
+
+    * the moment's decay and its decode factor are folded into one factor per block, and the new
+      moment is one fused multiply-add (a single rounding) of the code's value:
+      ``m = fma(code_m, fl(beta1 * dec_m), fl((1 - beta1) * g))`` and
+      ``v = fma(code_v, fl(beta2 * dec_v), fl(fl((1 - beta2) * g) * g))``, ``dec = absmax / MAX``;
+    * the bias corrections are reciprocals computed once per step in float64 and rounded once,
+      ``update = fl(m * (1 / bc1)) / fma(sqrt(v), 1 / sqrt(bc2), eps)``: one division and one square
+      root per element instead of three divisions and one;
+    * AdamW's decoupled decay is ``fma(weight_decay, p, update)``; the param is then
+      ``p - fl(lr * update)``, as in ``multi_tensor_adam_``.
+
+    ``fl`` rounds to the nearest float32. Square roots and fused multiply-adds are correctly rounded
+    here (:func:`_sqrt_rn`, :func:`_fma_rn`), as the C++ and CUDA kernels' are, so every output
+    matches the kernels bit for bit.
 """
 from typing import List, NamedTuple, Optional
 
@@ -191,6 +201,48 @@ def _sqrt_rn(x: Tensor) -> Tensor:
     return torch.sqrt(x.to(torch.float64)).to(torch.float32)
 
 
+def _fma_rn(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+    """Correctly rounded float32 ``a * b + c`` (one rounding, as a hardware fused multiply-add).
+
+    The product of two float32 values is exact in float64 (24 + 24 bits < 53, and float64's
+    exponent range holds it), but rounding ``a * b + c`` to float64 and then to float32 rounds
+    twice, which can miss (a sum just below a float32 midpoint can round to the midpoint in
+    float64, then away from the nearest float32). Rounding the float64 sum *to odd* instead (an
+    inexact sum keeps the neighbour whose last bit is 1, the one TwoSum's error points to) leaves
+    a value that rounds to float32 as the exact sum would: float64 has more than float32's 24 + 2
+    bits.
+    """
+    p = a.to(torch.float64) * b.to(torch.float64)  # exact
+    c64 = c.to(torch.float64)
+    s = p + c64
+    # TwoSum: s + err == p + c exactly (finite s).
+    bv = s - p
+    err = (p - (s - bv)) + (c64 - bv)
+    even = (s.view(torch.int64) & 1) == 0
+    inf = torch.full_like(s, float('inf'))
+    toward = torch.where(err > 0, inf, -inf)
+    inexact_even = (err != 0) & even & torch.isfinite(s)
+    s = torch.where(inexact_even, torch.nextafter(s, toward), s)
+    return s.to(torch.float32)
+
+
+def _f32(x: float, like: Tensor) -> Tensor:
+    """Python float ``x`` rounded to float32, broadcast like ``like`` (as the kernels round it)."""
+    return torch.full_like(like, x, dtype=torch.float32)
+
+
+def _code_values(codes: Tensor, code: Minifloat) -> Tensor:
+    """Flat float32 values of the codes with absmax = MAX (:func:`code_table`'s, exact)."""
+    return code_table(code)[codes.reshape(-1).to(torch.int64)]
+
+
+def _decayed_decode_factor(absmax: Tensor, beta: float, code: Minifloat, n: int) -> Tensor:
+    """``fl(beta * (absmax / MAX))`` of every block, repeated for the ``n`` elements (flat)."""
+    _, dec = _block_factors(absmax.to(torch.float32), code)
+    folded = dec * torch.tensor(beta, dtype=torch.float32)
+    return folded.reshape(-1).repeat_interleave(BLOCK_SIZE)[:n]
+
+
 def _reciprocal_bias_corrections(beta1: float, beta2: float, count: Tensor, enabled: bool):
     """float32 ``1 / (1 - beta1**count)`` and ``1 / sqrt(1 - beta2**count)``, from float64 (ones
     when disabled)."""
@@ -212,13 +264,16 @@ def _adam8bit_update(p32: Tensor, g: Tensor, codes_m: Tensor, absmax_m: Tensor, 
     g32 = _unscaled(g, grad_scale).reshape(-1)
     if not adam_w_mode and weight_decay != 0.0:
         g32 = g32 + weight_decay * p32
-    m = dequantize_blockwise(codes_m, absmax_m, EXP_AVG_CODE).reshape(-1)
-    v = dequantize_blockwise(codes_v, absmax_v, EXP_AVG_SQ_CODE).reshape(-1)
-    m_new = beta1 * m + (1.0 - beta1) * g32
-    v_new = beta2 * v + (1.0 - beta2) * g32 * g32
-    update = (m_new * rbc1) / (_sqrt_rn(v_new) * rsbc2 + eps)
+    n = g32.numel()
+    m_new = _fma_rn(_code_values(codes_m, EXP_AVG_CODE), _decayed_decode_factor(absmax_m, beta1,
+                                                                                EXP_AVG_CODE, n),
+                    (1.0 - beta1) * g32)
+    v_new = _fma_rn(_code_values(codes_v, EXP_AVG_SQ_CODE),
+                    _decayed_decode_factor(absmax_v, beta2, EXP_AVG_SQ_CODE, n),
+                    (1.0 - beta2) * g32 * g32)
+    update = (m_new * rbc1) / _fma_rn(_sqrt_rn(v_new), rsbc2, _f32(eps, v_new))
     if adam_w_mode and weight_decay != 0.0:
-        update = update + weight_decay * p32
+        update = _fma_rn(_f32(weight_decay, p32), p32, update)
     for codes, absmax, value, code in ((codes_m, absmax_m, m_new, EXP_AVG_CODE),
                                        (codes_v, absmax_v, v_new, EXP_AVG_SQ_CODE)):
         new_codes, new_absmax = quantize_blockwise(value, code)
