@@ -103,15 +103,15 @@ EQUIVALENT: Dict[str, str] = {
     'multi_tensor_adam8bit.cu:71:rel:50b71e5f': 'a magnitude equal to MAX is clamped to MAX',
     'multi_tensor_adam8bit.cu:73:rel:d9d703f1': 'min_normal encoded as a subnormal rounds to code '
                                                 '2^M, its normal code',
-    'multi_tensor_adam8bit.cu:216:rel:e5c568d0': 'the lane at i == n of a short block loaded p = g = 0 '
+    'multi_tensor_adam8bit.cu:232:rel:e5c568d0': 'the lane at i == n of a short block loaded p = g = 0 '
                                                  'and code 0: its new moments are 0 and do not '
                                                  'raise a max that starts at 0 (only an infinite '
                                                  'absmax in the state, which no finite step writes, '
                                                  'would make them NaN)',
-    'multi_tensor_adam8bit.cu:301:logic:ba1853d4': 'launch bounds are a register budget for nvcc '
+    'multi_tensor_adam8bit.cu:318:logic:8f7d61c5': 'launch bounds are a register budget for nvcc '
                                                    '(empty in the host build); '
                                                    'tools/check_cuda_compile.sh checks it',
-    'multi_tensor_adam8bit.cu:170:arith:1b25fc34': 'the vector layout\'s index is used with j == 0 '
+    'multi_tensor_adam8bit.cu:187:arith:1b25fc34': 'the vector layout\'s index is used with j == 0 '
                                                    '(a pack\'s first element, where + j and - j '
                                                    'agree) and in the absmax guard `< b.n`, where '
                                                    'the vector path has b.n == 256 '
@@ -161,8 +161,8 @@ EQUIVALENT: Dict[str, str] = {
                                                'memory, which the host build does not count). '
                                                'A one-warp block (no such launch reduces) would '
                                                'keep its first stage, equal but for -0 + 0',
-    'multi_tensor_adam8bit.cu:407:rel:61e25f20': 'with size - b0 == 256 both branches give 256',
-    'multi_tensor_adam8bit.cu:251:rel:75579f15': 'the scalar encode loop runs once more per half: '
+    'multi_tensor_adam8bit.cu:445:rel:61e25f20': 'with size - b0 == 256 both branches give 256',
+    'multi_tensor_adam8bit.cu:267:rel:75579f15': 'the scalar encode loop runs once more per half: '
                                                  'element (h * kILP + kILP) * 32 + lane of h == 0 '
                                                  'is element (1 * kILP + 0) * 32 + lane, so it '
                                                  'writes the code h == 1 writes next, the same '
@@ -170,12 +170,12 @@ EQUIVALENT: Dict[str, str] = {
                                                  'written (the i < n guard)',
     # The L2 prefetch of a warp's next block: a hint, read by nothing, so only its address can
     # matter, and the host build touches it (a fault, or AddressSanitizer, outside the tensors).
-    'multi_tensor_adam8bit.cu:269:rel:b93f907a': 'one lane more asks for the line right after the '
+    'multi_tensor_adam8bit.cu:285:rel:b93f907a': 'one lane more asks for the line right after the '
                                                  'next block: a line of the chunk, or at its end '
                                                  'one line past the tensor, which the GPU drops '
                                                  'and only an AddressSanitizer build would see '
                                                  '(not the mutants\' build); no result changes',
-    'multi_tensor_adam8bit.cu:270:arith:988d06d4': 'the lines asked for lie before the next block '
+    'multi_tensor_adam8bit.cu:286:arith:988d06d4': 'the lines asked for lie before the next block '
                                                    'instead of in it: next >= b0 + 256 elements '
                                                    'and a lane asks at most 896 bytes back, so '
                                                    'they are lines of this chunk; only the '

@@ -580,20 +580,31 @@ def test_cuda_lean_kernel_matches_the_cpu_kernel(device, storage):
 @pytest.mark.parametrize('storage', LEAN_STORAGES)
 def test_lean_reference_is_8bit_moments_plus_lean_master_update(storage):
     """The reference composes the two references: its codes are multi_tensor_adam8bit_'s on the
-    fp32 value the storage holds, and 'split' writes that op's fp32 result exactly."""
+    fp32 value the storage holds, and 'split' writes that value plus the lean step
+    ``-(lr * fma(weight_decay, p, q))`` exactly, ``q`` the 8-bit direction (the fp32-master op
+    instead applies AdamW's decay as a factor of the param: Note [8-bit optimizer states])."""
     c = LeanCase(storage, sizes=[4096 + 7])
     master = [bf16_join(p, a) if storage == 'split' else p.float()
               for p, a in zip(c.params, c.aux or [None] * len(c.params))]
     plain = Case.clone(c)
     plain.__class__ = Case
     plain.params, plain.model = [guarded(m) for m in master], []
+    before = Case.clone(plain)
     grads = c.grads()
     c.run(reference.multi_tensor_adam8bit_lean_, grads, ADAM)
     plain.run(reference.multi_tensor_adam8bit_, grads, ADAM)
     _assert_equal(c.mc + c.ma + c.vc + c.va + [c.step],
                   plain.mc + plain.ma + plain.vc + plain.va + [plain.step])
     if storage == 'split':
-        _assert_equal([bf16_join(p, a) for p, a in zip(c.params, c.aux)], plain.params)
+        scale, eps = quant_ref._step_constants(ADAM['beta1'], ADAM['beta2'], ADAM['eps'],
+                                               before.step + 1, True)
+        (m,), (g,) = master, grads
+        q = quant_ref._adam8bit_update(g, m, before.mc[0], before.ma[0], before.vc[0],
+                                       before.va[0], ADAM['beta1'], ADAM['beta2'],
+                                       ADAM['weight_decay'], True, scale, eps, None, None)
+        wd = torch.full_like(m, ADAM['weight_decay'])
+        want = m + (-(ADAM['lr'] * quant_ref._fma_rn(wd, m, q)))
+        _assert_equal([bf16_join(p, a) for p, a in zip(c.params, c.aux)], [want])
 
 
 @pytest.mark.parametrize('use_kernel', [pytest.param(True, marks=needs_kernel), False],

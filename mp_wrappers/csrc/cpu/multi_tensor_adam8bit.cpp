@@ -4,14 +4,13 @@
 // params with a lean storage (cpu_lean_param.h: the same block update, the param read and written
 // as the lean kernels do).
 //
-// One pass per block of kBlock elements: dequantize both moments, apply the fp32 Adam update with
-// reciprocal bias corrections (one divide and one square root per element, the reference's
-// operations in its order, its fused multiply-adds as FMAs: V::fmadd is one rounding in every
-// flavour), store the param and the rounded model copy, keep the new
-// moments in a block buffer (L1) while their absmax is reduced, then requantize the block. The
-// block is the unit a CUDA version maps onto one thread block (absmax reduction, then encode).
-// Chunks of the ChunkPlan start at multiples of kChunkElems, a multiple of kBlock, so a block never
-// spans two threads and the result does not depend on the thread count.
+// One pass per block of kBlock elements: read both moments' codes, apply the Adam update (the
+// reference's operations in its order, its fused multiply-adds as FMAs: V::fmadd is one rounding in
+// every flavour), store the param and the rounded model copy, keep the new moments in a block
+// buffer (L1) while their absmax is reduced, then requantize the block. The block is the unit a
+// CUDA version maps onto one thread block (absmax reduction, then encode). Chunks of the ChunkPlan
+// start at multiples of kChunkElems, a multiple of kBlock, so a block never spans two threads and
+// the result does not depend on the thread count.
 //
 // The codes are minifloats relative to the block's absmax, so encode and decode are a few integer
 // and float operations per lane in every flavour (no table search), with the reference's rounding:
@@ -20,25 +19,30 @@
 // written, g read, 1 byte per moment read and written, plus the absmax) against fp32 Adam's 28.
 //
 // Note [the folded decode factor]
-//   The reference's new moment is fma(code value, fl(beta * absmax / MAX), fl((1 - beta) * g...)):
-//   the decay and the block's decode factor are one factor per block, so a moment costs one FMA
-//   where dequantize, decay and add were three roundings (and on one core the step waits on its
-//   floating-point operations: docs/quantized_states.md measured 9% for these and the other FMAs).
-//   The decode paths below therefore return code values, not dequantized moments.
+//   The update (Note [8-bit optimizer states]) multiplies each code value by its moment's decay
+//   times the block's decode factor, fl(beta * absmax / MAX), one factor per block: a new moment
+//   is one FMA (m) or a multiply and an FMA (v) where dequantize, decay and add were three
+//   roundings. So the decode paths below return code values, not dequantized moments. On one core
+//   the step waits on its floating-point operations and on the divider's chain: this and the
+//   update's other FMAs took the AVX2 step from 1.2x to about 1.0x torch's fused fp32 AdamW
+//   (docs/quantized_states.md).
 //
 // Speed (docs/quantized_states.md): on one core the step is bound by vector instructions, not by
 // memory, so the common case gets shorter paths that give the same bits. A whole block whose codes
 // of both moments all have a nonzero exponent field decodes without the subnormal lanes and without
-// the exponent re-base (2-3 instructions per moment; Note [normal decode without the re-base]); the encode needs no clamp when the block factor is finite (the block's
-// own absmax bounds every scaled value by MAX (1 + 2^-23), which rounds to MAX) and no absolute
-// value for exp_avg_sq (never negative), and whole blocks store their codes packed 32 or 64 at a
-// time; the block's absmax of exp_avg is one VRANGEPS per vector; g * 1 (no loss scale) is skipped.
+// the exponent re-base (2-3 instructions per moment; Note [normal decode without the re-base]); the
+// encode needs no clamp when the block factor is finite (the block's own absmax bounds every scaled
+// value by MAX (1 + 2^-23), which rounds to MAX) and no absolute value for exp_avg_sq (never
+// negative), exp_avg's sign is the scaled value's sign bit (-0 included: Note [signed zero codes]
+// in reference/quant.py), whole blocks store their codes packed 32 or 64 at a time; the block's
+// absmax of exp_avg is one VRANGEPS per vector; g * 1 (no loss scale) is skipped.
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>  // Note [optional arguments] in bindings.cpp
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cfloat>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -95,7 +99,7 @@ inline uint8_t encode_scalar(float x, float enc) {
     c = ((bits + ((1 << (C::kShift - 1)) - 1) + ((bits >> C::kShift) & 1)) >> C::kShift) -
         C::kRebase;
   }
-  if (C::S && scaled < 0.f) c |= 0x80;
+  if (C::S && std::signbit(scaled)) c |= 0x80;  // -0 too (Note [signed zero codes])
   return static_cast<uint8_t>(c);
 }
 
@@ -216,9 +220,10 @@ struct Quant<VecAvx2> {
           _mm256_blendv_ps(_mm256_castsi256_ps(c), _mm256_castsi256_ps(sub), is_sub));
     }
     if (clamp) c = _mm256_and_si256(c, _mm256_set1_epi32(0xFF));  // NaN: low byte, unsaturated
-    if (C::S) {
-      const __m256 neg = _mm256_cmp_ps(scaled, _mm256_setzero_ps(), _CMP_LT_OQ);
-      c = _mm256_or_si256(c, _mm256_and_si256(_mm256_castps_si256(neg), _mm256_set1_epi32(0x80)));
+    if (C::S) {  // the sign bit of `scaled` picks the code with bit 7 set: one blend
+      const __m256i with_sign = _mm256_or_si256(c, _mm256_set1_epi32(0x80));
+      c = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(c),
+                                               _mm256_castsi256_ps(with_sign), scaled));
     }
     return c;
   }
@@ -316,7 +321,7 @@ struct Quant<VecAvx512> {
     }
     if (clamp) c = _mm512_and_si512(c, _mm512_set1_epi32(0xFF));  // NaN: low byte, unsaturated
     if (C::S) {
-      const __mmask16 neg = _mm512_cmp_ps_mask(scaled, _mm512_setzero_ps(), _CMP_LT_OQ);
+      const __mmask16 neg = _mm512_movepi32_mask(_mm512_castps_si512(scaled));  // sign bits
       c = _mm512_mask_or_epi32(c, neg, c, _mm512_set1_epi32(0x80));
     }
     return c;
@@ -364,10 +369,22 @@ inline float lane_max(typename V::F a) {
 }
 
 // op_args.h's AdamHyper (the hyperparameters as every Adam kernel rounds them), plus this step's
-// lr, reciprocal bias corrections and grad unscale.
+// lr, denominator constants (reference/quant.py _step_constants: float64, rounded once) and grad
+// unscale.
 struct Adam8bitConsts : AdamHyper {
-  float lr, rbc1, rsbc2;
+  float lr;
+  float sqrt_scale, eps_scaled;  // den = fma(sqrt(v), sqrt_scale, eps_scaled)
   optim::Unscale unscale;
+};
+
+// The param's update from the Adam direction q (m / den), as vectors.
+template <class V>
+struct ParamStep {
+  typename V::F lr, neg_lr, weight_decay, neg_lr_wd;
+  bool decoupled;
+  explicit ParamStep(const Adam8bitConsts& c)
+      : lr(V::set1(c.lr)), neg_lr(V::set1(-c.lr)), weight_decay(V::set1(c.weight_decay)),
+        neg_lr_wd(V::set1(-(c.lr * c.weight_decay))), decoupled(c.decoupled) {}
 };
 
 // In whole blocks, a prefetch at every 64 bytes of a stream, kPrefetchAhead elements ahead
@@ -401,8 +418,9 @@ struct MasterParam {
   O* out;
   inline MasterParam at(int64_t i) const { return {p + i, optim::at_offset(out, i)}; }
   inline F load(int64_t i, int64_t k) const { return load_n<V>(p + i, k); }
-  inline void store(int64_t i, int64_t k, F p32, F step) const {
-    const F p_new = V::sub(p32, step);
+  // p = fma(-lr, q, fma(-fl(lr * weight_decay), p, p)): AdamW's decay applied to the param
+  inline void store_update(int64_t i, int64_t k, F p32, F q, const ParamStep<V>& s) const {
+    const F p_new = V::fmadd(s.neg_lr, q, s.decoupled ? V::fmadd(s.neg_lr_wd, p32, p32) : p32);
     store_n<V>(p + i, p_new, k);
     optim::store_out<V>(optim::at_offset(out, i), p_new, k);
   }
@@ -423,7 +441,10 @@ struct LeanMasterParam {
   LeanParam<V, S> lp;
   inline LeanMasterParam at(int64_t i) const { return {lp.at(i)}; }
   inline F load(int64_t i, int64_t k) const { return lp.load(i, k); }
-  inline void store(int64_t i, int64_t k, F p32, F step) const { lp.store(i, k, p32, step); }
+  // The lean step is lr * update, the decay in the update: fma(weight_decay, p, q).
+  inline void store_update(int64_t i, int64_t k, F p32, F q, const ParamStep<V>& s) const {
+    lp.store(i, k, p32, V::mul(s.lr, s.decoupled ? V::fmadd(s.weight_decay, p32, q) : q));
+  }
   inline void prefetch_lines(int64_t i) const {
     optim::prefetch_write_line<V>(lp.p, i);
     if constexpr (S != LeanStorage::kStochastic) optim::prefetch_write_line<V>(lp.lo(), i);
@@ -441,10 +462,10 @@ inline void adam8bit_block(const PM& pm, const G* g, uint8_t* mc, float* ma, uin
                            float* va, int64_t n, const Adam8bitConsts& c, BlockBuffer& buf) {
   using F = typename V::F;
   using Q = Quant<V>;
-  const F lr = V::set1(c.lr);
   const F omb1 = V::set1(c.one_minus_beta1), omb2 = V::set1(c.one_minus_beta2);
-  const F eps = V::set1(c.eps), wd = V::set1(c.weight_decay);
-  const F rbc1 = V::set1(c.rbc1), rsbc2 = V::set1(c.rsbc2), us = V::set1(c.unscale.factor);
+  const F wd = V::set1(c.weight_decay), us = V::set1(c.unscale.factor);
+  const F sqrt_scale = V::set1(c.sqrt_scale), eps_scaled = V::set1(c.eps_scaled);
+  const ParamStep<V> param_step(c);
   // Note [the folded decode factor]: a moment's decay times its block's decode factor, one
   // rounding per block, multiplies the code values in the update's fused multiply-add.
   const float m_fac = c.beta1 * (*ma / ExpAvgCode::kMax);
@@ -478,7 +499,7 @@ inline void adam8bit_block(const PM& pm, const G* g, uint8_t* mc, float* ma, uin
       const F p32 = pm.load(i, k);
       F g32 = load_n<V>(g + i, k);
       if (scaled) g32 = c.unscale.template apply<V>(g32, us);
-      if (c.l2) g32 = V::add(g32, V::mul(wd, p32));
+      if (c.l2) g32 = V::fmadd(wd, p32, g32);
       F m_code, v_code;
       if constexpr (kNormal) {
         m_code = Q::template decode_normal<ExpAvgCode>(mc + i);
@@ -488,10 +509,9 @@ inline void adam8bit_block(const PM& pm, const G* g, uint8_t* mc, float* ma, uin
         v_code = Q::template decode<ExpAvgSqCode>(vc + i, k);
       }
       const F m_new = V::fmadd(m_code, m_fac_v, V::mul(omb1, g32));
-      const F v_new = V::fmadd(v_code, v_fac_v, V::mul(V::mul(omb2, g32), g32));
-      F step = V::div(V::mul(m_new, rbc1), V::fmadd(V::sqrt(v_new), rsbc2, eps));
-      if (c.decoupled) step = V::fmadd(wd, p32, step);
-      pm.store(i, k, p32, V::mul(lr, step));
+      const F v_new = V::fmadd(V::mul(omb2, g32), g32, V::mul(v_code, v_fac_v));
+      const F q = V::div(m_new, V::fmadd(V::sqrt(v_new), sqrt_scale, eps_scaled));
+      pm.store_update(i, k, p32, q, param_step);
       // Padded lanes hold 0 (zero grad, param and codes), so they never raise the absmax.
       V::store(buf.m + i, m_new);
       V::store(buf.v + i, v_new);
@@ -565,18 +585,19 @@ struct Adam8bitChunk {
   }
 };
 
-// This step's constants: reference/quant.py _reciprocal_bias_corrections (float64, rounded once).
+// This step's constants: reference/quant.py _step_constants (float64, rounded once).
 Adam8bitConsts adam8bit_consts(const AdamHyper& hyper, const UpdateScalars& scalars, float count,
                                double beta1, double beta2, bool bias_correction) {
   Adam8bitConsts c;
   static_cast<AdamHyper&>(c) = hyper;
   c.lr = optim::resolve_lr(scalars);  // the lean ops: always the float
-  c.rbc1 = 1.f;
-  c.rsbc2 = 1.f;
+  c.sqrt_scale = 1.f;
+  c.eps_scaled = hyper.eps;
   if (bias_correction) {
     const double n = static_cast<double>(count);
-    c.rbc1 = static_cast<float>(1.0 / (1.0 - std::pow(beta1, n)));
-    c.rsbc2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2, n)));
+    const double bc1 = 1.0 - std::pow(beta1, n);
+    c.sqrt_scale = static_cast<float>(bc1 / std::sqrt(1.0 - std::pow(beta2, n)));
+    c.eps_scaled = static_cast<float>(static_cast<double>(hyper.eps) * bc1);
   }
   c.unscale = optim::Unscale::from(scalars.grad_scale);
   return c;

@@ -77,7 +77,7 @@ __device__ __forceinline__ uint32_t encode(float x, float enc) {
     c = ((bits + ((1 << (C::kShift - 1)) - 1) + ((bits >> C::kShift) & 1)) >> C::kShift) -
         C::kRebase;
   }
-  if (C::S && scaled < 0.f) c |= 0x80;
+  if (C::S && signbit(scaled)) c |= 0x80;  // -0 too (Note [signed zero codes])
   return static_cast<uint32_t>(c) & 0xFFu;
 }
 
@@ -97,35 +97,44 @@ struct Adam8bitOp : AdamHyper {
   const float* step;
   DeviceLr lr;  // the float, or (capturable=True) lr_tensor, read by thread 0 of each block
 
-  // The update's constants: reference/quant.py _reciprocal_bias_corrections (float64, rounded
-  // once), as the CPU kernel computes them on the host.
+  // The update's constants: reference/quant.py _step_constants (float64, rounded once), as the
+  // CPU kernel computes them on the host.
   struct Ctx {
-    float rbc1, rsbc2, lr;
+    float sqrt_scale, eps_scaled, lr;
     DeviceUnscale unscale;
   };
   // The number of this update, as the reference counts.
   __device__ __forceinline__ float count() const { return fadd(ld(step), 1.f); }
   __device__ __forceinline__ Ctx begin(int32_t /*tensor_index*/) const { return begin_at(count()); }
   __device__ __forceinline__ Ctx begin_at(float count) const {
-    Ctx c{1.f, 1.f, lr.get(), make_unscale(grad_scale)};
+    Ctx c{1.f, eps, lr.get(), make_unscale(grad_scale)};
     if (use_bias_correction) {
       const double n = static_cast<double>(count);
-      c.rbc1 = static_cast<float>(1.0 / (1.0 - pow(beta1_d, n)));
-      c.rsbc2 = static_cast<float>(1.0 / sqrt(1.0 - pow(beta2_d, n)));
+      const double bc1 = 1.0 - pow(beta1_d, n);
+      c.sqrt_scale = static_cast<float>(bc1 / sqrt(1.0 - pow(beta2_d, n)));
+      c.eps_scaled = static_cast<float>(static_cast<double>(eps) * bc1);
     }
     return c;
   }
   // One element: g unscaled; m and v the code values in, the new moments out, m_fac and v_fac the
-  // block's decays times decode factors; -> the step lr * update (the param subtracts it:
-  // MasterParam, LeanParam). The reference's fused multiply-adds are FMAs.
+  // block's decays times decode factors; -> the Adam direction q (Note [8-bit optimizer states]
+  // in reference/quant.py: its fused multiply-adds are FMAs).
   __device__ __forceinline__ float update(const Ctx& c, float p, float g, float& m, float& v,
                                           float m_fac, float v_fac) const {
-    if (l2) g = fadd(g, fmul(weight_decay, p));
+    if (l2) g = ffma(weight_decay, p, g);
     m = ffma(m, m_fac, fmul(one_minus_beta1, g));
-    v = ffma(v, v_fac, fmul(fmul(one_minus_beta2, g), g));
-    float u = fdiv(fmul(m, c.rbc1), ffma(fsqrt(v), c.rsbc2, eps));
-    if (decoupled) u = ffma(weight_decay, p, u);
-    return fmul(c.lr, u);
+    v = ffma(fmul(one_minus_beta2, g), g, fmul(v, v_fac));
+    return fdiv(m, ffma(fsqrt(v), c.sqrt_scale, c.eps_scaled));
+  }
+  // The fp32-master param after the step: fma(-lr, q, fma(-(lr * weight_decay), p, p)). The decay
+  // factor is a multiply per element, not a constant of Ctx: a register more spilled (64-register
+  // budget, kMinBlocksPerSm), and the multiply is free in a memory-bound kernel.
+  __device__ __forceinline__ float master_param(const Ctx& c, float p, float q) const {
+    return ffma(-c.lr, q, decoupled ? ffma(-fmul(c.lr, weight_decay), p, p) : p);
+  }
+  // The lean step lr * update, AdamW's decay in the update: fma(weight_decay, p, q).
+  __device__ __forceinline__ float lean_step(const Ctx& c, float p, float q) const {
+    return fmul(c.lr, decoupled ? ffma(weight_decay, p, q) : q);
   }
 };
 static_assert(std::is_trivial<Adam8bitOp::Ctx>::value, "Ctx lives in shared memory");
@@ -164,6 +173,14 @@ struct QBlock {
   int b0, n;
 };
 
+// The kILP bytes of a pack as one word, byte j element j.
+__device__ __forceinline__ uint32_t packed_bytes(const Pack<uint8_t>& pk) {
+  uint32_t r = 0u;
+#pragma unroll
+  for (int j = 0; j < kILP; ++j) r |= static_cast<uint32_t>(pk.v[j]) << (8 * j);
+  return r;
+}
+
 // Element j (0..3) of the lane's group h (0, 1): vector layout (a pack) or guarded layout (strided
 // by the warp, so that neighbouring lanes still touch neighbouring elements).
 __device__ __forceinline__ int lane_element(bool vector, int lane, int h, int j) {
@@ -183,36 +200,35 @@ __device__ __forceinline__ void adam8bit_block(const Adam8bitOp& op, const Adam8
   float m_abs = 0.f, v_abs = 0.f;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float rp[kILP], rg[kILP], step[kILP];
-    uint32_t mk[kILP], vk[kILP];
+    float rp[kILP], rg[kILP], q[kILP];
+    // The group's codes, byte j the code of element j: one register per moment, not kILP (the
+    // block update needs every register of its 64-register budget, kMinBlocksPerSm).
+    uint32_t mk = 0u, vk = 0u;
     if (vector) {
       const int i0 = b.b0 + lane_element(true, lane, h, 0);
       b.pm.load_pack(rp, i0);
       load_pack(rg, b.g, i0);
-      const Pack<uint8_t> mpk = ld(reinterpret_cast<const Pack<uint8_t>*>(b.mc + i0));
-      const Pack<uint8_t> vpk = ld(reinterpret_cast<const Pack<uint8_t>*>(b.vc + i0));
-#pragma unroll
-      for (int j = 0; j < kILP; ++j) {
-        mk[j] = mpk.v[j];
-        vk[j] = vpk.v[j];
-      }
+      mk = packed_bytes(ld(reinterpret_cast<const Pack<uint8_t>*>(b.mc + i0)));
+      vk = packed_bytes(ld(reinterpret_cast<const Pack<uint8_t>*>(b.vc + i0)));
     } else {
 #pragma unroll
       for (int j = 0; j < kILP; ++j) {
         const int i = lane_element(false, lane, h, j);
         rp[j] = b.pm.load_one(b.b0 + i, b.b0 + b.n);
         rg[j] = load_one(b.g + b.b0, i, b.n);
-        mk[j] = i < b.n ? ld(b.mc + b.b0 + i) : 0u;
-        vk[j] = i < b.n ? ld(b.vc + b.b0 + i) : 0u;
+        if (i < b.n) {
+          mk |= static_cast<uint32_t>(ld(b.mc + b.b0 + i)) << (8 * j);
+          vk |= static_cast<uint32_t>(ld(b.vc + b.b0 + i)) << (8 * j);
+        }
       }
     }
 #pragma unroll
     for (int j = 0; j < kILP; ++j) {
       float& mj = m[h * kILP + j];
       float& vj = v[h * kILP + j];
-      mj = decode<ExpAvgCode>(mk[j]);
-      vj = decode<ExpAvgSqCode>(vk[j]);
-      step[j] = op.update(ctx, rp[j], ctx.unscale(rg[j]), mj, vj, m_fac, v_fac);
+      mj = decode<ExpAvgCode>((mk >> (8 * j)) & 0xFFu);
+      vj = decode<ExpAvgSqCode>((vk >> (8 * j)) & 0xFFu);
+      q[j] = op.update(ctx, rp[j], ctx.unscale(rg[j]), mj, vj, m_fac, v_fac);
       if (lane_element(vector, lane, h, j) < b.n) {  // elements past a short block do not count
         m_abs = max_nan(m_abs, fabsf(mj));
         v_abs = max_nan(v_abs, vj);
@@ -220,12 +236,12 @@ __device__ __forceinline__ void adam8bit_block(const Adam8bitOp& op, const Adam8
     }
     if (vector) {
       const int i0 = b.b0 + lane_element(true, lane, h, 0);
-      b.pm.store_pack(i0, rp, step);
+      b.pm.store_pack(op, ctx, i0, rp, q);
     } else {
 #pragma unroll
       for (int j = 0; j < kILP; ++j) {
         const int i = lane_element(false, lane, h, j);
-        b.pm.store_one(b.b0 + i, b.b0 + b.n, rp[j], step[j]);
+        b.pm.store_one(op, ctx, b.b0 + i, b.b0 + b.n, rp[j], q[j]);
       }
     }
   }
@@ -294,14 +310,16 @@ __device__ __forceinline__ T* at_element(void* base, int64_t off) {
 }
 
 // Blocks per SM the registers are budgeted for: two (at most 64 registers a thread at 512 threads,
-// twice the resident warps of one). Half params with an fp32 model copy, a combination no wrapper
-// makes, spilled 4 bytes within 64 registers (nvcc 13.0, sm_90): one block, no spill.
+// twice the resident warps of one). Half params with a model copy, a combination no wrapper makes
+// (half params step without one; fp32 masters have the half copy), spilled 4 bytes within 64
+// registers (nvcc 13.0, sm_80 and sm_90): one block, no spill.
 template <class P, class M>
 constexpr int kMinBlocksPerSm =
-    !std::is_same<P, float>::value && std::is_same<M, float>::value ? 1 : 2;
+    !std::is_same<P, float>::value && !std::is_same<M, NoOut>::value ? 1 : 2;
 
 // The param of the block update, as the block reads and writes it: element `i` of the chunk (the
-// vector forms: i0..i0+kILP-1), `n` the guarded forms' bound. store* write p32 - step.
+// vector forms: i0..i0+kILP-1), `n` the guarded forms' bound. store* step p32 by the Adam
+// direction q (Adam8bitOp::master_param, lean_step).
 //
 // fp32 or half params at the chunk's first element, with the optional model copy.
 template <class P, class M>
@@ -324,16 +342,20 @@ struct MasterParam {
   __device__ __forceinline__ float load_one(int i, int n) const { return cuda::load_one(p, i, n); }
   static constexpr bool kPrefetch = true;
   __device__ __forceinline__ void prefetch(int b0, int byte) const { prefetch_line(p + b0, byte); }
-  __device__ __forceinline__ void store_pack(int i0, const float (&p32)[kILP],
-                                             const float (&step)[kILP]) const {
+  template <class Op>
+  __device__ __forceinline__ void store_pack(const Op& op, const typename Op::Ctx& ctx, int i0,
+                                             const float (&p32)[kILP],
+                                             const float (&q)[kILP]) const {
     float r[kILP];
 #pragma unroll
-    for (int j = 0; j < kILP; ++j) r[j] = fsub(p32[j], step[j]);
+    for (int j = 0; j < kILP; ++j) r[j] = op.master_param(ctx, p32[j], q[j]);
     cuda::store_pack(p, i0, r);
     if (out != nullptr) cuda::store_pack(out, i0, r);
   }
-  __device__ __forceinline__ void store_one(int i, int n, float p32, float step) const {
-    const float r = fsub(p32, step);
+  template <class Op>
+  __device__ __forceinline__ void store_one(const Op& op, const typename Op::Ctx& ctx, int i,
+                                            int n, float p32, float q) const {
+    const float r = op.master_param(ctx, p32, q);
     cuda::store_one(p, i, n, r);
     if (out != nullptr) cuda::store_one(out, i, n, r);
   }
@@ -342,7 +364,7 @@ struct MasterParam {
 // bf16 params stored the lean way (cuda/lean_param.cuh), at the tensor's first element: the
 // stochastic hash takes the element's index in the tensor. Element by element in either layout.
 struct LeanParam {
-  static constexpr int kMinBlocksPerSm = 2;
+  static constexpr int kMinBlocksPerSm = 2;  // but see MinBlocksPerSm
   uint16_t* p;
   uint16_t* aux;  // nullptr for 'stochastic'
   int64_t begin;  // the chunk's first element
@@ -365,19 +387,35 @@ struct LeanParam {
   // Not asked for: any prefetch in the lean kernels spilled registers (nvcc 13.0, sm_80, sm_90).
   static constexpr bool kPrefetch = false;
   __device__ __forceinline__ void prefetch(int, int) const {}
-  __device__ __forceinline__ void store_pack(int i0, const float (&p32)[kILP],
-                                             const float (&step)[kILP]) const {
+  template <class Op>
+  __device__ __forceinline__ void store_pack(const Op& op, const typename Op::Ctx& ctx, int i0,
+                                             const float (&p32)[kILP],
+                                             const float (&q)[kILP]) const {
 #pragma unroll
     for (int j = 0; j < kILP; ++j)
-      lean_store(storage, p, aux, begin + i0 + j, p32[j], step[j], key);
+      lean_store(storage, p, aux, begin + i0 + j, p32[j], op.lean_step(ctx, p32[j], q[j]), key);
   }
-  __device__ __forceinline__ void store_one(int i, int n, float p32, float step) const {
-    if (i < n) lean_store(storage, p, aux, begin + i, p32, step, key);
+  template <class Op>
+  __device__ __forceinline__ void store_one(const Op& op, const typename Op::Ctx& ctx, int i,
+                                            int n, float p32, float q) const {
+    if (i < n) lean_store(storage, p, aux, begin + i, p32, op.lean_step(ctx, p32, q), key);
   }
 };
 
+// The kernel's launch bound: the param's, except that fp32 grads of lean bf16 params, which no
+// wrapper makes (autograd gives bf16 params bf16 grads), spilled 4 bytes within 64 registers
+// (nvcc 13.0, sm_90): one block, no spill.
+template <class PM, class G>
+struct MinBlocksPerSm {
+  static constexpr int value = PM::kMinBlocksPerSm;
+};
+template <class G>
+struct MinBlocksPerSm<LeanParam, G> {
+  static constexpr int value = std::is_same<G, float>::value ? 1 : 2;
+};
+
 template <class Op, class PM, class G>
-__global__ void __launch_bounds__(kBlockSize, PM::kMinBlocksPerSm)
+__global__ void __launch_bounds__(kBlockSize, MinBlocksPerSm<PM, G>::value)
     adam8bit_kernel(Meta meta, Op op) {
   const auto ch = meta.chunk_of_block();
   __shared__ typename Op::Ctx shared_ctx;

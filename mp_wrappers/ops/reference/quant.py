@@ -22,28 +22,41 @@ Note [8-bit optimizer states]
     ``code_value * (absmax / MAX)``. Both block factors are one float32 division each; a block of
     zeros has absmax 0 and all codes 0. :func:`code_table` lists the 256 values of each code.
 
-    The 8-bit Adam update (:func:`multi_tensor_adam8bit_`) dequantizes both moments, applies the
+    The 8-bit Adam update (:func:`multi_tensor_adam8bit_`) reads both moments' codes, applies the
     float32 Adam update, writes the param and the optional half model copy, and requantizes the new
     moments with the new absmax of every block: one pass, the block's absmax computed from the
     updated moments before its codes. It is Adam's update in float32 with fewer roundings than
     ``multi_tensor_adam_``'s (each difference far below the quantization's), so that the kernels
-    spend fewer vector operations per element (docs/quantized_states.md measures them):
+    spend fewer vector operations per element and wait less on the divider's chain
+    (docs/quantized_states.md measures them). With ``fl`` the rounding to float32, ``fma`` a fused
+    multiply-add (one rounding), ``code`` a code's value with absmax = MAX (:func:`code_table`)
+    and ``bc = 1 - beta**step`` (float64):
 
-    * the moment's decay and its decode factor are folded into one factor per block, and the new
-      moment is one fused multiply-add (a single rounding) of the code's value:
-      ``m = fma(code_m, fl(beta1 * dec_m), fl((1 - beta1) * g))`` and
-      ``v = fma(code_v, fl(beta2 * dec_v), fl(fl((1 - beta2) * g) * g))``, ``dec = absmax / MAX``;
-    * the bias corrections are reciprocals computed once per step in float64 and rounded once,
-      ``update = fl(m * (1 / bc1)) / fma(sqrt(v), 1 / sqrt(bc2), eps)``: one division and one square
-      root per element instead of three divisions and one;
-    * AdamW's decoupled decay is ``fma(weight_decay, p, update)``; the param is then
-      ``p - fl(lr * update)``, as in ``multi_tensor_adam_``.
+    * ``m = fma(code_m, fl(beta1 * absmax_m / MAX), fl((1 - beta1) * g))``: the moment's decay and
+      the block's decode factor are one factor per block;
+    * ``v = fma(fl((1 - beta2) * g), g, fl(code_v * fl(beta2 * absmax_v / MAX)))``;
+    * ``q = m / fma(sqrt(v), fl(bc1 / sqrt(bc2)), fl(eps * bc1))``: Adam's
+      ``(m / bc1) / (sqrt(v / bc2) + eps)`` with the bias corrections moved into the denominator's
+      two constants (one division and one square root per element);
+    * ``p = fma(-lr, q, p)``, and with AdamW's decoupled decay
+      ``p = fma(-lr, q, fma(-fl(lr * weight_decay), p, p))`` (the decay applied to the param, as
+      torch's AdamW applies it); L2 decay (Adam) is ``g = fma(weight_decay, p, g)`` first. The lean variant
+      (:func:`multi_tensor_adam8bit_lean_`) steps its bf16 storage by ``-(lr * u)`` with
+      ``u = fma(weight_decay, p, q)``, as the lean masters compose a step.
 
-    ``fl`` rounds to the nearest float32. Square roots and fused multiply-adds are correctly rounded
-    here (:func:`_sqrt_rn`, :func:`_fma_rn`), as the C++ and CUDA kernels' are, so every output
-    matches the kernels bit for bit.
+    Square roots and fused multiply-adds are correctly rounded here (:func:`_sqrt_rn`,
+    :func:`_fma_rn`), as the C++ and CUDA kernels' are, so every output matches the kernels bit for
+    bit.
+
+    Note [signed zero codes]
+        The update encodes ``exp_avg``'s sign from the scaled value's sign bit, so a -0.0 moment
+        gets code 0x80 (which reads back as -0.0) rather than 0 (one blend per vector on AVX2
+        where a compare, an and and an or were three):
+        ``quantize_blockwise(..., signed_zeros=True)``.
+        A moment is -0.0 only when both the code's and the gradient's terms are -0.0; either code
+        dequantizes to a zero that no update can tell apart.
 """
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -134,8 +147,8 @@ def quantize_blockwise(x: Tensor, code: Minifloat, signed_zeros: bool = False) -
     a contiguous ``x``).
 
     ``signed_zeros``: a -0.0 gets the negative zero code 0x80 (a signed code), as
-    :func:`dequantize_invertibly` needs; the kernels (and so the update's reference) test
-    ``x < 0`` and give it code 0, which reads back as +0.0.
+    :func:`dequantize_invertibly` and the update (Note [signed zero codes]) need; without it
+    -0.0 gets code 0, which reads back as +0.0.
     """
     blocks = _blocks(x.to(torch.float32))
     absmax = blocks.abs().amax(dim=1)
@@ -226,8 +239,11 @@ def _fma_rn(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     return s.to(torch.float32)
 
 
-def _f32(x: float, like: Tensor) -> Tensor:
-    """Python float ``x`` rounded to float32, broadcast like ``like`` (as the kernels round it)."""
+def _f32(x: Union[float, Tensor], like: Tensor) -> Tensor:
+    """``x`` (a Python float, or a 0-dim tensor such as ``lr_tensor``) rounded to float32 and
+    broadcast like ``like``, as the kernels round it."""
+    if isinstance(x, Tensor):
+        return x.to(torch.float32).expand_as(like)
     return torch.full_like(like, x, dtype=torch.float32)
 
 
@@ -243,43 +259,43 @@ def _decayed_decode_factor(absmax: Tensor, beta: float, code: Minifloat, n: int)
     return folded.reshape(-1).repeat_interleave(BLOCK_SIZE)[:n]
 
 
-def _reciprocal_bias_corrections(beta1: float, beta2: float, count: Tensor, enabled: bool):
-    """float32 ``1 / (1 - beta1**count)`` and ``1 / sqrt(1 - beta2**count)``, from float64 (ones
-    when disabled)."""
+def _step_constants(beta1: float, beta2: float, eps: float, count: Tensor, enabled: bool):
+    """float32 ``(sqrt_scale, eps_scaled)`` of the denominator ``fma(sqrt(v), sqrt_scale,
+    eps_scaled)``: ``bc1 / sqrt(bc2)`` and ``eps * bc1`` with ``bc = 1 - beta**count``, computed in
+    float64 from float32 ``eps`` and rounded once (1 and ``eps`` when disabled)."""
+    eps32 = torch.tensor(eps, dtype=torch.float32)
     if not enabled:
-        one = torch.ones_like(count, dtype=torch.float32)
-        return one, one
+        return torch.ones_like(count, dtype=torch.float32), eps32.expand_as(count)
     c = count.to(torch.float64)
-    rbc1 = 1.0 / (1.0 - torch.pow(beta1, c))
-    rsbc2 = 1.0 / torch.sqrt(1.0 - torch.pow(beta2, c))
-    return rbc1.to(torch.float32), rsbc2.to(torch.float32)
+    bc1 = 1.0 - torch.pow(beta1, c)
+    sqrt_scale = bc1 / torch.sqrt(1.0 - torch.pow(beta2, c))
+    return sqrt_scale.to(torch.float32), (eps32.to(torch.float64) * bc1).to(torch.float32)
 
 
-def _adam8bit_update(p32: Tensor, g: Tensor, codes_m: Tensor, absmax_m: Tensor, codes_v: Tensor,
-                     absmax_v: Tensor, beta1: float, beta2: float, eps: float,
-                     weight_decay: float, adam_w_mode: bool, rbc1: Tensor, rsbc2: Tensor,
-                     grad_scale: Optional[Tensor], skip: Optional[Tensor]) -> Tensor:
-    """The Adam direction of flat fp32 ``p32`` (``p_new = p32 - lr * direction``); commits the
-    requantized moments (unless ``skip``)."""
+def _adam8bit_update(g: Tensor, p32: Tensor, codes_m: Tensor, absmax_m: Tensor,
+                     codes_v: Tensor, absmax_v: Tensor, beta1: float, beta2: float,
+                     weight_decay: float, adam_w_mode: bool, sqrt_scale: Tensor,
+                     eps_scaled: Tensor, grad_scale: Optional[Tensor],
+                     skip: Optional[Tensor]) -> Tensor:
+    """The Adam direction ``q = m / den`` of flat fp32 ``p32`` (AdamW's decoupled decay not
+    included: the callers apply it); commits the requantized moments (unless ``skip``)."""
     g32 = _unscaled(g, grad_scale).reshape(-1)
     if not adam_w_mode and weight_decay != 0.0:
-        g32 = g32 + weight_decay * p32
+        g32 = _fma_rn(_f32(weight_decay, p32), p32, g32)
     n = g32.numel()
-    m_new = _fma_rn(_code_values(codes_m, EXP_AVG_CODE), _decayed_decode_factor(absmax_m, beta1,
-                                                                                EXP_AVG_CODE, n),
-                    (1.0 - beta1) * g32)
-    v_new = _fma_rn(_code_values(codes_v, EXP_AVG_SQ_CODE),
-                    _decayed_decode_factor(absmax_v, beta2, EXP_AVG_SQ_CODE, n),
-                    (1.0 - beta2) * g32 * g32)
-    update = (m_new * rbc1) / _fma_rn(_sqrt_rn(v_new), rsbc2, _f32(eps, v_new))
-    if adam_w_mode and weight_decay != 0.0:
-        update = _fma_rn(_f32(weight_decay, p32), p32, update)
+    m_fac = _decayed_decode_factor(absmax_m, beta1, EXP_AVG_CODE, n)
+    v_fac = _decayed_decode_factor(absmax_v, beta2, EXP_AVG_SQ_CODE, n)
+    m_new = _fma_rn(_code_values(codes_m, EXP_AVG_CODE), m_fac, (1.0 - beta1) * g32)
+    v_new = _fma_rn((1.0 - beta2) * g32, g32, _code_values(codes_v, EXP_AVG_SQ_CODE) * v_fac)
+    q = m_new / _fma_rn(_sqrt_rn(v_new), sqrt_scale.expand_as(v_new),
+                        eps_scaled.expand_as(v_new))
     for codes, absmax, value, code in ((codes_m, absmax_m, m_new, EXP_AVG_CODE),
                                        (codes_v, absmax_v, v_new, EXP_AVG_SQ_CODE)):
-        new_codes, new_absmax = quantize_blockwise(value, code)
+        # Note [signed zero codes]: a -0.0 moment keeps its sign, as the kernels' sign bit test.
+        new_codes, new_absmax = quantize_blockwise(value, code, signed_zeros=True)
         _commit_(codes, new_codes.view(codes.shape), skip)
         _commit_(absmax, new_absmax, skip)
-    return update
+    return q
 
 
 def multi_tensor_adam8bit_(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
@@ -299,13 +315,17 @@ def multi_tensor_adam8bit_(params: List[Tensor], grads: List[Tensor], exp_avgs: 
     lr = _lr(lr, lr_tensor)
     skip = _skip_mask(found_inf)
     count = step + 1
-    rbc1, rsbc2 = _reciprocal_bias_corrections(beta1, beta2, count, bias_correction)
+    sqrt_scale, eps_scaled = _step_constants(beta1, beta2, eps, count, bias_correction)
+    decoupled = adam_w_mode and weight_decay != 0.0
+    lr32 = torch.as_tensor(lr, dtype=torch.float32)
+    lr_wd = lr32 * torch.tensor(weight_decay, dtype=torch.float32)  # fl(lr * weight_decay)
     for i, (p, g) in enumerate(zip(params, grads)):
         p32 = p.to(torch.float32).reshape(-1)
-        update = _adam8bit_update(p32, g, exp_avgs[i], exp_avg_absmaxes[i], exp_avg_sqs[i],
-                                  exp_avg_sq_absmaxes[i], beta1, beta2, eps, weight_decay,
-                                  adam_w_mode, rbc1, rsbc2, grad_scale, skip)
-        p_new = p32 - lr * update
+        q = _adam8bit_update(g, p32, exp_avgs[i], exp_avg_absmaxes[i], exp_avg_sqs[i],
+                             exp_avg_sq_absmaxes[i], beta1, beta2, weight_decay, adam_w_mode,
+                             sqrt_scale, eps_scaled, grad_scale, skip)
+        decayed = _fma_rn(-_f32(lr_wd, p32), p32, p32) if decoupled else p32
+        p_new = _fma_rn(-_f32(lr32, p32), q, decayed)
         _commit_(p, p_new.view(p.shape), skip)
         if model_params:
             _commit_(model_params[i], p_new.view(model_params[i].shape), skip)
@@ -327,12 +347,15 @@ def multi_tensor_adam8bit_lean_(params: List[Tensor], aux: List[Tensor], grads: 
     _check_storage(storage)
     skip = _skip_mask(found_inf)
     count = step + 1
-    rbc1, rsbc2 = _reciprocal_bias_corrections(beta1, beta2, count, bias_correction)
+    sqrt_scale, eps_scaled = _step_constants(beta1, beta2, eps, count, bias_correction)
     for i, (p, g) in enumerate(zip(params, grads)):
         a = aux[i] if aux else None
         p32 = _read_param(p, a, storage)
-        update = _adam8bit_update(p32.reshape(-1), g, exp_avgs[i], exp_avg_absmaxes[i],
-                                  exp_avg_sqs[i], exp_avg_sq_absmaxes[i], beta1, beta2, eps,
-                                  weight_decay, adam_w_mode, rbc1, rsbc2, grad_scale, skip)
+        flat = p32.reshape(-1)
+        update = _adam8bit_update(g, flat, exp_avgs[i], exp_avg_absmaxes[i], exp_avg_sqs[i],
+                                  exp_avg_sq_absmaxes[i], beta1, beta2, weight_decay,
+                                  adam_w_mode, sqrt_scale, eps_scaled, grad_scale, skip)
+        if adam_w_mode and weight_decay != 0.0:
+            update = _fma_rn(_f32(weight_decay, flat), flat, update)
         _write_param(p, a, p32, -(lr * update).view(p.shape), storage, skip, seed, count, i)
     _commit_(step, count, skip)
