@@ -149,8 +149,9 @@ EQUIVALENT: Dict[str, str] = {
     'multi_tensor_apply.cuh:282:rel:737c0a0a': 'NanMaxOp with a == b returns a instead of b, the '
                                                'same bits: both users reduce values that are '
                                                'never -0 (NovoGrad fabsf(g) and 0.0; the 8-bit '
-                                               'absmax fabsf(m) and v = b2 * v_old + (1 - b2) * '
-                                               'g * g with v_old >= +0, from 0.f), so equal '
+                                               'absmax fabsf(m) and v = fma((1 - b2) * g, g, '
+                                               'v_old * v_fac) with v_old, v_fac >= +0, from '
+                                               '0.f), so equal '
                                                'operands are equal bit patterns',
     'multi_tensor_apply.cuh:296:rel:b3ee76ab': 'block_reduce\'s second stage by every warp but '
                                                'the first instead of the first: each reads the '

@@ -18,11 +18,12 @@ pytestmark = pytest.mark.skipif(not hasattr(torch.ops.mp_wrappers, OP),
 @pytest.mark.parametrize('hp', list(HP), ids=list(HP))
 @pytest.mark.parametrize('setup', ['fp32', 'o2-bf16'])
 def test_adam8bit_negative_zero_moment_code(host, setup, hp):
-    """Code 0x80 is a negative-zero m (the encoder writes it where a negative moment rounds to 0).
-    With a -0.0 param and a -0.0 grad the sign is all that is left: m stays -0.0, the update is
-    -0.0, and p - lr * (-0.0) is +0.0; an m decoded as +0.0 leaves the param at -0.0. Bit patterns
-    are compared (torch.equal calls the two zeros equal). A whole block (the vector path) and a
-    short one (the guarded path)."""
+    """Code 0x80 is a negative-zero m (the encoder writes it for a negative moment that rounds to 0
+    and for -0.0). With a -0.0 param and a -0.0 grad the sign is all that is left: m stays -0.0
+    (code 0x80 again), the update is -0.0, and fma(-lr, -0.0, p) is +0.0; without decay an m
+    decoded as +0.0 leaves the param at -0.0 and writes code 0 (with AdamW the decay's FMA already
+    makes p +0.0: the codes tell). Bit patterns are compared (torch.equal calls the two zeros
+    equal). A whole block (the vector path) and a short one (the guarded path)."""
     representative(host, setup == 'fp32' and hp == 'adamw')
     n = 256 + 40
     st = State(setup, [n], seed=42)

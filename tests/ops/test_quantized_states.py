@@ -115,6 +115,38 @@ def test_reference_fma_is_correctly_rounded():
     assert twice[-2].item() != got[-2].item()  # the hard cases do catch a double rounding
 
 
+def _libm_fmaf():
+    """The C library's fmaf (correctly rounded, IEEE edge cases), or None."""
+    import ctypes
+    import ctypes.util
+    name = ctypes.util.find_library('m')
+    if name is None:
+        return None
+    fmaf = ctypes.CDLL(name).fmaf
+    fmaf.restype, fmaf.argtypes = ctypes.c_float, [ctypes.c_float] * 3
+    return fmaf
+
+
+def test_reference_fma_edge_cases_match_the_c_library():
+    """``_fma_rn`` bit for bit against the C library's ``fmaf`` where exact rationals cannot go:
+    signed zeros (compared as bits), results that overflow to inf or underflow to float32
+    subnormals, infinite and NaN operands (NaN compared as NaN: its payload is unspecified)."""
+    fmaf = _libm_fmaf()
+    if fmaf is None:
+        pytest.skip('no C math library found')
+    tiny, big, inf, nan = 2.0 ** -149, 3.0e38, float('inf'), float('nan')
+    vals = [0.0, -0.0, 1.0, -1.0, 1.5, tiny, -tiny, 2.0 ** -126, 1e-20, -3e-25, big, -big,
+            2.0 ** 64, 1 + 2.0 ** -23, inf, -inf, nan]
+    a, b, c = (torch.tensor(t, dtype=torch.float32) for t in zip(
+        *[(x, y, z) for x in vals for y in vals for z in vals]))
+    got = quant_ref._fma_rn(a, b, c)
+    want = torch.tensor([fmaf(x, y, z) for x, y, z in zip(a.tolist(), b.tolist(), c.tolist())],
+                        dtype=torch.float32)
+    nan_got, nan_want = torch.isnan(got), torch.isnan(want)
+    assert torch.equal(nan_got, nan_want)
+    assert torch.equal(got[~nan_got].view(torch.int32), want[~nan_want].view(torch.int32))
+
+
 def test_zero_blocks_and_partial_blocks():
     x = torch.zeros(BLOCK_SIZE * 2 + 5)
     x[-3:] = torch.tensor([1.0, -2.0, 0.5])
@@ -159,7 +191,7 @@ def test_invertible_dequantization_quantizes_back_to_the_same_codes_and_absmax(c
     assert torch.all((codes[differ].int() & 0x7F) == (codes.int() & 0x7F).max())
     torch.testing.assert_close(values, plain, rtol=2 ** -23, atol=0)
     assert not torch.equal(quantize_blockwise(plain, code)[1], absmax)
-    if code.signed:  # the kernels' x < 0 gives -0.0 code 0
+    if code.signed:  # without signed_zeros, -0.0 gets code 0
         assert (quantize_blockwise(values, code)[0] == 0x80).sum() == 0
 
 
@@ -340,21 +372,25 @@ def test_a_tensor_lr_is_read_when_the_step_runs(impl):
         _assert_equal(got.tensors(), want.tensors(), f'{impl}, lr {value}')
 
 
+# AdamW (the decoupled decay's FMA, the -0.0 codes of zero blocks) without bias correction.
+ADAMW_NO_BC = dict(ADAM, bias_correction=False)
+
+
 def _cuda_matches_cpu(device, case, cuda_op, cpu_op, what):
     """Two steps of ``cuda_op`` (the public op) on CUDA copies of ``case``'s tensors against the CPU
-    kernel ``cpu_op`` on ``case``, bit for bit without bias correction (ADAM_L2: no float64 pow on
-    the device); then a found_inf step changes nothing."""
+    kernel ``cpu_op`` on ``case``, bit for bit without bias correction (no float64 pow on the
+    device), Adam with L2 decay then AdamW; then a found_inf step changes nothing."""
     twin = copy.copy(case)
     for k, v in vars(case).items():
         if isinstance(v, list) and all(isinstance(t, torch.Tensor) for t in v):
             setattr(twin, k, [t.to(device) for t in v])
     twin.step = case.step.to(device)
     twin.scale = None if case.scale is None else case.scale.to(device)
-    for _ in range(2):
+    for hp in (ADAM_L2, ADAMW_NO_BC):
         grads = case.grads()
-        case.run(cpu_op, grads, ADAM_L2)
-        twin.run(cuda_op, [g.to(device) for g in grads], ADAM_L2)
-    _assert_equal([t.cpu() for t in twin.tensors()], case.tensors(), what)
+        case.run(cpu_op, grads, hp)
+        twin.run(cuda_op, [g.to(device) for g in grads], hp)
+        _assert_equal([t.cpu() for t in twin.tensors()], case.tensors(), what)
     twin.run(cuda_op, [g.to(device) for g in case.grads()], ADAM_L2,
              found_inf=torch.ones(1, device=device))
     _assert_equal([t.cpu() for t in twin.tensors()], case.tensors(), what)

@@ -527,7 +527,7 @@ inline void adam8bit_block(const PM& pm, const G* g, uint8_t* mc, float* ma, uin
     update(std::false_type{});
   }
   const float m_abs = lane_max<V>(m_max), v_abs = lane_max<V>(v_max);
-  // An all-zero block keeps absmax 0 and codes 0 (reference/quant.py _block_factors).
+  // An all-zero block keeps absmax 0 and codes 0, 0x80 for -0.0 (reference/quant.py).
   const float m_enc = m_abs > 0.f ? ExpAvgCode::kMax / m_abs : 0.f;
   const float v_enc = v_abs > 0.f ? ExpAvgSqCode::kMax / v_abs : 0.f;
   // A factor overflows only for a subnormal absmax; then the reference's clamp matters.

@@ -247,7 +247,7 @@ __device__ __forceinline__ void adam8bit_block(const Adam8bitOp& op, const Adam8
   }
   m_abs = warp_max(m_abs);
   v_abs = warp_max(v_abs);
-  // An all-zero block keeps absmax 0 and codes 0 (reference/quant.py _block_factors).
+  // An all-zero block keeps absmax 0 and codes 0, 0x80 for -0.0 (reference/quant.py).
   const float m_enc = m_abs > 0.f ? fdiv(ExpAvgCode::kMax, m_abs) : 0.f;
   const float v_enc = v_abs > 0.f ? fdiv(ExpAvgSqCode::kMax, v_abs) : 0.f;
 #pragma unroll

@@ -20,7 +20,8 @@ Note [8-bit optimizer states]
     ``MAX = 2 - 2**-M`` and there is no inf or NaN. A block is stored as ``x * (MAX / absmax)``
     rounded to the nearest code (ties to the even mantissa, as IEEE rounding does) and read back as
     ``code_value * (absmax / MAX)``. Both block factors are one float32 division each; a block of
-    zeros has absmax 0 and all codes 0. :func:`code_table` lists the 256 values of each code.
+    zeros has absmax 0 and codes 0 (0x80 for a -0.0 moment of ``exp_avg``: Note [signed zero
+    codes]). :func:`code_table` lists the 256 values of each code.
 
     The 8-bit Adam update (:func:`multi_tensor_adam8bit_`) reads both moments' codes, applies the
     float32 Adam update, writes the param and the optional half model copy, and requantizes the new
@@ -32,9 +33,10 @@ Note [8-bit optimizer states]
     multiply-add (one rounding), ``code`` a code's value with absmax = MAX (:func:`code_table`)
     and ``bc = 1 - beta**step`` (float64):
 
-    * ``m = fma(code_m, fl(beta1 * absmax_m / MAX), fl((1 - beta1) * g))``: the moment's decay and
-      the block's decode factor are one factor per block;
-    * ``v = fma(fl((1 - beta2) * g), g, fl(code_v * fl(beta2 * absmax_v / MAX)))``;
+    * ``m = fma(code_m, fl(beta1 * fl(absmax_m / MAX)), fl((1 - beta1) * g))``: the moment's decay
+      and the block's decode factor are one factor per block (``beta1`` and ``1 - beta1`` rounded
+      to float32 first, the latter computed in float64);
+    * ``v = fma(fl((1 - beta2) * g), g, fl(code_v * fl(beta2 * fl(absmax_v / MAX))))``;
     * ``q = m / fma(sqrt(v), fl(bc1 / sqrt(bc2)), fl(eps * bc1))``: Adam's
       ``(m / bc1) / (sqrt(v / bc2) + eps)`` with the bias corrections moved into the denominator's
       two constants (one division and one square root per element);
@@ -50,11 +52,15 @@ Note [8-bit optimizer states]
 
     Note [signed zero codes]
         The update encodes ``exp_avg``'s sign from the scaled value's sign bit, so a -0.0 moment
-        gets code 0x80 (which reads back as -0.0) rather than 0 (one blend per vector on AVX2
-        where a compare, an and and an or were three):
-        ``quantize_blockwise(..., signed_zeros=True)``.
-        A moment is -0.0 only when both the code's and the gradient's terms are -0.0; either code
-        dequantizes to a zero that no update can tell apart.
+        gets code 0x80 (which reads back as -0.0) rather than 0 (an or and a blend per vector on
+        AVX2 where a compare, an and and an or were three):
+        ``quantize_blockwise(..., signed_zeros=True)``. A moment is -0.0 only when both the
+        code's and the gradient's terms are -0.0; -0.0 and +0.0 are equal values, though the sign
+        reaches the direction and can decide the sign of a zero param. A NaN's sign bit counts
+        too: in a block whose absmax is subnormal (its encode factor overflows, Note [8-bit
+        optimizer states] ``_block_factors``) a zero moment scales to 0 * inf = NaN, whose sign is
+        the platform's default NaN's (negative on x86: code 0xFC, which reads back as -0.8 of the
+        absmax, a moment below 1e-38 where there was 0).
 """
 from typing import List, NamedTuple, Optional, Union
 
@@ -243,19 +249,19 @@ def _f32(x: Union[float, Tensor], like: Tensor) -> Tensor:
     """``x`` (a Python float, or a 0-dim tensor such as ``lr_tensor``) rounded to float32 and
     broadcast like ``like``, as the kernels round it."""
     if isinstance(x, Tensor):
-        return x.to(torch.float32).expand_as(like)
+        return x.to(device=like.device, dtype=torch.float32).expand_as(like)
     return torch.full_like(like, x, dtype=torch.float32)
 
 
 def _code_values(codes: Tensor, code: Minifloat) -> Tensor:
     """Flat float32 values of the codes with absmax = MAX (:func:`code_table`'s, exact)."""
-    return code_table(code)[codes.reshape(-1).to(torch.int64)]
+    return code_table(code).to(codes.device)[codes.reshape(-1).to(torch.int64)]
 
 
 def _decayed_decode_factor(absmax: Tensor, beta: float, code: Minifloat, n: int) -> Tensor:
     """``fl(beta * (absmax / MAX))`` of every block, repeated for the ``n`` elements (flat)."""
     _, dec = _block_factors(absmax.to(torch.float32), code)
-    folded = dec * torch.tensor(beta, dtype=torch.float32)
+    folded = dec * torch.tensor(beta, dtype=torch.float32, device=dec.device)
     return folded.reshape(-1).repeat_interleave(BLOCK_SIZE)[:n]
 
 
@@ -263,7 +269,7 @@ def _step_constants(beta1: float, beta2: float, eps: float, count: Tensor, enabl
     """float32 ``(sqrt_scale, eps_scaled)`` of the denominator ``fma(sqrt(v), sqrt_scale,
     eps_scaled)``: ``bc1 / sqrt(bc2)`` and ``eps * bc1`` with ``bc = 1 - beta**count``, computed in
     float64 from float32 ``eps`` and rounded once (1 and ``eps`` when disabled)."""
-    eps32 = torch.tensor(eps, dtype=torch.float32)
+    eps32 = torch.tensor(eps, dtype=torch.float32, device=count.device)
     if not enabled:
         return torch.ones_like(count, dtype=torch.float32), eps32.expand_as(count)
     c = count.to(torch.float64)
@@ -317,8 +323,8 @@ def multi_tensor_adam8bit_(params: List[Tensor], grads: List[Tensor], exp_avgs: 
     count = step + 1
     sqrt_scale, eps_scaled = _step_constants(beta1, beta2, eps, count, bias_correction)
     decoupled = adam_w_mode and weight_decay != 0.0
-    lr32 = torch.as_tensor(lr, dtype=torch.float32)
-    lr_wd = lr32 * torch.tensor(weight_decay, dtype=torch.float32)  # fl(lr * weight_decay)
+    lr32 = torch.as_tensor(lr, dtype=torch.float32, device=step.device)
+    lr_wd = lr32 * torch.tensor(weight_decay, dtype=torch.float32, device=step.device)  # fl(lr * wd)
     for i, (p, g) in enumerate(zip(params, grads)):
         p32 = p.to(torch.float32).reshape(-1)
         q = _adam8bit_update(g, p32, exp_avgs[i], exp_avg_absmaxes[i], exp_avg_sqs[i],
