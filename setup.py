@@ -50,7 +50,7 @@ from torch.utils import cpp_extension  # noqa: E402  (after CUDA_HOME is settled
 def _extension():
     with_cuda = CUDA.build
     std = build_config.torch_std()  # torch's own standard: its 2.14 headers need C++20
-    sources = [os.path.join(CSRC, 'bindings.cpp')]
+    sources = [os.path.join(CSRC, 'bindings.cpp'), os.path.join(CSRC, 'slot_check.cpp')]
     sources += sorted(glob.glob(os.path.join(CSRC, 'cpu', '*.cpp')))
     extra = {'cxx': build_config.cxx_flags(std)}
     if with_cuda:

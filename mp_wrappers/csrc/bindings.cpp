@@ -28,6 +28,7 @@
 #include <torch/library.h>
 
 #include "mp_wrappers/cpu_features.h"
+#include "mp_wrappers/slot_check.h"
 
 TORCH_LIBRARY(mp_wrappers, m) {
   // ---- multi-tensor building blocks -------------------------------------------------------------
@@ -130,4 +131,14 @@ PYBIND11_MODULE(_C, m) {
         "The widest instruction set this CPU can run (ignores MP_WRAPPERS_CPU_ISA).");
   m.def("_set_cpu_isa", &mp_wrappers::set_cpu_isa,
         "Switch the CPU kernels' instruction set (tests); returns the previous one's name.");
+  m.def(
+      "slots_dense",
+      [](pybind11::handle targets, pybind11::handle grads, pybind11::handle models,
+         pybind11::handle states, pybind11::handle allowed) {
+        return mp_wrappers::slots_dense(targets.ptr(), grads.ptr(), models.ptr(), states.ptr(),
+                                        allowed.ptr());
+      },
+      "Whether a fused step's lists can go to an op as they are (mp_wrappers.ops.slots).",
+      pybind11::arg("targets"), pybind11::arg("grads"), pybind11::arg("models"),
+      pybind11::arg("states"), pybind11::arg("allowed"));
 }

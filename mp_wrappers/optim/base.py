@@ -35,7 +35,8 @@ from ..ops._checks import _check_flag
 from ..ops._dispatch import implementation
 from ..ops._extension import extension
 from . import layout, saved_state
-from .buckets import SlotSpec, _Bucket, add_contiguous, add_strided, identity
+from .buckets import (SlotSpec, _Bucket, add_contiguous, add_strided, collect_in_one_pass,
+                      identity, new_step, one_pass_applies)
 
 __all__ = ['FusedOptimizer']
 
@@ -141,6 +142,12 @@ class FusedOptimizer(Optimizer):
         """The tensor the op updates for ``param`` and the model copy it writes (FusedAdam's
         ``master_weights`` substitutes an internal fp32 master here)."""
         return param, model
+
+    def _targets_are_params(self) -> bool:
+        """Whether ``_update_target`` returns every param and model copy as they are, this step
+        (Note [collect in one pass]): a class overriding it says when, here (else its steps collect
+        one by one: buckets.one_pass_applies)."""
+        return True
 
     def _init_extra_state(self, param: Tensor, state: Dict[str, Any]) -> None:
         """Create state beyond the declared tensors (FusedAdam's internal master)."""
@@ -305,10 +312,14 @@ class FusedOptimizer(Optimizer):
         buckets: List[_Bucket] = []
         steps: List[Tensor] = []  # the step counters seen, keyed by position (buckets.identity)
         dtensor = dtensor_type()  # looked up once a step: the import costs more than isinstance
+        one_pass = one_pass_applies(self)
         for gi, group in enumerate(self.param_groups):
-            buckets += self._collect_group(gi, group, None if grads is None else grads[gi],
-                                           None if model_params is None else model_params[gi],
-                                           steps, dtensor, writebacks)
+            g = None if grads is None else grads[gi]
+            m = None if model_params is None else model_params[gi]
+            # Note [collect in one pass]: None when the group needs the one-by-one collection
+            found = collect_in_one_pass(self, group, g, m, steps, dtensor) if one_pass else None
+            buckets += self._collect_group(gi, group, g, m, steps, dtensor,
+                                           writebacks) if found is None else found
         return buckets
 
     def _collect_group(self, gi: int, group: Dict[str, Any], grads: Optional[Sequence[Any]],
@@ -334,7 +345,7 @@ class FusedOptimizer(Optimizer):
             model = None if models is None else models[pi]
             state = all_state[param]
             if 'step' not in state:
-                state = self._init_state(param, group, _new_step(new_steps, param.device))
+                state = self._init_state(param, group, new_step(new_steps, param.device))
             target, model = self._update_target(param, state, model)
             dtype = target.dtype  # a DTensor's is its local tensor's
             spec = specs.get(dtype)
@@ -456,15 +467,6 @@ class FusedOptimizer(Optimizer):
 def _index_of(group: Dict[str, Any], groups: List[Dict[str, Any]]) -> int:
     # By identity: list.index would compare other groups' dicts, tensors included, by value.
     return next(i for i, g in enumerate(groups) if g is group)
-
-
-def _new_step(new_steps: Dict[torch.device, Tensor], device: torch.device) -> Tensor:
-    """The step counter of the params of one group starting on ``device`` at this step, shared by
-    all of them (Note [step cohorts])."""
-    step = new_steps.get(device)
-    if step is None:
-        step = new_steps[device] = torch.zeros(1, dtype=torch.float32, device=device)
-    return step
 
 
 def _capturing(device: torch.device) -> bool:

@@ -100,6 +100,10 @@ class LeanStorageMixin:
         aux = AUX_STATE_KEYS.get(self.bf16_storage) if self._is_lean(target) else None
         return keys + (aux,) if aux else keys
 
+    def _targets_are_params(self) -> bool:
+        # _update_target below maps nothing (and raises nothing) without a storage and bf16 state.
+        return self.bf16_storage is None and self.state_dtype == torch.float32
+
     def _update_target(self, param: Tensor, state: Dict[str, Any],
                        model: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
         if self.bf16_storage is None and self.state_dtype != torch.float32:

@@ -14,6 +14,7 @@ from .multi_tensor import (multi_tensor_axpby_, multi_tensor_l2norm, multi_tenso
                            multi_tensor_unscale_l2norm, update_scale_hysteresis_)
 from .optimizers import (multi_tensor_adagrad_, multi_tensor_adam_, multi_tensor_lamb_,
                          multi_tensor_novograd_, multi_tensor_sgd_)
+from . import slots
 from .quant import multi_tensor_adam8bit_, multi_tensor_adam8bit_lean_
 
 __all__ = [

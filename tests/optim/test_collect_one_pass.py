@@ -1,0 +1,178 @@
+"""The one-pass collection of a fused step (Note [collect in one pass] in mp_wrappers.optim.buckets):
+when it applies it builds exactly the buckets of the one-by-one collection (same lists, same tensors,
+same order), so the ops get the same arguments; when a slot needs more it gives the group back to
+the one-by-one collection; and only optimizers whose params are their own targets use it."""
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import mp_wrappers.optim as optim
+from mp_wrappers.optim import (FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedOptimizer,
+                               FusedSGD, base, buckets)
+
+
+def _params(dtypes=(torch.float32,), shapes=((8, 4), (300,), (3,), (16, 16))):
+    gen = torch.Generator().manual_seed(0)
+    return [nn.Parameter(torch.randn(s, generator=gen).to(d)) for d in dtypes for s in shapes]
+
+
+def _grad(params, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+
+
+def _layout(buckets):
+    """Everything an op call gets from a bucket, by tensor identity."""
+    return [(b.device, id(b.group), id(b.step), [id(t) for t in b.params],
+             [id(t) for t in b.grads], [id(t) for t in b.model_params],
+             {k: [id(t) for t in v] for k, v in b.states.items()},
+             [id(s) for s in b.slot_states]) for b in buckets]
+
+
+@pytest.fixture
+def one_pass_results(monkeypatch):
+    """What each call of collect_in_one_pass returned (None: the group went one by one)."""
+    found = []
+    real = base.collect_in_one_pass
+
+    def spy(*args):
+        result = real(*args)
+        found.append(result)
+        return result
+
+    monkeypatch.setattr(base, 'collect_in_one_pass', spy)
+    return found
+
+
+def _both_ways(opt, grads=None, models=None):
+    """The buckets of one collection, in one pass and one by one (the state made by the first)."""
+    one_pass = opt._collect(grads, models, [])
+    real = opt._targets_are_params
+    opt._targets_are_params = lambda: False
+    try:
+        one_by_one = opt._collect(grads, models, [])
+    finally:
+        opt._targets_are_params = real
+    return one_pass, one_by_one
+
+
+SETUPS = {
+    'adam, two groups': lambda ps: FusedAdam([{'params': ps[:2]}, {'params': ps[2:], 'lr': 0.1}]),
+    'adam int8, big and small': lambda ps: FusedAdam(ps, state_dtype='int8', min_8bit_size=64),
+    'adamw, fp32 and bf16 params': lambda ps: FusedAdam(ps, adam_w_mode=True, weight_decay=0.1),
+    'sgd momentum': lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9),
+    'sgd without state': lambda ps: FusedSGD(ps, lr=0.1),
+    'lamb': lambda ps: FusedLAMB(ps),
+    'novograd (scalar state)': lambda ps: FusedNovoGrad(ps),
+    'adagrad': lambda ps: FusedAdagrad(ps),
+}
+
+
+@pytest.mark.parametrize('setup', sorted(SETUPS))
+def test_the_buckets_are_those_of_the_one_by_one_collection(setup, one_pass_results):
+    dtypes = (torch.float32, torch.bfloat16) if 'bf16' in setup else (torch.float32,)
+    ps = _params(dtypes)
+    opt = SETUPS[setup](ps)
+    _grad(ps)
+    ps[1].grad = None  # left alone by both
+    opt.step()
+    _grad(ps, seed=2)
+    one_pass, one_by_one = _both_ways(opt)
+    assert one_pass and _layout(one_pass) == _layout(one_by_one)
+    assert one_pass_results and all(r is not None for r in one_pass_results)
+
+
+def test_with_model_copies_and_a_late_param(one_pass_results):
+    # A fused master step's explicit grads and model copies (a None grad: its .grad, here none),
+    # and a group whose params step with two counters (one joined later: two cohorts, two buckets).
+    ps = _params()
+    opt = FusedAdam(ps[:3])
+    _grad(ps)
+    opt.step()
+    opt.param_groups[0]['params'].append(ps[3])
+    grads = [[torch.randn(p.shape).to(torch.bfloat16) for p in ps]]
+    grads[0][2] = ps[2].grad = None
+    models = [[p.detach().to(torch.bfloat16) for p in ps]]
+    one_pass, one_by_one = _both_ways(opt, grads, models)
+    assert len(one_pass) == 2 and _layout(one_pass) == _layout(one_by_one)
+    assert one_pass_results[0] is not None
+
+
+@pytest.mark.parametrize('odd', ['channels_last param', 'grad of another shape',
+                                 'grads of two dtypes', 'a state of another dtype'])
+def test_a_slot_that_needs_more_sends_its_group_one_by_one(odd, one_pass_results):
+    extra = [nn.Parameter(torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last))]
+    ps = _params() + (extra if odd == 'channels_last param' else [])
+    twins = [nn.Parameter(p.detach().clone()) for p in ps]
+    opt, twin = FusedAdam(ps, lr=0.1), FusedAdam(twins, lr=0.1)
+    twin._targets_are_params = lambda: False
+    for step in range(3):
+        for o, params in ((opt, ps), (twin, twins)):
+            gen = torch.Generator().manual_seed(step)
+            grads = [torch.randn(p.shape, generator=gen) for p in params]
+            if step and odd == 'grad of another shape':
+                grads[0] = grads[0].reshape(4, 8)
+            if step and odd == 'grads of two dtypes':
+                grads[1] = grads[1].to(torch.bfloat16)
+            if step == 1 and odd == 'a state of another dtype':
+                o.state[params[2]]['exp_avg'] = o.state[params[2]]['exp_avg'].double()
+            with torch.no_grad():  # as step() runs it
+                o._update([grads], None, None, None)
+    assert None in one_pass_results
+    for p, q in zip(ps, twins):
+        assert torch.equal(p, q)
+
+
+def test_params_without_a_model_copy_get_their_own_bucket(one_pass_results):
+    ps = _params()
+    opt = FusedAdam(ps)
+    _grad(ps)
+    opt.step()
+    models = [[p.detach().to(torch.bfloat16) for p in ps]]
+    models[0][1] = None
+    one_pass, one_by_one = _both_ways(opt, None, models)
+    assert len(one_pass) == 2 and _layout(one_pass) == _layout(one_by_one)
+    assert one_pass_results[-1] is not None
+
+
+def test_only_optimizers_whose_params_are_their_targets_use_it(one_pass_results):
+    ps = _params((torch.bfloat16,))
+    for opt in (FusedAdam(ps, master_weights=True), FusedAdam(ps, bf16_storage='kahan'),
+                FusedSGD(ps, lr=0.1, momentum=0.9, bf16_storage='split')):
+        assert not opt._targets_are_params()
+        _grad(ps)
+        opt.step()
+    assert one_pass_results == []
+    # A state holding an internal master (from a master_weights=True checkpoint) is stepped as one.
+    opt = FusedAdam(ps)
+    assert opt._targets_are_params()
+    opt.load_state_dict(FusedAdam(ps, master_weights=True).state_dict())
+    assert opt._targets_are_params()  # nothing stepped yet: no state
+    saved = FusedAdam(ps, master_weights=True)
+    _grad(ps)
+    saved.step()
+    opt.load_state_dict(saved.state_dict())
+    assert not opt._targets_are_params()
+
+
+def test_every_optimizer_that_maps_its_targets_says_when(one_pass_results):
+    # _update_target may swap a param for another tensor: the class defining it must say when it
+    # does not (_targets_are_params), or its steps collect one by one.
+    classes = [c for _, c in inspect.getmembers(optim, inspect.isclass)
+               if issubclass(c, FusedOptimizer) and c is not FusedOptimizer]
+    assert len(classes) >= 5
+    assert all(buckets._says_when(cls) for cls in classes)
+
+    class Mapping(FusedAdam):  # a user's optimizer stepping another tensor for some params
+        def _update_target(self, param, state, model):
+            return super()._update_target(param, state, model)
+
+    ps = _params()
+    opt = Mapping(ps)
+    assert not buckets._says_when(Mapping) and not buckets.one_pass_applies(opt)
+    _grad(ps)
+    opt.step()
+    assert one_pass_results == []
