@@ -4,8 +4,8 @@ Note [compiled step] (mp_wrappers/wrappers/compiled_step.py): a step that would 
 or an lr tensor runs eagerly, the others run the device stages compiled. Here a real config trains
 with what users combine: O2 bf16, FusedAdam with capturable=True, mmengine's LinearLR (which assigns
 a new lr tensor every iteration), gradient accumulation, EMAHook and a head whose params get their
-first gradient at iteration 3. The compiled run ends bitwise equal to the same run without
-compile_step. The 'eager' backend traces with dynamo (whole graphs, fullgraph=True) and runs the
+first gradient at iteration 3, with float32 and with 8-bit moments (``state_dtype='int8'``). The
+compiled run ends bitwise equal to the same run without compile_step. The 'eager' backend traces with dynamo (whole graphs, fullgraph=True) and runs the
 graph eagerly: seconds on a CPU.
 """
 import pytest
@@ -17,12 +17,13 @@ from _workflow import RecordHook, make_runner, train
 pytestmark = [requires('fake_kernels'), requires('compile_list_ops'), needs_extension]
 
 
-def _run(work_dir, compile_step):
+def _run(work_dir, compile_step, states='float32'):
     hook = RecordHook()
     runner = make_runner(
         work_dir, wrapper='O2', iters=8, accumulative_counts=2,
         model=dict(late_iters=(3, 4, 5, 6, 7)),
-        optimizer=dict(type='mp_wrappers.FusedAdam', lr=1e-2, capturable=True),
+        optimizer=dict(type='mp_wrappers.FusedAdam', lr=1e-2, capturable=True,
+                       state_dtype=states, min_8bit_size=0),
         extra_wrapper=dict(compile_step=compile_step),
         custom_hooks=[dict(type='EMAHook', momentum=0.1)],
         param_scheduler=[dict(type='LinearLR', start_factor=0.5, by_epoch=False, begin=0,
@@ -32,13 +33,17 @@ def _run(work_dir, compile_step):
     return runner, hook
 
 
-@pytest.mark.parametrize('launcher', ['tools_train', 'toolbox'], indirect=True)
-def test_compiled_step_trains_like_eager_under_the_runner(tmp_path, launcher):
+@pytest.mark.parametrize('launcher, states', [('tools_train', 'float32'), ('toolbox', 'float32'),
+                                              ('toolbox', 'int8')], indirect=['launcher'])
+def test_compiled_step_trains_like_eager_under_the_runner(tmp_path, launcher, states):
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
-    _, eager = _run(tmp_path / 'eager', False)
+    runner, eager = _run(tmp_path / 'eager', False, states)
+    if states == 'int8':  # the head's and the body's moments are codes
+        state = runner.optim_wrapper.optimizer.state
+        assert state and all(s['exp_avg'].dtype == torch.uint8 for s in state.values())
     counters.clear()
-    _, compiled = _run(tmp_path / 'compiled', dict(backend='eager'))
+    _, compiled = _run(tmp_path / 'compiled', dict(backend='eager'), states)
     graphs = counters['stats']['unique_graphs']
     torch._dynamo.reset()
     assert graphs >= 1  # the update iterations that make no state ran compiled
