@@ -17,7 +17,8 @@
 namespace mp_wrappers {
 namespace {
 
-// The borrowed items of a Python list; TypeError for anything else.
+// The borrowed items of a Python list (valid while the caller's lists live: nothing here runs Python
+// that could change them); std::invalid_argument, a ValueError in Python, for anything else.
 std::vector<PyObject*> items(PyObject* list, const char* what) {
   if (!PyList_Check(list)) {
     throw std::invalid_argument(std::string("slots_dense: ") + what + " must be a list");
@@ -68,6 +69,7 @@ bool column(const std::vector<PyObject*>& objs, const std::vector<const at::Tens
 // a param. State tensors' devices are left to the op's own checks, as in the one-by-one collection.
 bool slots_dense(PyObject* targets, PyObject* grads, PyObject* models, PyObject* states,
                  PyObject* allowed) {
+  // Every argument is checked before any answer, as the reference does.
   const std::vector<PyObject*> ts = items(targets, "targets");
   const std::vector<PyObject*> gs = items(grads, "grads");
   const std::vector<PyObject*> ms = items(models, "models");
@@ -75,6 +77,23 @@ bool slots_dense(PyObject* targets, PyObject* grads, PyObject* models, PyObject*
   if (!PyTuple_Check(allowed) || PyTuple_GET_SIZE(allowed) != static_cast<Py_ssize_t>(ss.size())) {
     throw std::invalid_argument("slots_dense: allowed must be a tuple with one entry per state list");
   }
+  std::vector<std::vector<at::ScalarType>> ok(ss.size());
+  for (size_t k = 0; k < ss.size(); ++k) {
+    PyObject* dtypes = PyTuple_GET_ITEM(allowed, static_cast<Py_ssize_t>(k));
+    if (!PyTuple_Check(dtypes)) {
+      throw std::invalid_argument("slots_dense: allowed[k] must be a tuple of torch.dtype");
+    }
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(dtypes); ++j) {
+      PyObject* d = PyTuple_GET_ITEM(dtypes, j);
+      if (!THPDtype_Check(d)) {
+        throw std::invalid_argument("slots_dense: allowed[k] must be a tuple of torch.dtype");
+      }
+      ok[k].push_back(reinterpret_cast<THPDtype*>(d)->scalar_type);
+    }
+  }
+  std::vector<std::vector<PyObject*>> cols;
+  for (PyObject* col : ss) cols.push_back(items(col, "states[k]"));
+
   const size_t n = ts.size();
   if (gs.size() != n || (!ms.empty() && ms.size() != n)) return false;
   if (n == 0) return true;
@@ -88,26 +107,13 @@ bool slots_dense(PyObject* targets, PyObject* grads, PyObject* models, PyObject*
   }
   if (!column(gs, refs, true)) return false;
   if (!ms.empty() && !column(ms, refs, true)) return false;
-  for (size_t k = 0; k < ss.size(); ++k) {
-    const std::vector<PyObject*> col = items(ss[k], "states[k]");
-    if (col.size() != n) return false;
-    PyObject* dtypes = PyTuple_GET_ITEM(allowed, static_cast<Py_ssize_t>(k));
-    if (!PyTuple_Check(dtypes)) {
-      throw std::invalid_argument("slots_dense: allowed[k] must be a tuple of torch.dtype");
-    }
-    std::vector<at::ScalarType> ok;
-    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(dtypes); ++j) {
-      PyObject* d = PyTuple_GET_ITEM(dtypes, j);
-      if (!THPDtype_Check(d)) {
-        throw std::invalid_argument("slots_dense: allowed[k] must be a tuple of torch.dtype");
-      }
-      ok.push_back(reinterpret_cast<THPDtype*>(d)->scalar_type);
-    }
+  for (size_t k = 0; k < cols.size(); ++k) {
+    if (cols[k].size() != n) return false;
     for (size_t i = 0; i < n; ++i) {
-      const at::Tensor* t = dense(col[i]);
+      const at::Tensor* t = dense(cols[k][i]);
       if (t == nullptr || t->sizes() != refs[i]->sizes()) return false;
       bool found = false;
-      for (at::ScalarType s : ok) found = found || s == t->scalar_type();
+      for (at::ScalarType s : ok[k]) found = found || s == t->scalar_type();
       if (!found) return false;
     }
   }

@@ -36,8 +36,10 @@ Note [collect in one pass]
     bucket passes, the buckets are those of the one-by-one collection, in the same order (its key
     adds devices and dtypes the check found uniform), and the op gets the same lists. Otherwise the
     group is collected again one by one, which adds the strided slots, asks about other state
-    dtypes exactly and raises the errors that name a param; the first pass only initialised the
-    state of new params, as the second would have.
+    dtypes exactly and raises the errors that name a param. The first pass changes nothing: a param
+    without state (its first step) or an FSDP2 shard sends its group one by one at once, so state
+    is made, and new params share their step counter (Note [step cohorts] in :mod:`.base`),
+    exactly as before.
 """
 import functools
 from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
@@ -124,7 +126,6 @@ def collect_in_one_pass(opt: Any, group: Dict[str, Any], grads: Optional[Sequenc
     params are their own update targets, checked once per bucket (Note [collect in one pass]);
     None when a slot needs the one-by-one collection (``opt._collect_group``)."""
     all_state, scalar_keys = opt.state, opt._scalar_state
-    new_steps: Dict[torch.device, Tensor] = {}
     buckets: Dict[Tuple[torch.dtype, int, bool], _Bucket] = {}
     specs: Dict[torch.dtype, SlotSpec] = {}
     last_step, cohort = None, 0
@@ -134,11 +135,11 @@ def collect_in_one_pass(opt: Any, group: Dict[str, Any], grads: Optional[Sequenc
             grad = param.grad
             if grad is None:
                 continue
-        state = all_state[param]
-        if 'step' not in state:
-            state = opt._init_state(param, group, new_step(new_steps, param.device))
         if dtensor is not None and isinstance(param, dtensor):
-            return None
+            return None  # FSDP2 steps the local shards: one by one
+        state = all_state.get(param)
+        if state is None or 'step' not in state:
+            return None  # a first step makes state: one by one, before this pass changed anything
         dtype = param.dtype
         spec = specs.get(dtype)
         if spec is None:

@@ -100,8 +100,12 @@ def test_the_dispatcher_agrees_with_the_reference():
     (dict(allowed=((F32,), ('float32',))), r'allowed\[k\] must be a tuple of torch.dtype'),
     (dict(allowed=((F32,), [F32])), r'allowed\[k\] must be a tuple of torch.dtype'),
 ])
-def test_bad_arguments_raise(impl, bad, match):
-    args = _lists()
+@pytest.mark.parametrize('lists', ['three slots', 'no slots', 'a strided target'])
+def test_bad_arguments_raise(impl, bad, match, lists):
+    # Whatever the tensors would answer: the arguments are checked first.
+    args = _lists(n=0 if lists == 'no slots' else 3)
+    if lists == 'a strided target':
+        args['targets'][0] = _noncontig()
     args.update(bad)
     with pytest.raises(ValueError, match=match):
         impl(**args)

@@ -77,12 +77,33 @@ def test_the_buckets_are_those_of_the_one_by_one_collection(setup, one_pass_resu
     ps = _params(dtypes)
     opt = SETUPS[setup](ps)
     _grad(ps)
-    ps[1].grad = None  # left alone by both
-    opt.step()
+    opt.step()  # the first step makes state, one by one
+    one_pass_results.clear()
     _grad(ps, seed=2)
+    ps[1].grad = None  # left alone by both
     one_pass, one_by_one = _both_ways(opt)
     assert one_pass and _layout(one_pass) == _layout(one_by_one)
     assert one_pass_results and all(r is not None for r in one_pass_results)
+
+
+@pytest.mark.parametrize('late', [False, True])
+def test_a_first_step_goes_one_by_one_and_the_pass_changes_nothing(late, one_pass_results):
+    # State is made one by one: new params of a group share one step counter (Note [step
+    # cohorts]), also when they join a group whose other params have state.
+    ps = _params()
+    opt = FusedAdam(ps[:2] if late else ps)
+    _grad(ps)
+    if late:
+        opt.step()
+        opt.param_groups[0]['params'] += ps[2:]
+    before = {id(p): dict(s) for p, s in opt.state.items()}
+    assert buckets.collect_in_one_pass(opt, opt.param_groups[0], None, None, [], None) is None
+    assert {id(p): dict(s) for p, s in opt.state.items()} == before
+    opt.step()
+    assert len({id(opt.state[p]['step']) for p in ps[2:]}) == 1
+    assert one_pass_results[-1] is None  # the step's own pass gave up too
+    opt.step()
+    assert one_pass_results[-1] is not None
 
 
 def test_with_model_copies_and_a_late_param(one_pass_results):
@@ -93,6 +114,8 @@ def test_with_model_copies_and_a_late_param(one_pass_results):
     _grad(ps)
     opt.step()
     opt.param_groups[0]['params'].append(ps[3])
+    opt.step()  # its first step, one by one: its own counter
+    one_pass_results.clear()
     grads = [[torch.randn(p.shape).to(torch.bfloat16) for p in ps]]
     grads[0][2] = ps[2].grad = None
     models = [[p.detach().to(torch.bfloat16) for p in ps]]
@@ -131,6 +154,7 @@ def test_params_without_a_model_copy_get_their_own_bucket(one_pass_results):
     opt = FusedAdam(ps)
     _grad(ps)
     opt.step()
+    one_pass_results.clear()
     models = [[p.detach().to(torch.bfloat16) for p in ps]]
     models[0][1] = None
     one_pass, one_by_one = _both_ways(opt, None, models)
