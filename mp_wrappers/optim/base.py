@@ -36,7 +36,7 @@ from ..ops._dispatch import implementation
 from ..ops._extension import extension
 from . import layout, saved_state
 from .buckets import (SlotSpec, _Bucket, add_contiguous, add_strided, collect_in_one_pass,
-                      identity, new_step, one_pass_applies)
+                      identity, new_step, one_pass_applies, with_grads)
 
 __all__ = ['FusedOptimizer']
 
@@ -326,18 +326,14 @@ class FusedOptimizer(Optimizer):
                        models: Optional[Sequence[Any]], steps: List[Tensor],
                        dtensor: Optional[type], writebacks: List[Tuple[Tensor, Tensor]]
                        ) -> List[_Bucket]:
-        """The buckets of param group ``gi`` (Note [collect fast path] in :mod:`.buckets`)."""
+        """The buckets of param group ``gi``, one param at a time (Note [collect fast path] in
+        :mod:`.buckets`)."""
         buckets: Dict[tuple, _Bucket] = {}
         specs: Dict[torch.dtype, SlotSpec] = {}  # by target dtype, for this step only
         new_steps: Dict[torch.device, Tensor] = {}
         all_state, state_dtype, scalar_keys = self.state, self._state_dtype, self._scalar_state
         last_step, cohort = None, 0
-        for pi, param in enumerate(group['params']):
-            grad = None if grads is None else grads[pi]
-            if grad is None:
-                grad = param.grad
-                if grad is None:
-                    continue
+        for pi, param, grad in with_grads(group['params'], grads):
             if grad.is_sparse:
                 raise RuntimeError(f'{type(self).__name__} does not support sparse gradients '
                                    f'(param {pi} of group {gi}); use torch.optim.SparseAdam for '

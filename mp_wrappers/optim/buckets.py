@@ -42,7 +42,8 @@ Note [collect in one pass]
     exactly as before.
 """
 import functools
-from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
+from typing import (Any, Callable, Dict, FrozenSet, Iterator, List, NamedTuple, Optional, Sequence,
+                    Tuple)
 
 import torch
 from torch import Tensor
@@ -52,7 +53,7 @@ from ..ops.slots import slots_dense
 from . import layout
 
 __all__ = ['SlotSpec', 'identity', 'add_contiguous', 'add_strided', 'collect_in_one_pass',
-           'new_step', 'one_pass_applies']
+           'new_step', 'one_pass_applies', 'with_grads']
 
 #: ``state_dtype(key, target)``: the dtype state ``key`` of the tensor ``target`` is kept in.
 StateDtype = Callable[[str, Tensor], torch.dtype]
@@ -104,6 +105,19 @@ def identity(seen: List[Tensor], t: Tensor) -> int:
     return len(seen) - 1
 
 
+def with_grads(params: Sequence[Tensor], grads: Optional[Sequence[Any]]
+               ) -> Iterator[Tuple[int, Tensor, Tensor]]:
+    """``(index, param, grad)`` of the params a step updates: the grad given for it (a fused master
+    step's), else its ``.grad``; params with neither are left alone."""
+    for pi, param in enumerate(params):
+        grad = None if grads is None else grads[pi]
+        if grad is None:
+            grad = param.grad
+            if grad is None:
+                continue
+        yield pi, param, grad
+
+
 def one_pass_applies(opt: Any) -> bool:
     """Whether the step of the :class:`~mp_wrappers.optim.FusedOptimizer` ``opt`` may collect in one
     pass (Note [collect in one pass]): not while torch.compile traces, and when ``opt`` says its
@@ -129,12 +143,7 @@ def collect_in_one_pass(opt: Any, group: Dict[str, Any], grads: Optional[Sequenc
     buckets: Dict[Tuple[torch.dtype, int, bool], _Bucket] = {}
     specs: Dict[torch.dtype, SlotSpec] = {}
     last_step, cohort = None, 0
-    for pi, param in enumerate(group['params']):
-        grad = None if grads is None else grads[pi]
-        if grad is None:
-            grad = param.grad
-            if grad is None:
-                continue
+    for pi, param, grad in with_grads(group['params'], grads):
         if dtensor is not None and isinstance(param, dtensor):
             return None  # FSDP2 steps the local shards: one by one
         state = all_state.get(param)
