@@ -477,7 +477,8 @@ inline void adam8bit_block(const PM& pm, const G* g, uint8_t* mc, float* ma, uin
   const bool normal = n == kBlock && m_fac_rebased <= FLT_MAX && v_fac_rebased <= FLT_MAX &&
                       Q::template all_normal<ExpAvgCode>(mc) &&
                       Q::template all_normal<ExpAvgSqCode>(vc);
-  F m_fac_v = V::set1(m_fac), v_fac_v = V::set1(v_fac);
+  const F m_fac_v = V::set1(normal ? m_fac_rebased : m_fac);
+  const F v_fac_v = V::set1(normal ? v_fac_rebased : v_fac);
   F m_max = V::zero(), v_max = V::zero();
   // Two copies of the loop: whole blocks of normal codes (no tail, no subnormal lanes), and the rest.
   const auto update = [&](auto normal_codes) {
@@ -520,8 +521,6 @@ inline void adam8bit_block(const PM& pm, const G* g, uint8_t* mc, float* ma, uin
     }
   };
   if (normal) {
-    m_fac_v = V::set1(m_fac_rebased);
-    v_fac_v = V::set1(v_fac_rebased);
     update(std::true_type{});
   } else {
     update(std::false_type{});
