@@ -1,10 +1,11 @@
 """The lists one fused-optimizer op call takes (a bucket), and how one param's tensors join them.
 
-:meth:`FusedOptimizer._collect <mp_wrappers.optim.FusedOptimizer>` decides which bucket a param
-goes to; this module adds the param's tensors: as they are when all of them are contiguous, shaped
-alike and of the state dtypes the optimizer keeps (:func:`add_contiguous`, the case of nearly every
-param), else as flat views in the param's memory order, re-laying out state once
-(:func:`add_strided`, e.g. channels_last params).
+:meth:`FusedOptimizer._collect <mp_wrappers.optim.FusedOptimizer>` collects a group in one pass
+when it can (:func:`collect_in_one_pass`, Note [collect in one pass]), else one param at a time,
+deciding which bucket a param goes to; this module adds the param's tensors: as they are when all
+of them are contiguous, shaped alike and of the state dtypes the optimizer keeps
+(:func:`add_contiguous`, the case of nearly every param), else as flat views in the param's memory
+order, re-laying out state once (:func:`add_strided`, e.g. channels_last params).
 
 Note [collect fast path]
     ``_collect`` runs for every param at every step, so its per-param Python is the host time of a
@@ -26,13 +27,14 @@ Note [collect fast path]
 Note [collect in one pass]
     Even so, the per-param checks above read about sixteen tensor attributes per Adam param (device,
     dtype, shape, contiguity of four tensors), at 50-90 ns each from Python: on an H100's host our
-    step's Python took 1.42x torch's. So when every param is its own update target (no lean storage,
-    internal master or FSDP2 shard: ``FusedOptimizer._targets_are_params``) and torch.compile is not
-    tracing (it cannot trace the C++ call; :func:`one_pass_applies`), :func:`collect_in_one_pass` first appends each param's
-    tensors unchecked, to buckets keyed by the param's dtype, step cohort and whether it has a model
-    copy, and then asks :func:`mp_wrappers.ops.slots.slots_dense`, in C++, once per bucket, whether
-    the lists are what the one-by-one collection would have built from them: dense tensors of the
-    key's devices and dtypes, each of its param's shape, with state of the spec's dtypes. When every
+    step's Python took 1.42x torch's. So when every param is its own update target (no lean
+    storage, internal master or FSDP2 shard: ``FusedOptimizer._targets_are_params``) and
+    torch.compile is not tracing (it cannot trace the C++ call; :func:`one_pass_applies`),
+    :func:`collect_in_one_pass` first appends each param's tensors unchecked, to buckets keyed by
+    the param's dtype, step cohort and whether it has a model copy, and then asks
+    :func:`mp_wrappers.ops.slots.slots_dense`, in C++, once per bucket, whether the lists are what
+    the one-by-one collection would have built from them: dense tensors of the key's devices and
+    dtypes, each of its param's shape, with state of the spec's dtypes. When every
     bucket passes, the buckets are those of the one-by-one collection, in the same order (its key
     adds devices and dtypes the check found uniform), and the op gets the same lists. Otherwise the
     group is collected again one by one, which adds the strided slots, asks about other state

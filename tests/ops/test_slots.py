@@ -32,6 +32,10 @@ def _noncontig(shape=(4, 3)):
     return torch.randn(shape[::-1]).t()
 
 
+def _meta(dtype=F32):
+    return torch.empty(4, 3, device='meta', dtype=dtype)
+
+
 # name -> how to break the lists of _lists() (None: leave them passing)
 CASES = {
     'all dense and alike': None,
@@ -51,24 +55,25 @@ CASES = {
     'integer grads': lambda a: a.update(grads=[g.long() for g in a['grads']]),
     'model copies of two dtypes': lambda a: a['models'].__setitem__(2, torch.randn(4, 3)),
     'integer model copies': lambda a: a.update(models=[torch.zeros(4, 3, dtype=torch.int32)] * 3),
-    'a target on another device': lambda a: a['targets'].__setitem__(2, torch.empty(4, 3, device='meta')),
-    'a grad on another device': lambda a: a['grads'].__setitem__(0, torch.empty(4, 3, device='meta')),
-    'grads all on another device': lambda a: a.update(grads=[torch.empty(4, 3, device='meta')] * 3),
-    'a model on another device': lambda a: a['models'].__setitem__(1, torch.empty(4, 3, device='meta', dtype=BF16)),
+    'a target on another device': lambda a: a['targets'].__setitem__(2, _meta()),
+    'a grad on another device': lambda a: a['grads'].__setitem__(0, _meta()),
+    'grads all on another device': lambda a: a.update(grads=[_meta()] * 3),
+    'a model on another device': lambda a: a['models'].__setitem__(1, _meta(BF16)),
     'a sparse grad': lambda a: a['grads'].__setitem__(1, torch.randn(4, 3).to_sparse()),
     'a missing state': lambda a: a['states'][1].__setitem__(0, None),
-    'a state of a dtype not allowed': lambda a: a['states'][0].__setitem__(1, torch.zeros(4, 3).double()),
+    'a state of a dtype not allowed':
+        lambda a: a['states'][0].__setitem__(1, torch.zeros(4, 3).double()),
     'a state of a second allowed dtype': lambda a: (
         a['states'][0].__setitem__(1, torch.zeros(4, 3, dtype=U8)),
         a.update(allowed=((F32, U8), (F32,)))),
-    'states on another device (left to the op)': lambda a: a['states'][0].__setitem__(0, torch.empty(4, 3, device='meta')),
+    'states on another device (left to the op)': lambda a: a['states'][0].__setitem__(0, _meta()),
     'fewer grads': lambda a: a['grads'].pop(),
     'fewer model copies': lambda a: a['models'].pop(),
     'fewer states': lambda a: a['states'][1].pop(),
     'a grad that is no tensor': lambda a: a['grads'].__setitem__(1, 1.0),
 }
-PASSING = {'all dense and alike', 'no slots', 'no model copies', 'no state',
-           'a state of a second allowed dtype', 'half grads', 'states on another device (left to the op)'}
+PASSING = {'all dense and alike', 'no slots', 'no model copies', 'no state', 'half grads',
+           'a state of a second allowed dtype', 'states on another device (left to the op)'}
 
 
 @pytest.mark.parametrize('impl', _implementations())

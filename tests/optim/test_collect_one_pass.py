@@ -1,7 +1,8 @@
-"""The one-pass collection of a fused step (Note [collect in one pass] in mp_wrappers.optim.buckets):
-when it applies it builds exactly the buckets of the one-by-one collection (same lists, same tensors,
-same order), so the ops get the same arguments; when a slot needs more it gives the group back to
-the one-by-one collection; and only optimizers whose params are their own targets use it."""
+"""The one-pass collection of a fused step (Note [collect in one pass] in
+mp_wrappers.optim.buckets): when it applies it builds exactly the buckets of the one-by-one
+collection (same lists, same tensors, same order), so the ops get the same arguments; when a slot
+needs more it gives the group back to the one-by-one collection; and only optimizers whose params
+are their own targets use it."""
 import inspect
 
 import pytest
