@@ -302,12 +302,12 @@ class QuantizedStateMixin:
                           ) -> Optional[_Bucket]:
         """Step the bucket's 8-bit slots; return the bucket of the others (None when none).
         ``lr, lr_tensor``: the group's lr as ``_lr_args`` gives it."""
-        exp_avgs = bucket.states.get('exp_avg', ())
-        eight = [i for i, t in enumerate(exp_avgs) if t.dtype == torch.uint8]
+        eight: List[int] = []
+        rest: List[int] = []
+        for i, t in enumerate(bucket.states.get('exp_avg', ())):
+            (eight if t.dtype == torch.uint8 else rest).append(i)
         if not eight:
             return bucket
-        rest = [] if len(eight) == len(exp_avgs) else [
-            i for i, t in enumerate(exp_avgs) if t.dtype != torch.uint8]
         g = bucket.group
         # One step counter serves both calls: the 8-bit one advances a copy when another follows.
         step = bucket.step.clone() if rest else bucket.step
@@ -331,19 +331,15 @@ class QuantizedStateMixin:
         """The 8-bit op on the bucket's slots ``eight``: ``multi_tensor_adam8bit_``, or its lean
         form for bf16 params with a ``bf16_storage`` (the aux state in the same pass)."""
         g = bucket.group
+        absmax = [self._absmax_of(bucket, i) for i in eight]
         beta1, beta2 = g['betas']
         whole = len(eight) == len(bucket.params)  # no float32-moment slot: the lists as they are
 
-        def pick(values: List[Any]) -> List[Any]:
+        def pick(values: List[Tensor]) -> List[Tensor]:
             return values if whole else [values[i] for i in eight]
-        slot_states = pick(bucket.slot_states)
-        m_absmax = [state['exp_avg_absmax'] for state in slot_states]
-        v_absmax = [state['exp_avg_sq_absmax'] for state in slot_states]
-        if not all(type(a) is Tensor for a in m_absmax):  # noqa: E721 - DTensors (FSDP2)
-            pairs = [self._absmax_of(bucket, i) for i in eight]
-            m_absmax, v_absmax = [a for a, _ in pairs], [a for _, a in pairs]
-        lists = (pick(bucket.params), pick(bucket.grads), pick(bucket.states['exp_avg']), m_absmax,
-                 pick(bucket.states['exp_avg_sq']), v_absmax)
+        lists = (pick(bucket.params), pick(bucket.grads), pick(bucket.states['exp_avg']),
+                 [a[0] for a in absmax], pick(bucket.states['exp_avg_sq']),
+                 [a[1] for a in absmax])
         hyper = (lr, float(beta1), float(beta2), float(g['eps']),
                  float(g['weight_decay']), bool(g['adam_w_mode']), bool(g['bias_correction']))
         # The kernel checks its lists again; the optimizer built them (as _call_op's other ops).
@@ -362,9 +358,7 @@ class QuantizedStateMixin:
             op='multi_tensor_adam8bit_')
 
     def _absmax_of(self, bucket: _Bucket, i: int) -> Tuple[Tensor, Tensor]:
-        """The absmax of both moments of slot ``i`` (local shards of an FSDP2 param's). A bucket
-        whose absmaxes are all plain tensors passes them as they are (``_call_8bit``): a plain
-        param without elements holds an absmax without elements, as the empty one here."""
+        """The absmax of both moments of slot ``i`` (local shards of an FSDP2 param's)."""
         param = bucket.params[i]
         if not param.numel():  # a rank holding no rows of an FSDP2 param: no block to update
             empty = torch.empty(0, dtype=torch.float32, device=param.device)
