@@ -196,9 +196,22 @@ for tool in memcheck racecheck initcheck; do
     status=1
     continue
   fi
-  # Small cases only: the sanitizer slows kernels down 10-100x.
-  step "sanitizer-$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 \
-    "$PY" -m pytest -q -x -p no:cacheprovider -k 'cuda and not 2_pow_31 and not split_across' \
+  # Small cases only: the sanitizer slows kernels down 10-100x. Only our kernels are checked where
+  # compute-sanitizer filters by kernel name: the tests' float64 references launch hundreds of
+  # torch kernels a case, and memcheck instrumenting every one took ~10 s a case on an H100
+  # (benchmarks/RESULTS.md, "sixth session"). The filter is tried on a trivial run first, so a
+  # release that spells it otherwise checks every kernel rather than failing. -v names each case
+  # in the log as it starts, so a step cut short by its time limit says where it was.
+  filter=()
+  for opt in --kernel-name --kernel-regex --filter; do
+    if compute-sanitizer --tool "$tool" "$opt" kns=mp_wrappers true >/dev/null 2>&1; then
+      filter=("$opt" kns=mp_wrappers)
+      break
+    fi
+  done
+  [ ${#filter[@]} -gt 0 ] || echo "gpu_check: compute-sanitizer takes no kernel-name filter: every kernel checked" >&2
+  step "sanitizer-$tool" compute-sanitizer --tool "$tool" ${filter[@]+"${filter[@]}"} --error-exitcode 1 \
+    "$PY" -m pytest -v -x -p no:cacheprovider -k 'cuda and not 2_pow_31 and not split_across' \
     tests/ops/test_quantized_states.py tests/ops/test_multi_tensor.py tests/kernels/test_cpu_kernels.py tests/kernels/test_cuda_paths.py
 done
 
