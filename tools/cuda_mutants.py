@@ -169,22 +169,6 @@ EQUIVALENT: Dict[str, str] = {
                                                  'writes the code h == 1 writes next, the same '
                                                  'value; that of h == 1 is 256 + lane >= n, never '
                                                  'written (the i < n guard)',
-    # The L2 prefetch of a warp's next block: a hint, read by nothing, so only its address can
-    # matter, and the host build touches it (a fault, or AddressSanitizer, outside the tensors).
-    'multi_tensor_adam8bit.cu:285:rel:b93f907a': 'one lane more asks for the line right after the '
-                                                 'next block: a line of the chunk, or at its end '
-                                                 'one line past the tensor, which the GPU drops '
-                                                 'and only an AddressSanitizer build would see '
-                                                 '(not the mutants\' build); no result changes',
-    'multi_tensor_adam8bit.cu:286:arith:988d06d4': 'the lines asked for lie before the next block '
-                                                   'instead of in it: next >= b0 + 256 elements '
-                                                   'and a lane asks at most 896 bytes back, so '
-                                                   'they are lines of this chunk; only the '
-                                                   'prefetch is wasted, no result changes',
-    'multi_tensor_adam8bit.cu:301:rel:019ede5d': 'lanes 1-31 instead of lane 0 ask L2 for the '
-                                                 'same two absmax lines of the next block (the '
-                                                 'same addresses, inside the absmax tensors): a '
-                                                 'hint given 31 times, no result changes',
 }
 
 # The tiny geometry's tensors per launch: the host tests' launch configuration, not kernel logic.

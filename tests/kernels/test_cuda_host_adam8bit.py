@@ -11,6 +11,8 @@ order, the square root is correctly rounded in all three, the bias corrections a
 expressions rounded once, and the absmax is a max (exact in any order). A found_inf step must
 change no bit and write no byte; every written tensor lies between guard canaries.
 """
+import collections
+
 import pytest
 import torch
 
@@ -315,6 +317,52 @@ def test_adam8bit_traffic(host, model):
     gbytes = 2 if model else 4
     assert sum(r[3] for r in launches) == n * (4 + gbytes + 2) + qblocks * 8 + cuda_blocks * 12
     assert sum(r[4] for r in launches) == n * (4 + 2 + (2 if model else 0)) + qblocks * 8
+
+
+def _expected_prefetches(st, grads, q, warps):
+    """The lines the update asks of L2 ahead of use (prefetch_qblock): in each chunk of ``q``
+    elements, every whole quantization block but the first ``warps`` (those the warps start on) is
+    asked for once, by the warp working ``warps`` blocks before it: 128-byte lines from its first
+    element over the block's 256 elements of the param, grad and both code lists, and its two
+    absmaxes. The model copy is only written: never asked for."""
+    want = collections.Counter()
+    for i, n in enumerate(st.sizes):
+        for begin in range(0, n, q):
+            for blk in range(warps, min(q, n - begin) // 256):
+                e = begin + blk * 256
+                for t in (st.params[i], grads[i], st.mc[i], st.vc[i]):
+                    base = t.data_ptr() + e * t.element_size()
+                    want.update(base + byte for byte in range(0, 256 * t.element_size(), 128))
+                for a in (st.ma[i], st.va[i]):
+                    want[a.data_ptr() + e // 256 * 4] += 1
+    return want
+
+
+@pytest.mark.parametrize('setup', ['fp32', 'o2-bf16', 'bf16-params'])
+def test_adam8bit_prefetches_exactly_the_next_blocks_lines(host, setup):
+    """The next-block prefetch changes no result, so only its addresses show a wrong one: host
+    execution records each prefetch_l2 address, and each must be one line of a block the warp
+    works next, each such line asked for once (docs/cuda_mutants_report.md: the mutants of these
+    addresses and of their guard survived every result check)."""
+    representative(host, setup == 'o2-bf16')
+    q = host.geometry['quant_chunk_size']
+    warps = host.geometry['block_size'] // 32
+    # Chunks with whole blocks past the warps' first ones, a short last block, a chunk of fewer
+    # blocks than warps, and (tiny geometry) several chunks and launches.
+    sizes = [q + (warps + 3) * 256 + 100, (warps + 1) * 256, 300] + (
+        sizes_of(host) if host.geometry['name'] == 'TinyGeometry' else [])
+    st = State(setup, sizes, seed=39)
+    grads = st.grads()
+    host.module.traffic_reset()
+    st.run(host.ops.multi_tensor_adam8bit_, grads, ADAM)
+    assert {r[2] for r in _update_launches(host)} == {host.geometry['block_size']}
+    want = _expected_prefetches(st, grads, q, warps)
+    got = collections.Counter(host.module.prefetch_log())
+    assert sum(want.values()) > 0
+    missing, extra = want - got, got - want
+    assert not missing and not extra, (
+        f'{setup}: {sum(missing.values())} expected prefetches missing, '
+        f'{sum(extra.values())} unexpected ({len(want)} distinct lines expected)')
 
 
 def test_adam8bit_empty_lists_and_tensors(host):

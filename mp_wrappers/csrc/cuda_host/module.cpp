@@ -33,7 +33,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   for (int depth = 1; depth <= 7; ++depth) max_tensors.push_back(mc::Geometry::max_tensors(depth));
   g["max_tensors"] = max_tensors;  // by list depth 1..7
   m.attr("geometry") = g;
-  m.def("traffic_reset", &host::traffic_reset, "Forget the recorded launches.");
+  m.def("traffic_reset", &host::traffic_reset, "Forget the recorded launches and prefetches.");
+  m.def("prefetch_log", &host::prefetch_log,
+        "The addresses asked of L2 (prefetch_l2) since traffic_reset(), one per request, in no "
+        "particular order (the threads of a block run at once).");
   m.def(
       "resident_blocks", [] { return host::g_resident_blocks.load(); },
       "Blocks of a kernel the emulated device holds at once.");

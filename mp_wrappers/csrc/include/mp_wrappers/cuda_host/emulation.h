@@ -161,8 +161,20 @@ inline void check_aligned(const void* p, uint64_t align) {
                           "-byte access at an address that is not a multiple of it");
 }
 // A prefetch is a hint the GPU drops at a bad address; here its byte is read (not counted as
-// traffic), so that an address outside the kernel's tensors faults, or trips AddressSanitizer.
-inline void touch(const void* p) { (void)*static_cast<const volatile char*>(p); }
+// traffic), so that an address outside the kernel's tensors faults, or trips AddressSanitizer, and
+// its address is recorded (prefetch_log()): a prefetch of the wrong line, or of none, changes no
+// result, so only its addresses can show it.
+inline std::mutex g_prefetch_mutex;
+inline std::vector<uintptr_t> g_prefetches;
+inline void touch(const void* p) {
+  (void)*static_cast<const volatile char*>(p);
+  std::lock_guard<std::mutex> lock(g_prefetch_mutex);
+  g_prefetches.push_back(reinterpret_cast<uintptr_t>(p));
+}
+inline std::vector<uintptr_t> prefetch_log() {
+  std::lock_guard<std::mutex> lock(g_prefetch_mutex);
+  return g_prefetches;
+}
 inline void count_store(uint64_t bytes) {
   t_state.bytes_written += bytes;
   ++t_state.stores;
@@ -182,8 +194,12 @@ inline std::vector<LaunchRecord> traffic_log() {
   return g_log;
 }
 inline void traffic_reset() {
-  std::lock_guard<std::mutex> lock(g_log_mutex);
-  g_log.clear();
+  {
+    std::lock_guard<std::mutex> lock(g_log_mutex);
+    g_log.clear();
+  }
+  std::lock_guard<std::mutex> lock(g_prefetch_mutex);
+  g_prefetches.clear();
 }
 
 // ---- the thread team ------------------------------------------------------------------------------
