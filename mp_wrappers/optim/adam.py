@@ -101,10 +101,10 @@ class FusedAdam(QuantizedStateMixin, LeanStorageMixin, FusedOptimizer):
         if self.master_weights and param.dtype in HALF_DTYPES:
             state['master_param'] = layout.like(param, torch.float32).copy_(param)
 
-    def _targets_are_params(self) -> bool:
+    def _targets_are_params(self, with_models: bool) -> bool:
         # An internal master is another target; a state may hold one from a checkpoint saved with
         # master_weights=True, which _update_target below then steps.
-        return (LeanStorageMixin._targets_are_params(self) and not self.master_weights
+        return (LeanStorageMixin._targets_are_params(self, with_models) and not self.master_weights
                 and not any('master_param' in state for state in self.state.values()))
 
     def _update_target(self, param: Tensor, state: Dict[str, Any],

@@ -143,10 +143,11 @@ class FusedOptimizer(Optimizer):
         ``master_weights`` substitutes an internal fp32 master here)."""
         return param, model
 
-    def _targets_are_params(self) -> bool:
-        """Whether ``_update_target`` returns every param and model copy as they are, this step
-        (Note [collect in one pass]): a class overriding it says when, here (else its steps collect
-        one by one: buckets.one_pass_applies)."""
+    def _targets_are_params(self, with_models: bool) -> bool:
+        """Whether ``_update_target`` returns every param and model copy as they are, and raises
+        nothing, this step (Note [collect in one pass]); ``with_models``: the step writes model
+        copies (a fused master step given at least one). A class overriding ``_update_target`` says when, here (else
+        its steps collect one by one: buckets.one_pass_applies)."""
         return True
 
     def _init_extra_state(self, param: Tensor, state: Dict[str, Any]) -> None:
@@ -312,7 +313,10 @@ class FusedOptimizer(Optimizer):
         buckets: List[_Bucket] = []
         steps: List[Tensor] = []  # the step counters seen, keyed by position (buckets.identity)
         dtensor = dtensor_type()  # looked up once a step: the import costs more than isinstance
-        one_pass = one_pass_applies(self)
+        # A wrapper's fused master step gives a row per group, None where a param has no copy
+        # (every param stepped in place, as the lean masters are): only a real copy counts.
+        one_pass = one_pass_applies(self, model_params is not None and any(
+            m is not None for row in model_params for m in row))
         for gi, group in enumerate(self.param_groups):
             g = None if grads is None else grads[gi]
             m = None if model_params is None else model_params[gi]

@@ -27,8 +27,9 @@ Note [collect fast path]
 Note [collect in one pass]
     Even so, the per-param checks above read about sixteen tensor attributes per Adam param (device,
     dtype, shape, contiguity of four tensors), at 50-90 ns each from Python: on an H100's host our
-    step's Python took 1.42x torch's. So when every param is its own update target (no lean
-    storage, internal master or FSDP2 shard: ``FusedOptimizer._targets_are_params``) and
+    step's Python took 1.42x torch's. So when every param is its own update target (no internal
+    master, FSDP2 shard, or lean bf16 storage given model copies to write, which it refuses:
+    ``FusedOptimizer._targets_are_params``) and
     torch.compile is not tracing (it cannot trace the C++ call; :func:`one_pass_applies`),
     :func:`collect_in_one_pass` first appends each param's tensors unchecked, to buckets keyed by
     the param's dtype, step cohort and whether it has a model copy, and then asks
@@ -120,12 +121,14 @@ def with_grads(params: Sequence[Tensor], grads: Optional[Sequence[Any]]
         yield pi, param, grad
 
 
-def one_pass_applies(opt: Any) -> bool:
-    """Whether the step of the :class:`~mp_wrappers.optim.FusedOptimizer` ``opt`` may collect in one
-    pass (Note [collect in one pass]): not while torch.compile traces, and when ``opt`` says its
-    params are their own update targets, in a class at or below the one defining
-    ``_update_target`` (a subclass mapping them anew without saying when collects one by one)."""
-    return not compat.is_compiling() and _says_when(type(opt)) and opt._targets_are_params()
+def one_pass_applies(opt: Any, with_models: bool) -> bool:
+    """Whether the step of the :class:`~mp_wrappers.optim.FusedOptimizer` ``opt`` (writing model
+    copies when ``with_models``) may collect in one pass (Note [collect in one pass]): not while
+    torch.compile traces, and when ``opt`` says its params are their own update targets, in a class
+    at or below the one defining ``_update_target`` (a subclass mapping them anew without saying
+    when collects one by one)."""
+    return (not compat.is_compiling() and _says_when(type(opt))
+            and opt._targets_are_params(with_models))
 
 
 @functools.lru_cache(maxsize=None)

@@ -100,9 +100,13 @@ class LeanStorageMixin:
         aux = AUX_STATE_KEYS.get(self.bf16_storage) if self._is_lean(target) else None
         return keys + (aux,) if aux else keys
 
-    def _targets_are_params(self) -> bool:
-        # _update_target below maps nothing (and raises nothing) without a storage and bf16 state.
-        return self.bf16_storage is None and self.state_dtype == torch.float32
+    def _targets_are_params(self, with_models: bool) -> bool:
+        # _update_target below returns every param as it is, but raises for bf16 state without a
+        # storage and for a lean param given a model copy: those steps collect one by one, which
+        # raises. The aux state it makes when missing is a slot the one pass sends one by one too.
+        if self.bf16_storage is None:
+            return self.state_dtype == torch.float32
+        return not with_models
 
     def _update_target(self, param: Tensor, state: Dict[str, Any],
                        model: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:

@@ -52,7 +52,7 @@ def _both_ways(opt, grads=None, models=None):
     """The buckets of one collection, in one pass and one by one (the state made by the first)."""
     one_pass = opt._collect(grads, models, [])
     real = opt._targets_are_params
-    opt._targets_are_params = lambda: False
+    opt._targets_are_params = lambda with_models: False
     try:
         one_by_one = opt._collect(grads, models, [])
     finally:
@@ -69,6 +69,15 @@ SETUPS = {
     'lamb': lambda ps: FusedLAMB(ps),
     'novograd (scalar state)': lambda ps: FusedNovoGrad(ps),
     'adagrad': lambda ps: FusedAdagrad(ps),
+    # The lean bf16 storages: the bf16 params are their own targets, with an aux state (split,
+    # kahan) or none (stochastic), fp32 or bf16 moments, or 8-bit ones.
+    'adam kahan, fp32 and bf16 params': lambda ps: FusedAdam(ps, bf16_storage='kahan'),
+    'adam split, bf16 state, bf16 params': lambda ps: FusedAdam(ps, bf16_storage='split',
+                                                              state_dtype='bfloat16'),
+    'adam stochastic int8, bf16 params': lambda ps: FusedAdam(ps, bf16_storage='stochastic',
+                                                            state_dtype='int8', min_8bit_size=64),
+    'sgd split momentum, bf16 params': lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9,
+                                                         bf16_storage='split'),
 }
 
 
@@ -132,7 +141,7 @@ def test_a_slot_that_needs_more_sends_its_group_one_by_one(odd, one_pass_results
     ps = _params() + (extra if odd == 'channels_last param' else [])
     twins = [nn.Parameter(p.detach().clone()) for p in ps]
     opt, twin = FusedAdam(ps, lr=0.1), FusedAdam(twins, lr=0.1)
-    twin._targets_are_params = lambda: False
+    twin._targets_are_params = lambda with_models: False
     for step in range(3):
         for o, params in ((opt, ps), (twin, twins)):
             gen = torch.Generator().manual_seed(step)
@@ -165,22 +174,47 @@ def test_params_without_a_model_copy_get_their_own_bucket(one_pass_results):
 
 def test_only_optimizers_whose_params_are_their_targets_use_it(one_pass_results):
     ps = _params((torch.bfloat16,))
-    for opt in (FusedAdam(ps, master_weights=True), FusedAdam(ps, bf16_storage='kahan'),
-                FusedSGD(ps, lr=0.1, momentum=0.9, bf16_storage='split')):
-        assert not opt._targets_are_params()
-        _grad(ps)
-        opt.step()
+    opt = FusedAdam(ps, master_weights=True)
+    assert not opt._targets_are_params(False)
+    _grad(ps)
+    opt.step()
+    opt.step()
     assert one_pass_results == []
     # A state holding an internal master (from a master_weights=True checkpoint) is stepped as one.
     opt = FusedAdam(ps)
-    assert opt._targets_are_params()
+    assert opt._targets_are_params(False)
     opt.load_state_dict(FusedAdam(ps, master_weights=True).state_dict())
-    assert opt._targets_are_params()  # nothing stepped yet: no state
+    assert opt._targets_are_params(False)  # nothing stepped yet: no state
     saved = FusedAdam(ps, master_weights=True)
     _grad(ps)
     saved.step()
     opt.load_state_dict(saved.state_dict())
-    assert not opt._targets_are_params()
+    assert not opt._targets_are_params(False)
+    # bf16 moments without a lean storage: refused by the one-by-one collection, never in one pass.
+    assert not FusedAdam(ps, state_dtype='bfloat16')._targets_are_params(False)
+
+
+@pytest.mark.parametrize('storage', ['split', 'kahan', 'stochastic'])
+def test_a_lean_storage_given_model_copies_is_still_refused(storage, one_pass_results):
+    # A lean bf16 param is stepped in place: a fused master step asking it to write a model copy
+    # too is refused by the one-by-one collection, and the one pass leaves such a step to it.
+    ps = _params((torch.bfloat16,))
+    opt = FusedAdam(ps, bf16_storage=storage)
+    assert opt._targets_are_params(False) and not opt._targets_are_params(True)
+    _grad(ps)
+    opt.step()
+    opt.step()
+    assert one_pass_results[-1] is not None  # without model copies: in one pass
+    # A wrapper's fused step on lean masters: a row of Nones (each param is its own model).
+    with torch.no_grad():
+        opt._update([[p.grad for p in ps]], [[None] * len(ps)], None, None)
+    assert one_pass_results[-1] is not None
+    before = [p.detach().clone() for p in ps]
+    models = [[p.detach().clone() for p in ps]]
+    with pytest.raises(ValueError, match='cannot also write a model copy'):
+        with torch.no_grad():
+            opt._update([[p.grad for p in ps]], models, None, None)
+    assert all(torch.equal(p, b) for p, b in zip(ps, before))
 
 
 def test_every_optimizer_that_maps_its_targets_says_when(one_pass_results):
@@ -197,7 +231,7 @@ def test_every_optimizer_that_maps_its_targets_says_when(one_pass_results):
 
     ps = _params()
     opt = Mapping(ps)
-    assert not buckets._says_when(Mapping) and not buckets.one_pass_applies(opt)
+    assert not buckets._says_when(Mapping) and not buckets.one_pass_applies(opt, False)
     _grad(ps)
     opt.step()
     assert one_pass_results == []
