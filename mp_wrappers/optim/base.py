@@ -145,9 +145,10 @@ class FusedOptimizer(Optimizer):
 
     def _targets_are_params(self, with_models: bool) -> bool:
         """Whether ``_update_target`` returns every param and model copy as they are, and raises
-        nothing, this step (Note [collect in one pass]); ``with_models``: the step writes model
-        copies (a fused master step given at least one). A class overriding ``_update_target`` says when, here (else
-        its steps collect one by one: buckets.one_pass_applies)."""
+        nothing, this step (Note [collect in one pass]); ``with_models``: the step writes
+        model copies (a fused master step given at least one). A class overriding
+        ``_update_target`` says when, here (else its steps collect one by one:
+        buckets.one_pass_applies)."""
         return True
 
     def _init_extra_state(self, param: Tensor, state: Dict[str, Any]) -> None:

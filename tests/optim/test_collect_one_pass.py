@@ -206,9 +206,10 @@ def test_a_lean_storage_given_model_copies_is_still_refused(storage, one_pass_re
     opt.step()
     assert one_pass_results[-1] is not None  # without model copies: in one pass
     # A wrapper's fused step on lean masters: a row of Nones (each param is its own model).
+    one_pass_results.clear()
     with torch.no_grad():
         opt._update([[p.grad for p in ps]], [[None] * len(ps)], None, None)
-    assert one_pass_results[-1] is not None
+    assert len(one_pass_results) == 1 and one_pass_results[0] is not None
     before = [p.detach().clone() for p in ps]
     models = [[p.detach().clone() for p in ps]]
     with pytest.raises(ValueError, match='cannot also write a model copy'):
@@ -235,3 +236,45 @@ def test_every_optimizer_that_maps_its_targets_says_when(one_pass_results):
     _grad(ps)
     opt.step()
     assert one_pass_results == []
+
+
+def _storage_switches(opt, params, step):
+    """What may happen to a lean optimizer between steps: its storage set anew (as a wrapper's
+    master_weights does), or its aux state left with another dtype or shape (an old checkpoint)."""
+    if step == 2:
+        opt.set_bf16_storage('kahan')  # split -> kahan: no 'kahan_comp' yet
+    if step == 3:
+        opt.state[params[0]]['kahan_comp'] = opt.state[params[0]]['kahan_comp'].float()
+    if step == 4:
+        opt.state[params[3]]['kahan_comp'] = torch.zeros(5, dtype=torch.bfloat16)
+    if step == 5:
+        opt.set_bf16_storage('split')  # back: 'master_low' of step 1 is reused, in both ways
+
+
+@pytest.mark.parametrize('make', ['adam', 'adam bf16 state', 'adam int8', 'sgd momentum'])
+def test_lean_storages_step_as_one_by_one_through_their_changes(make, one_pass_results):
+    # Every step of a lean optimizer, through storage switches and aux state that lean_aux must
+    # replace, gives the bits of a twin that always collects one by one (params and state).
+    kw = {'adam': {}, 'adam bf16 state': {'state_dtype': 'bfloat16'},
+          'adam int8': {'state_dtype': 'int8', 'min_8bit_size': 64}, 'sgd momentum': {}}[make]
+
+    def build(params):
+        if make == 'sgd momentum':
+            return FusedSGD(params, lr=0.1, momentum=0.9, bf16_storage='split')
+        return FusedAdam(params, lr=0.01, bf16_storage='split', **kw)
+    ps = _params((torch.float32, torch.bfloat16))
+    twins = [nn.Parameter(p.detach().clone()) for p in ps]
+    opt, twin = build(ps), build(twins)
+    twin._targets_are_params = lambda with_models: False
+    for step in range(7):
+        for o, params in ((opt, ps), (twin, twins)):
+            _storage_switches(o, params[4:], step)
+            _grad(params, seed=step)
+            o.step()
+    assert None in one_pass_results and any(r is not None for r in one_pass_results)
+    for p, q in zip(ps, twins):
+        assert torch.equal(p, q)
+        a, b = opt.state[p], twin.state[q]
+        assert sorted(a) == sorted(b)
+        for k in a:
+            assert torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype, k
