@@ -47,3 +47,53 @@ def test_deadline_skips_and_reports_the_steps_left(tmp_path):
     report = next(tmp_path.glob('*.md')).read_text()
     assert proc.returncode == 1
     assert '- **backend**: SKIPPED, GPU_CHECK_DEADLINE=1 s reached' in report
+
+
+FAKE_SANITIZER = '''#!/bin/sh
+# compute-sanitizer as far as gpu_check.sh uses it: takes --kernel-name unless told not to,
+# records the step's command line, runs nothing.
+for a in "$@"; do
+  case $a in --kernel-name|--kernel-regex|--filter)
+    [ "$FAKE_FILTER" = "$a" ] || { echo "unknown option $a" >&2; exit 1; } ;;
+  esac
+done
+[ "$1 $2" = "--tool memcheck" ] || exit 3
+case " $* " in *" pytest "*) echo "$*" >> "$FAKE_ARGS" ;; esac
+exit 0
+'''
+
+
+def _fake_sanitizer(tmp_path, option):
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    fake = bin_dir / 'compute-sanitizer'
+    fake.write_text(FAKE_SANITIZER)
+    fake.chmod(0o755)
+    args = tmp_path / 'args.txt'
+    return dict(PATH=f'{bin_dir}{os.pathsep}{os.environ["PATH"]}', FAKE_FILTER=option,
+                FAKE_ARGS=str(args)), args
+
+
+def test_sanitizer_checks_only_our_kernels_where_it_can_filter(tmp_path):
+    # memcheck instrumenting the float64 references' torch kernels took ~10 s a case on an H100:
+    # the step asks for our kernels only, in whichever spelling the installed release takes.
+    out = tmp_path / 'out'
+    out.mkdir()
+    env, args = _fake_sanitizer(tmp_path, '--kernel-regex')
+    proc = _run(out, GPU_CHECK_STEPS='sanitizer-memcheck', **env)
+    assert proc.returncode == 0, proc.stderr
+    (line,) = args.read_text().splitlines()
+    assert line.startswith('--tool memcheck --kernel-regex kns=mp_wrappers --error-exitcode 1 ')
+    assert ' -m pytest -v -x ' in line  # each case named in the log as it starts
+    assert '- **sanitizer-memcheck**: pass' in next(out.glob('*.md')).read_text()
+
+
+def test_sanitizer_without_a_filter_checks_every_kernel_and_says_so(tmp_path):
+    out = tmp_path / 'out'
+    out.mkdir()
+    env, args = _fake_sanitizer(tmp_path, 'none')
+    proc = _run(out, GPU_CHECK_STEPS='sanitizer-memcheck', **env)
+    assert proc.returncode == 0, proc.stderr
+    assert 'compute-sanitizer takes no kernel-name filter: every kernel checked' in proc.stderr
+    (line,) = args.read_text().splitlines()
+    assert line.startswith('--tool memcheck --error-exitcode 1 ') and 'kns=' not in line
