@@ -77,7 +77,31 @@ class LeanStorageMixin:
                              'master_weights=True (an internal fp32 master); choose one')
         if bf16_storage is not None and getattr(self, 'capturable', False):
             raise ValueError(_CAPTURABLE_LEAN.format(name=name, storage=bf16_storage))
+        changed = bf16_storage != self.bf16_storage
         self.bf16_storage = bf16_storage
+        if changed:
+            self._drop_stale_aux()
+
+    def _drop_stale_aux(self) -> None:
+        """Remove from every param's state the aux tensors of the storages other than the current
+        one. A param stepped another way since (another storage, or plain bf16) has moved away
+        from an old aux tensor: reused on a switch back, its low halves or its compensation would
+        be joined to a param they no longer belong to (an error up to about one bf16 ulp); kept
+        otherwise, it is dead weight (4 B/param once loaded as float32) saved in every checkpoint.
+        A storage switched to starts its aux state anew (``lean_aux``)."""
+        keep = AUX_STATE_KEYS.get(self.bf16_storage)
+        stale = [key for key in AUX_STATE_KEYS.values() if key != keep]
+        for state in getattr(self, 'state', {}).values():
+            for key in stale:
+                state.pop(key, None)
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load, then drop the aux state of another storage than the one set (a checkpoint saved
+        with another ``bf16_storage``). With none set yet, the aux state stays: a wrapper's
+        ``master_weights`` may set its storage after the load."""
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        if self.bf16_storage is not None:
+            self._drop_stale_aux()
 
     # ---- FusedOptimizer hooks ------------------------------------------------------------------
     def _set_up_state_keys(self) -> Tuple[str, ...]:

@@ -114,6 +114,53 @@ def test_lean_storage_set_between_steps():
         assert opt.state[w16]['master_low'].dtype == torch.uint16
 
 
+@pytest.mark.skipif(not compat.has('uint16'), reason="'split' needs torch.uint16")
+def test_a_storage_switched_back_to_starts_its_aux_state_anew():
+    """split -> kahan -> split: the low halves of the first split steps belong to a param that the
+    kahan steps moved since; the switch away drops them, so the switch back steps exactly as a
+    storage set for the first time (zero low halves: the param is its bf16 value)."""
+    w = nn.Parameter(torch.randn(300).bfloat16())
+    opt = FusedAdam([w], lr=1e-2, bf16_storage='split')
+    _run(opt, [w], 2)
+    opt.set_bf16_storage('kahan')
+    assert 'master_low' not in opt.state[w]
+    _run(opt, [w], 2, start=2)
+    opt.set_bf16_storage('split')
+    assert 'kahan_comp' not in opt.state[w] and 'master_low' not in opt.state[w]
+    twin = nn.Parameter(w.detach().clone())
+    twin_opt = FusedAdam([twin], lr=1e-2, bf16_storage='split')
+    twin_opt.load_state_dict(opt.state_dict())  # the moments and step, no aux state
+    _run(opt, [w], 2, start=4)
+    _run(twin_opt, [twin], 2, start=4)
+    assert torch.equal(w, twin)
+    assert torch.equal(opt.state[w]['master_low'], twin_opt.state[twin]['master_low'])
+    opt.set_bf16_storage('split')  # the same storage again: nothing dropped
+    assert 'master_low' in opt.state[w]
+
+
+@pytest.mark.skipif(not compat.has('uint16'), reason="'split' needs torch.uint16")
+def test_a_checkpoint_of_another_storage_leaves_no_dead_aux_state():
+    w = nn.Parameter(torch.randn(300).bfloat16())
+    kahan = FusedAdam([w], lr=1e-2, bf16_storage='kahan')
+    _run(kahan, [w], 2)
+    split = FusedAdam([w], lr=1e-2, bf16_storage='split')
+    split.load_state_dict(kahan.state_dict())
+    assert 'kahan_comp' not in split.state[w]  # it would load as 4 B/param of float32
+    _run(split, [w], 1, start=2)
+    assert sorted(split.state_dict()['state'][0]) == ['exp_avg', 'exp_avg_sq', 'master_low',
+                                                       'step']
+    # No storage set yet (a wrapper's master_weights sets it after building the optimizer): a
+    # loaded aux state stays for the storage set next, and the others' go then.
+    saved = split.state_dict()
+    saved['state'][0]['kahan_comp'] = torch.zeros(300, dtype=torch.bfloat16)
+    later = FusedAdam([w], lr=1e-2)
+    later.load_state_dict(saved)
+    assert {'master_low', 'kahan_comp'} <= set(later.state[w])
+    later.set_bf16_storage('split')
+    assert torch.equal(later.state[w]['master_low'], split.state[w]['master_low'])
+    assert 'kahan_comp' not in later.state[w]
+
+
 def test_state_dtypes_per_param_dtype_in_one_group():
     w32, w16 = nn.Parameter(torch.randn(6)), nn.Parameter(torch.randn(6).bfloat16())
     ref32 = nn.Parameter(w32.detach().clone())

@@ -248,7 +248,7 @@ def _storage_switches(opt, params, step):
     if step == 4:
         opt.state[params[3]]['kahan_comp'] = torch.zeros(5, dtype=torch.bfloat16)
     if step == 5:
-        opt.set_bf16_storage('split')  # back: 'master_low' of step 1 is reused, in both ways
+        opt.set_bf16_storage('split')  # back: 'master_low' anew (dropped at the switch away)
 
 
 @pytest.mark.parametrize('make', ['adam', 'adam bf16 state', 'adam int8', 'sgd momentum'])
