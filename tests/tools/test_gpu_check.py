@@ -63,37 +63,33 @@ exit 0
 '''
 
 
-def _fake_sanitizer(tmp_path, option):
-    bin_dir = tmp_path / 'bin'
+def _sanitizer_step(tmp_path, option):
+    """Run the sanitizer-memcheck step with a fake compute-sanitizer taking the filter spelled
+    ``option`` (another value: none); its process, its one recorded command line, its report."""
+    bin_dir, out = tmp_path / 'bin', tmp_path / 'out'
     bin_dir.mkdir()
+    out.mkdir()
     fake = bin_dir / 'compute-sanitizer'
     fake.write_text(FAKE_SANITIZER)
     fake.chmod(0o755)
     args = tmp_path / 'args.txt'
-    return dict(PATH=f'{bin_dir}{os.pathsep}{os.environ["PATH"]}', FAKE_FILTER=option,
-                FAKE_ARGS=str(args)), args
+    proc = _run(out, GPU_CHECK_STEPS='sanitizer-memcheck', FAKE_FILTER=option,
+                FAKE_ARGS=str(args), PATH=f'{bin_dir}{os.pathsep}{os.environ["PATH"]}')
+    assert proc.returncode == 0, proc.stderr
+    (line,) = args.read_text().splitlines()
+    return proc, line, next(out.glob('*.md')).read_text()
 
 
 def test_sanitizer_checks_only_our_kernels_where_it_can_filter(tmp_path):
     # memcheck instrumenting the float64 references' torch kernels took ~10 s a case on an H100:
     # the step asks for our kernels only, in whichever spelling the installed release takes.
-    out = tmp_path / 'out'
-    out.mkdir()
-    env, args = _fake_sanitizer(tmp_path, '--kernel-regex')
-    proc = _run(out, GPU_CHECK_STEPS='sanitizer-memcheck', **env)
-    assert proc.returncode == 0, proc.stderr
-    (line,) = args.read_text().splitlines()
+    _, line, report = _sanitizer_step(tmp_path, '--kernel-regex')
     assert line.startswith('--tool memcheck --kernel-regex kns=mp_wrappers --error-exitcode 1 ')
     assert ' -m pytest -v -x ' in line  # each case named in the log as it starts
-    assert '- **sanitizer-memcheck**: pass' in next(out.glob('*.md')).read_text()
+    assert '- **sanitizer-memcheck**: pass' in report
 
 
 def test_sanitizer_without_a_filter_checks_every_kernel_and_says_so(tmp_path):
-    out = tmp_path / 'out'
-    out.mkdir()
-    env, args = _fake_sanitizer(tmp_path, 'none')
-    proc = _run(out, GPU_CHECK_STEPS='sanitizer-memcheck', **env)
-    assert proc.returncode == 0, proc.stderr
+    proc, line, _ = _sanitizer_step(tmp_path, 'none')
     assert 'compute-sanitizer takes no kernel-name filter: every kernel checked' in proc.stderr
-    (line,) = args.read_text().splitlines()
     assert line.startswith('--tool memcheck --error-exitcode 1 ') and 'kns=' not in line
