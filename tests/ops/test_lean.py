@@ -186,6 +186,43 @@ def test_kernel_matches_reference(opt, hp, storage, state_dtype):
     assert torch.equal(ker.step, ref.step)
 
 
+ADAMW_NO_BC = dict(ADAM, bias_correction=False)
+
+
+@needs_kernels
+@pytest.mark.parametrize('state_dtype', [torch.float32, torch.bfloat16], ids=['fp32', 'bf16'])
+@pytest.mark.parametrize('storage', ['split', 'kahan', 'stochastic'])
+@pytest.mark.parametrize('opt', ['adam', 'sgd'])
+@pytest.mark.parametrize('device', ['cuda'])
+def test_cuda_lean_kernels_match_the_cpu_kernels(device, opt, storage, state_dtype):
+    """The lean CUDA kernels (csrc/cuda/multi_tensor_lean.cu) through the public ops, on a GPU with
+    a build that has them (skipped otherwise; the conftest fails a CUDA case that falls back to a
+    reference): three steps on CUDA copies of the tensors against the CPU kernel, bit for bit, Adam
+    without bias correction (the float64 pow of the bias corrections is the device's own) and
+    with a real divide by the grad scale; then a found_inf step that changes nothing."""
+    cpu = Lean(storage, SIZES, state_dtype, momentum=opt == 'sgd')
+    gpu = cpu.clone()
+    for k in ('params', 'aux', 'm', 'v'):
+        setattr(gpu, k, [t.to(device) for t in getattr(cpu, k)])
+    gpu.bufs = gpu.m if cpu.bufs else []
+    gpu.step = cpu.step.to(device)
+    scale = torch.full((1,), 48.0)
+    hps = (ADAM_L2, ADAMW_NO_BC) if opt == 'adam' else (SGD, SGD_DAMP)
+    ours = {'adam': multi_tensor_adam_lean, 'sgd': multi_tensor_sgd_lean}[opt]
+    for i in range(3):
+        grads, hp = cpu.grads(), hps[i % 2]
+        getattr(cpu, opt)(getattr(checked(torch.ops.mp_wrappers), f'multi_tensor_{opt}_lean_'),
+                          grads, hp, scale)
+        getattr(gpu, opt)(ours, [g.to(device) for g in grads], hp, scale.to(device))
+        for a, b in zip(gpu.tensors(), cpu.tensors()):
+            _assert_same_bits(a.cpu(), b, f'{opt} {storage} step {i + 1}: CUDA differs from CPU')
+    before = [t.clone() for t in gpu.tensors()]
+    getattr(gpu, opt)(ours, [g.to(device) for g in cpu.grads()], hps[0], scale.to(device),
+                      found_inf=torch.ones(1, device=device))
+    for a, b in zip(gpu.tensors(), before):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize('use_kernel', [pytest.param(True, marks=needs_kernels), False],
                          ids=['kernel', 'reference'])
 @pytest.mark.parametrize('storage', ['split', 'kahan', 'stochastic'])
