@@ -91,6 +91,7 @@ class LeanStorageMixin:
         A storage switched to starts its aux state anew (``lean_aux``)."""
         keep = AUX_STATE_KEYS.get(self.bf16_storage)
         stale = [key for key in AUX_STATE_KEYS.values() if key != keep]
+        # The constructor sets the storage before Optimizer.__init__ makes the state: nothing then.
         for state in getattr(self, 'state', {}).values():
             for key in stale:
                 state.pop(key, None)
