@@ -6,7 +6,7 @@ under a second per Runner.
 """
 import importlib.util
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -220,6 +220,22 @@ def runner_from_cfg(cfg: Dict[str, Any], launcher: Optional[str] = None) -> Runn
     if launcher == 'tools_train':
         cfg = _train_tool().configure(cfg, 'none')
     return Runner.from_cfg(cfg)
+
+
+def train_recorded(work_dir, optimizer: dict, extra_wrapper: dict) -> Tuple[Runner, 'RecordHook']:
+    """What users combine, trained and recorded: O2 bf16 for 8 iterations with gradient
+    accumulation, EMAHook, mmengine's LinearLR and a head whose params get their first gradient at
+    iteration 3; the runner after training and its RecordHook."""
+    hook = RecordHook()
+    runner = make_runner(
+        work_dir, wrapper='O2', iters=8, accumulative_counts=2,
+        model=dict(late_iters=(3, 4, 5, 6, 7)), optimizer=optimizer, extra_wrapper=extra_wrapper,
+        custom_hooks=[dict(type='EMAHook', momentum=0.1)],
+        param_scheduler=[dict(type='LinearLR', start_factor=0.5, by_epoch=False, begin=0,
+                              end=8)])
+    runner.register_hook(hook)
+    train(runner)
+    return runner, hook
 
 
 def train(runner: Runner) -> Runner:

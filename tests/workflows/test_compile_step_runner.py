@@ -12,25 +12,15 @@ import pytest
 import torch
 
 from _compat import needs_extension, requires
-from _workflow import RecordHook, make_runner, train
+from _workflow import train_recorded
 
 pytestmark = [requires('fake_kernels'), requires('compile_list_ops'), needs_extension]
 
 
 def _run(work_dir, compile_step, states='float32'):
-    hook = RecordHook()
-    runner = make_runner(
-        work_dir, wrapper='O2', iters=8, accumulative_counts=2,
-        model=dict(late_iters=(3, 4, 5, 6, 7)),
-        optimizer=dict(type='mp_wrappers.FusedAdam', lr=1e-2, capturable=True,
-                       state_dtype=states, min_8bit_size=0),
-        extra_wrapper=dict(compile_step=compile_step),
-        custom_hooks=[dict(type='EMAHook', momentum=0.1)],
-        param_scheduler=[dict(type='LinearLR', start_factor=0.5, by_epoch=False, begin=0,
-                              end=8)])
-    runner.register_hook(hook)
-    train(runner)
-    return runner, hook
+    return train_recorded(work_dir, dict(type='mp_wrappers.FusedAdam', lr=1e-2, capturable=True,
+                                         state_dtype=states, min_8bit_size=0),
+                          dict(compile_step=compile_step))
 
 
 @pytest.mark.parametrize('launcher, states', [('tools_train', 'float32'), ('toolbox', 'float32'),

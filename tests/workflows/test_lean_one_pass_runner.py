@@ -11,25 +11,15 @@ import pytest
 import torch
 
 from _compat import needs_extension
-from _workflow import RecordHook, make_runner, train
+from _workflow import train_recorded
 from mp_wrappers.optim import base
 
 pytestmark = needs_extension
 
 
 def _run(work_dir, mode):
-    hook = RecordHook()
-    runner = make_runner(
-        work_dir, wrapper='O2', iters=8, accumulative_counts=2,
-        model=dict(late_iters=(3, 4, 5, 6, 7)),
-        optimizer=dict(type='mp_wrappers.FusedAdam', lr=1e-2, weight_decay=0.01),
-        extra_wrapper=dict(master_weights=mode),
-        custom_hooks=[dict(type='EMAHook', momentum=0.1)],
-        param_scheduler=[dict(type='LinearLR', start_factor=0.5, by_epoch=False, begin=0,
-                              end=8)])
-    runner.register_hook(hook)
-    train(runner)
-    return runner, hook
+    return train_recorded(work_dir, dict(type='mp_wrappers.FusedAdam', lr=1e-2, weight_decay=0.01),
+                          dict(master_weights=mode))
 
 
 @pytest.mark.parametrize('launcher, mode', [('toolbox', 'split'), ('toolbox', 'kahan'),
