@@ -39,6 +39,16 @@ The roofline is the in-place read-modify-write bandwidth of ``a.mul_`` over a DR
 sampled in the same rounds. Resident bytes per parameter after a step count params, model copies,
 grads and every optimizer-state tensor (a tensor subclass by its inner tensors).
 
+``--ceiling`` (CPU) adds what the arithmetic alone allows. Each pipeline also steps two models
+small enough to stay in the last-level cache (8 tensors of 16K and of 64K elements: 128K and 512K
+params, at most 15 MB with every state), in interleaved rounds of 20 steps each. The difference
+of the two step times over the difference of their sizes is the pipeline's cost per param with
+its data in cache, without the per-step and per-tensor host work (the same for both models).
+``compute ceiling`` is the share of the roofline a step would reach if its DRAM traffic cost
+nothing beyond that: (bytes per param / roofline) / (in-cache time per param). Below 90%, the
+issue's 90% of the roofline is out of reach on this core for that arithmetic, however the memory
+traffic is scheduled.
+
 Run: ``PYTHONPATH=. python benchmarks/bench_quantized_states.py [--threads 1 2] [--iters 15]``, and
 with ``MP_WRAPPERS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2`` for the AVX2 kernels (ours and torch's).
 ``--device cuda --threads 1`` times the same pipelines on a GPU (``tools/gpu_check.sh`` step
@@ -209,6 +219,49 @@ def time_rounds(fns: Dict[str, Callable[[], None]], iters: int, peer_iters: int,
     return {name: (statistics.median(wall[name]), statistics.median(cpu[name])) for name in fns}
 
 
+CEILING_TENSORS = 8
+CEILING_SIZES = (16 * 1024, 64 * 1024)  # elements per tensor: 128K and 512K params, in cache
+CEILING_STEPS = 20  # steps per timed sample: one step of the small model takes ~0.1 ms
+
+
+def build_in_cache(names: List[str], device: torch.device) -> Dict[str, Tuple[Callable, Callable]]:
+    """name -> (20 steps of the small model, 20 steps of the large one), for ``--ceiling``."""
+    def repeat(step: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(CEILING_STEPS):
+                step()
+        return run
+
+    out = {}
+    for name in names:
+        if name in PEERS_8BIT or name in GRAPHED:
+            continue  # the peers are 20-50x slower: their ceiling is not the question
+        steps = []
+        for n in CEILING_SIZES:
+            step, _ = PIPELINES[name][0]([(n,)] * CEILING_TENSORS, PIPELINES[name][1], device)
+            step()  # creates the state
+            steps.append(repeat(step))
+        out[name] = (steps[0], steps[1])
+    return out
+
+
+def ceiling_table(in_cache, threads: int, args, roof: float) -> None:
+    """In-cache seconds per param of each pipeline and the roofline share that allows."""
+    torch.set_num_threads(threads)
+    fns = {f'{name}|{i}': fn for name, pair in in_cache.items() for i, fn in enumerate(pair)}
+    times = time_rounds(fns, args.iters, 0, args.device)
+    extra = CEILING_TENSORS * (CEILING_SIZES[1] - CEILING_SIZES[0]) * CEILING_STEPS
+    print(f'\n### {threads} thread(s): the arithmetic in cache (roofline {roof:.1f} GB/s from the '
+          f'table above)\n')
+    print('| pipeline | in-cache ns/param | DRAM-bound ns/param at the roofline | compute ceiling '
+          '(of roofline) |')
+    print('|---|---|---|---|')
+    for name in in_cache:
+        per_param = (times[f'{name}|1'][0] - times[f'{name}|0'][0]) / extra
+        dram = BYTES[PIPELINES[name][2]] / (roof * 1e9)
+        print(f'| {name} | {per_param * 1e9:.3f} | {dram * 1e9:.3f} | {dram / per_param:.0%} |')
+
+
 def _load() -> str:
     return ', '.join(f'{x:.1f}' for x in os.getloadavg())
 
@@ -217,7 +270,8 @@ def _times(ratio: float) -> str:
     return f'{ratio:.0f}x' if ratio >= 10 else f'{ratio:.2f}x'
 
 
-def table(built, sample, threads: int, args, numel: int) -> None:
+def table(built, sample, threads: int, args, numel: int) -> float:
+    """Prints the table of one thread count; returns the roofline measured in its rounds, GB/s."""
     torch.set_num_threads(threads)
     fns = {name: step for name, (step, _) in built.items()}
     fns['a.mul_ (roofline)'] = sample.step
@@ -245,6 +299,7 @@ def table(built, sample, threads: int, args, numel: int) -> None:
         print(f'| {name} | {wall * 1e3:.1f} | {cpu * 1e3:.1f} | {wall / times[base][0]:.2f} | '
               f'{cpu / times[base][1]:.2f} | {faster} | {moved:.2f} | {gbs:.1f} | '
               f'{gbs / roof:.0%} | {built[name][1]() / numel:.2f} |')
+    return roof
 
 
 def main() -> None:
@@ -260,10 +315,15 @@ def main() -> None:
     ap.add_argument('--device', default='cpu', help="'cpu' (default) or 'cuda'")
     ap.add_argument('--width', type=int, default=0, help='model width d (default: preset)')
     ap.add_argument('--layers', type=int, default=0, help='layers (default: preset)')
+    ap.add_argument('--ceiling', action='store_true',
+                    help='(CPU) also time each pipeline in cache: the roofline share its '
+                         'arithmetic allows')
     args = ap.parse_args()
     args.device = torch.device(args.device)
     if args.device.type == 'cuda' and not torch.cuda.is_available():
         ap.error(f'--device {args.device}: this torch sees no CUDA device')
+    if args.ceiling and args.device.type != 'cpu':
+        ap.error(f'--ceiling measures CPU caches; --device {args.device} is not the CPU')
     sizes = bo.shapes(args.quick, args.width, args.layers)
     numel = sum(torch.Size(s).numel() for s in sizes)
     nbytes, why = bo.sample_bytes(numel)
@@ -296,8 +356,11 @@ def main() -> None:
     for step, _ in built.values():
         step()  # first step: creates the state, so resident bytes are measured after one
     sample = bo.InPlaceSample(args.device, nbytes)
+    in_cache = build_in_cache(list(built), args.device) if args.ceiling else {}
     for threads in args.threads:
-        table(built, sample, threads, args, numel)
+        roof = table(built, sample, threads, args, numel)
+        if in_cache:
+            ceiling_table(in_cache, threads, args, roof)
 
 
 if __name__ == '__main__':
