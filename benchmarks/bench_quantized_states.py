@@ -40,13 +40,13 @@ sampled in the same rounds. Resident bytes per parameter after a step count para
 grads and every optimizer-state tensor (a tensor subclass by its inner tensors).
 
 ``--ceiling`` (CPU) adds what the arithmetic alone allows. Each pipeline also steps two models
-small enough to stay in the last-level cache (8 tensors of 16K and of 64K elements: 128K and 512K
-params, at most 15 MB with every state), in interleaved rounds of 20 steps each. The difference
+small enough to stay in the last-level cache: 8 tensors of 16K and of 64K elements, 128K and 512K
+params, at most 8.4 MB at 16 resident B/param. Rounds interleave 20 steps of each. The difference
 of the two step times over the difference of their sizes is the pipeline's cost per param with
 its data in cache, without the per-step and per-tensor host work (the same for both models).
 ``compute ceiling`` is the share of the roofline a step would reach if its DRAM traffic cost
-nothing beyond that: (bytes per param / roofline) / (in-cache time per param). Below 90%, the
-issue's 90% of the roofline is out of reach on this core for that arithmetic, however the memory
+nothing beyond that: (bytes per param / roofline) / (in-cache time per param). Below 90%,
+90% of the roofline is out of reach on this core for that arithmetic, however the memory
 traffic is scheduled.
 
 Run: ``PYTHONPATH=. python benchmarks/bench_quantized_states.py [--threads 1 2] [--iters 15]``, and
