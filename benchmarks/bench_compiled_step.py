@@ -144,6 +144,9 @@ def main() -> None:
     if args.device == 'cuda' and not torch.cuda.is_available():
         ap.error('--device cuda: torch sees no CUDA device')
     torch.set_num_threads(args.threads)
+    # Run with ATEN_CPU_CAPABILITY=avx2 for the AVX2 kernels: its graphs in a cache of their own
+    # (Note [inductor's cache and ATEN_CPU_CAPABILITY] in mp_wrappers/compat.py).
+    mp_wrappers.compat.isolate_inductor_cache()
     if args.device == 'cuda':
         torch._logging.set_logs(perf_hints=True)  # inductor says why it skips CUDA graphs
     where = (torch.cuda.get_device_name(0) if args.device == 'cuda'

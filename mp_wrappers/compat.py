@@ -14,8 +14,11 @@ This module imports only torch, so any layer may use it.
 """
 import dataclasses
 import functools
+import getpass
 import inspect
+import os
 import re
+import tempfile
 from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
@@ -23,7 +26,7 @@ import torch
 __all__ = ['TORCH_MIN', 'TORCH_NEWEST_TESTED', 'Feature', 'FEATURES', 'FeatureUnavailableError',
            'has', 'require', 'torch_version_tuple',
            'register_load_state_dict_pre_hook', 'autocast_enabled', 'autocast_dtype', 'require_dtype_on',
-           'is_compiling']
+           'is_compiling', 'isolate_inductor_cache']
 
 #: The oldest torch mp_wrappers supports (setup.py cannot pin torch: see tools/install.sh).
 TORCH_MIN: Tuple[int, int] = (2, 1)
@@ -277,3 +280,44 @@ def require(feature: str) -> None:
     raise FeatureUnavailableError(
         f'{f.title} needs torch >= {f.min_torch} (found {torch.__version__}): {f.api} is missing; '
         f'install torch>={f.min_torch}{instead}')
+
+
+# Note [inductor's cache and ATEN_CPU_CAPABILITY]
+#   Inductor picks the vector width of the C++ it generates from ATEN_CPU_CAPABILITY, but its graph
+#   cache does not key on that variable (seen on torch 2.13.0). A graph generated in a process with
+#   ATEN_CPU_CAPABILITY=avx2 (loops stepping 8 floats) and found in the cache by a process without
+#   it is compiled with AVX-512's 16-float vectors, and its stores run past their buffers: a heap
+#   overflow that crashes later in unrelated code (seen here as segfaults and aborts in dynamo's
+#   traceback symbolization and in fake-tensor conversion). Running our kernels' AVX2 flavour
+#   beside torch's (MP_WRAPPERS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2, as the benchmarks and the
+#   golden traces do) is how one machine gets both kinds of graphs. A cache directory per value
+#   keeps them apart.
+def isolate_inductor_cache(tag: str = '') -> Optional[str]:
+    """Point ``TORCHINDUCTOR_CACHE_DIR`` at a directory of the current ``ATEN_CPU_CAPABILITY``
+    (Note [inductor's cache and ATEN_CPU_CAPABILITY]); affects the ``torch.compile`` calls after it.
+
+    Nothing changes when ``TORCHINDUCTOR_CACHE_DIR`` names another directory than torch's default
+    (the user's choice; torch itself writes its default there on first use), nor, without ``tag``,
+    when ``ATEN_CPU_CAPABILITY`` is unset (the default directory then only ever sees the default
+    capability from us). With ``tag`` (the test suite's) every value, the default included, gets a
+    directory of its own, so graphs another program left in the default directory are never read.
+
+    Returns:
+        The directory set, or None when nothing changed.
+    """
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):  # no passwd entry (some containers)
+        user = f'uid_{os.getuid()}' if hasattr(os, 'getuid') else 'unknown_user'
+    # torch's default: <tmp>/torchinductor_<user>, the user name's path separators replaced.
+    default = os.path.join(tempfile.gettempdir(),
+                           'torchinductor_' + re.sub(r'[\\/:*?"<>|]', '_', user))
+    current = os.environ.get('TORCHINDUCTOR_CACHE_DIR')
+    if current and os.path.abspath(current) != os.path.abspath(default):
+        return None
+    capability = re.sub(r'[^a-z0-9]+', '_', os.environ.get('ATEN_CPU_CAPABILITY', '').strip().lower())
+    if not capability and not tag:
+        return None
+    directory = '_'.join(x for x in (default, tag, f'aten_{capability or "default"}') if x)
+    os.environ['TORCHINDUCTOR_CACHE_DIR'] = directory
+    return directory

@@ -21,6 +21,9 @@ for _folder in sorted(os.listdir(_TESTS)):
 # fails instead, so a GPU session cannot pass by skipping everything it was started for.
 REQUIRE_CUDA_ENV = 'MP_WRAPPERS_TEST_REQUIRE_CUDA'
 
+# The inductor cache directory pytest_configure set for the session (None: the runner chose one).
+INDUCTOR_CACHE_KEY = pytest.StashKey()
+
 
 @pytest.fixture(autouse=True)
 def _deterministic():
@@ -53,6 +56,11 @@ def launcher(request):
 def pytest_configure(config):
     # The reference fallback warns once when the extension is not built; tests cover both paths.
     warnings.filterwarnings('ignore', message='mp_wrappers: the C\\+\\+ extension')
+    # Compiled graphs of this suite in a cache of their own per ATEN_CPU_CAPABILITY (Note
+    # [inductor's cache and ATEN_CPU_CAPABILITY] in mp_wrappers/compat.py): a run with
+    # ATEN_CPU_CAPABILITY=avx2 no longer leaves graphs that crash the next run without it.
+    from mp_wrappers import compat
+    config.stash[INDUCTOR_CACHE_KEY] = compat.isolate_inductor_cache('mp_wrappers_tests')
 
 
 class _NoReferenceOnCuda:

@@ -42,9 +42,11 @@ Note [compiled step]
     ``fullgraph`` refuses if this torch cannot trace it. FSDP is refused at the first step.
 """
 import inspect
+import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
+from mmengine.logging import print_log
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -235,6 +237,12 @@ class DeviceStages:
             self._mark_pending = True
             return out, None
         if self._compiled is None:
+            cache = compat.isolate_inductor_cache()  # Note [inductor's cache and ATEN_CPU_CAPABILITY]
+            if cache is not None:
+                print_log(f'mp_wrappers compile_step: ATEN_CPU_CAPABILITY is set, so inductor caches '
+                          f'in {cache} (TORCHINDUCTOR_CACHE_DIR): its default cache does not keep '
+                          'graphs of different vector widths apart', logger='current',
+                          level=logging.INFO)
             self._compiled = torch.compile(_device_stages, fullgraph=True, **self.compile_kwargs)
         if self._mark_pending:
             _mark_static(optimizer, masters)

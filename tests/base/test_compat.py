@@ -4,6 +4,8 @@ Every gate is tested here on any torch by making compat report the feature missi
 does); the oldest-stack CI lane (tools/compat_matrix.sh oldest) runs the same tests where the
 features are really missing, and the suite's own skips there carry the same lines.
 """
+import importlib.util
+
 import pytest
 import torch
 from torch import nn
@@ -11,6 +13,8 @@ from torch import nn
 import mp_wrappers
 from mp_wrappers import compat
 from mp_wrappers.compat import FeatureUnavailableError
+
+from conftest import INDUCTOR_CACHE_KEY
 
 
 @pytest.fixture
@@ -223,3 +227,80 @@ def test_fsdp1_on_cpu_refused_when_the_strategy_wraps(without):
     strategy = MixedPrecisionFSDPStrategy()
     with pytest.raises(FeatureUnavailableError, match=r'^FSDP1 on CPU .* needs torch >= 2\.4'):
         strategy._wrap_model(nn.Linear(2, 2))
+
+
+# ---- Note [inductor's cache and ATEN_CPU_CAPABILITY] -----------------------------------------------
+
+def _torch_default_cache_dir():
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    return default_cache_dir()
+
+
+@pytest.fixture
+def inductor_env(monkeypatch, tmp_path):
+    """A temp dir of our own and neither variable set; both restored after the test."""
+    monkeypatch.setattr(compat.tempfile, 'gettempdir', lambda: str(tmp_path))
+    monkeypatch.delenv('TORCHINDUCTOR_CACHE_DIR', raising=False)
+    monkeypatch.delenv('ATEN_CPU_CAPABILITY', raising=False)
+    return monkeypatch, tmp_path
+
+
+@pytest.mark.parametrize('capability', ['avx2', 'AVX512', 'default'])
+def test_isolate_inductor_cache_keys_the_directory_by_aten_cpu_capability(inductor_env, capability):
+    monkeypatch, tmp = inductor_env
+    monkeypatch.setenv('ATEN_CPU_CAPABILITY', capability)
+    directory = compat.isolate_inductor_cache()
+    assert directory is not None and directory.startswith(str(tmp) + '/torchinductor_')
+    assert directory.endswith(f'_aten_{capability.lower()}')
+    assert compat.os.environ['TORCHINDUCTOR_CACHE_DIR'] == directory
+
+
+def test_isolate_inductor_cache_leaves_the_default_alone_without_a_capability(inductor_env):
+    assert compat.isolate_inductor_cache() is None
+    assert 'TORCHINDUCTOR_CACHE_DIR' not in compat.os.environ
+
+
+def test_isolate_inductor_cache_with_a_tag_keys_the_default_capability_too(inductor_env):
+    directory = compat.isolate_inductor_cache('suite')
+    assert directory.endswith('_suite_aten_default')
+
+
+def test_isolate_inductor_cache_keeps_a_directory_the_user_chose(inductor_env):
+    monkeypatch, tmp = inductor_env
+    monkeypatch.setenv('ATEN_CPU_CAPABILITY', 'avx2')
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp / 'mine'))
+    assert compat.isolate_inductor_cache('suite') is None
+    assert compat.os.environ['TORCHINDUCTOR_CACHE_DIR'] == str(tmp / 'mine')
+
+
+@pytest.mark.skipif(importlib.util.find_spec('torch._inductor.runtime') is None,
+                    reason='torch._inductor.runtime.cache_dir_utils is newer than this torch')
+def test_isolate_inductor_cache_replaces_the_default_torch_wrote(inductor_env):
+    """torch writes its default directory into the variable on first use (a feature probe does
+    it): that is not a user's choice, so the capability still gets its own directory."""
+    monkeypatch, _ = inductor_env
+    default = _torch_default_cache_dir()  # under the patched temp dir, as torch computes it
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', default)
+    monkeypatch.setenv('ATEN_CPU_CAPABILITY', 'avx2')
+    assert compat.isolate_inductor_cache() == default + '_aten_avx2'
+
+
+def test_isolate_inductor_cache_without_a_user_name(inductor_env):
+    monkeypatch, _ = inductor_env
+    def no_user():
+        raise KeyError('getpwuid(): uid not found')
+    monkeypatch.setattr(compat.getpass, 'getuser', no_user)
+    monkeypatch.setenv('ATEN_CPU_CAPABILITY', 'avx2')
+    assert '/torchinductor_uid_' in compat.isolate_inductor_cache()
+
+
+def test_the_suite_compiles_into_a_cache_of_its_aten_cpu_capability(request):
+    """tests/conftest.py gave the suite's inductor graphs a cache of their capability, unless the
+    runner chose a directory (TORCHINDUCTOR_CACHE_DIR set before the session)."""
+    isolated = request.config.stash[INDUCTOR_CACHE_KEY]
+    if isolated is None:
+        pytest.skip('the runner chose TORCHINDUCTOR_CACHE_DIR: '
+                    + compat.os.environ.get('TORCHINDUCTOR_CACHE_DIR', ''))
+    capability = compat.os.environ.get('ATEN_CPU_CAPABILITY', '').lower() or 'default'
+    assert isolated.endswith(f'_mp_wrappers_tests_aten_{capability}')
+    assert compat.os.environ['TORCHINDUCTOR_CACHE_DIR'] == isolated

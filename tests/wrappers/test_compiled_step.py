@@ -274,3 +274,18 @@ def test_compile_step_needs_fake_kernels(monkeypatch):
         check_compile_step(True)
     assert check_compile_step(False) is None  # eager needs nothing
     assert not DeviceStages(False).compiled
+
+
+@needs_compile
+def test_compile_step_keeps_inductor_graphs_of_an_aten_cpu_capability_apart(monkeypatch):
+    """Note [inductor's cache and ATEN_CPU_CAPABILITY] (mp_wrappers/compat.py): with the variable
+    set, compile_step compiles into a cache directory of that value and says so in the log."""
+    from mp_wrappers.wrappers import compiled_step
+    logged = []
+    monkeypatch.setattr(compiled_step, 'print_log', lambda msg, **kw: logged.append(msg))
+    monkeypatch.delenv('TORCHINDUCTOR_CACHE_DIR', raising=False)
+    monkeypatch.setenv('ATEN_CPU_CAPABILITY', 'avx2')
+    _train(_apex_o2, dict(backend=CompileCounter()), steps=3)
+    directory = compat.os.environ['TORCHINDUCTOR_CACHE_DIR']
+    assert directory.endswith('_aten_avx2')
+    assert any(f'inductor caches in {directory}' in m for m in logged), logged
