@@ -292,32 +292,61 @@ def require(feature: str) -> None:
 #   beside torch's (MP_WRAPPERS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2, as the benchmarks and the
 #   golden traces do) is how one machine gets both kinds of graphs. A cache directory per value
 #   keeps them apart.
+#: The values of ATEN_CPU_CAPABILITY inductor honours, spelled exactly so (it warns about any other
+#: and then generates for the machine's widest ISA, as without the variable).
+_ATEN_CAPABILITIES = ('default', 'zvector', 'vsx', 'avx2', 'avx512')
+
+
+def _default_inductor_cache_dir() -> str:
+    """torch's default inductor cache directory (its own function where it has one)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        return default_cache_dir()
+    except ImportError:  # older torch: the same formula, <tmp>/torchinductor_<user>
+        try:
+            user = getpass.getuser()
+        except (KeyError, ModuleNotFoundError, OSError):  # no passwd entry (some containers)
+            user = f'uid_{os.getuid()}' if hasattr(os, 'getuid') else 'unknown_user'
+        return os.path.join(tempfile.gettempdir(),
+                            'torchinductor_' + re.sub(r'[\\/:*?"<>|]', '_', user))
+
+
+def _same_path(a: str, b: str) -> bool:
+    return os.path.normcase(os.path.abspath(a)) == os.path.normcase(os.path.abspath(b))
+
+
 def isolate_inductor_cache(tag: str = '') -> Optional[str]:
     """Point ``TORCHINDUCTOR_CACHE_DIR`` at a directory of the current ``ATEN_CPU_CAPABILITY``
-    (Note [inductor's cache and ATEN_CPU_CAPABILITY]); affects the ``torch.compile`` calls after it.
+    (Note [inductor's cache and ATEN_CPU_CAPABILITY]). Process-wide: every later ``torch.compile``
+    of this process, and of the processes it starts (they inherit the variable), uses it; graphs
+    compiled before the call stay where they are.
 
-    Nothing changes when ``TORCHINDUCTOR_CACHE_DIR`` names another directory than torch's default
-    (the user's choice; torch itself writes its default there on first use), nor, without ``tag``,
-    when ``ATEN_CPU_CAPABILITY`` is unset (the default directory then only ever sees the default
-    capability from us). With ``tag`` (the test suite's) every value, the default included, gets a
-    directory of its own, so graphs another program left in the default directory are never read.
+    The directory a user set is kept, and so is one this function made with another ``tag``. Not a
+    choice: torch's default (torch writes it into the variable on first use), a directory this
+    function made without a tag or with the same one (a parent process's, for another value
+    perhaps), and the empty string. Without ``tag``, a process without the variable (or with
+    a value inductor ignores: it then generates for the widest ISA, as without it) keeps torch's
+    default directory. With ``tag`` (the test suite's) that case gets a directory of its own too,
+    so graphs another program left in the default directory are never read.
 
     Returns:
         The directory set, or None when nothing changed.
     """
-    try:
-        user = getpass.getuser()
-    except (KeyError, ModuleNotFoundError, OSError):  # no passwd entry (some containers)
-        user = f'uid_{os.getuid()}' if hasattr(os, 'getuid') else 'unknown_user'
-    # torch's default: <tmp>/torchinductor_<user>, the user name's path separators replaced.
-    default = os.path.join(tempfile.gettempdir(),
-                           'torchinductor_' + re.sub(r'[\\/:*?"<>|]', '_', user))
-    current = os.environ.get('TORCHINDUCTOR_CACHE_DIR')
-    if current and os.path.abspath(current) != os.path.abspath(default):
+    default = _default_inductor_cache_dir()
+    current = os.environ.get('TORCHINDUCTOR_CACHE_DIR', '')
+    # This function's own directories (a parent process's, inherited): untagged ones, and with a
+    # tag those of the same tag. Another tag's directory is that program's choice, kept.
+    ours = re.compile(re.escape(os.path.abspath(default))
+                      + (f'(_{re.escape(tag)})?' if tag else '') + r'_aten_[a-z0-9]+')
+    if current and not _same_path(current, default) and not ours.fullmatch(os.path.abspath(current)):
         return None
-    capability = re.sub(r'[^a-z0-9]+', '_', os.environ.get('ATEN_CPU_CAPABILITY', '').strip().lower())
-    if not capability and not tag:
+    value = os.environ.get('ATEN_CPU_CAPABILITY')
+    capability = value if value in _ATEN_CAPABILITIES else None  # exactly as inductor matches it
+    if capability is None and not tag:
+        if current and not _same_path(current, default):  # a parent's directory: back to default
+            os.environ['TORCHINDUCTOR_CACHE_DIR'] = default
+            return default
         return None
-    directory = '_'.join(x for x in (default, tag, f'aten_{capability or "default"}') if x)
+    directory = '_'.join(x for x in (default, tag, f'aten_{capability or "unset"}') if x)
     os.environ['TORCHINDUCTOR_CACHE_DIR'] = directory
     return directory

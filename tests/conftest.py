@@ -25,6 +25,12 @@ REQUIRE_CUDA_ENV = 'MP_WRAPPERS_TEST_REQUIRE_CUDA'
 INDUCTOR_CACHE_KEY = pytest.StashKey()
 
 
+@pytest.fixture
+def suite_inductor_cache(request):
+    """The inductor cache directory pytest_configure set for the session (None: the runner chose)."""
+    return request.config.stash[INDUCTOR_CACHE_KEY]
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

@@ -213,6 +213,14 @@ class DeviceStages:
     def __init__(self, compile_step: Union[bool, Dict[str, Any]] = False,
                  optimizer: Optional[Optimizer] = None) -> None:
         self.compile_kwargs = check_compile_step(compile_step, optimizer)
+        if self.compile_kwargs is not None:
+            # At construction, before the first step compiles anything of the run.
+            cache = compat.isolate_inductor_cache()  # Note [inductor's cache and ATEN_CPU_CAPABILITY]
+            if cache is not None:
+                print_log(f'mp_wrappers compile_step: inductor caches in {cache} '
+                          '(TORCHINDUCTOR_CACHE_DIR, for this process and the ones it starts): its '
+                          'default cache does not keep graphs of different ATEN_CPU_CAPABILITY '
+                          'vector widths apart', logger='current', level=logging.INFO)
         self._compiled: Optional[Callable[..., Stages]] = None
         self._mark_pending = True  # the optimizer's tensors are to be marked before a graph runs
 
@@ -237,12 +245,6 @@ class DeviceStages:
             self._mark_pending = True
             return out, None
         if self._compiled is None:
-            cache = compat.isolate_inductor_cache()  # Note [inductor's cache and ATEN_CPU_CAPABILITY]
-            if cache is not None:
-                print_log(f'mp_wrappers compile_step: ATEN_CPU_CAPABILITY is set, so inductor caches '
-                          f'in {cache} (TORCHINDUCTOR_CACHE_DIR): its default cache does not keep '
-                          'graphs of different vector widths apart', logger='current',
-                          level=logging.INFO)
             self._compiled = torch.compile(_device_stages, fullgraph=True, **self.compile_kwargs)
         if self._mark_pending:
             _mark_static(optimizer, masters)

@@ -14,8 +14,6 @@ import mp_wrappers
 from mp_wrappers import compat
 from mp_wrappers.compat import FeatureUnavailableError
 
-from conftest import INDUCTOR_CACHE_KEY
-
 
 @pytest.fixture
 def without(monkeypatch):
@@ -231,62 +229,80 @@ def test_fsdp1_on_cpu_refused_when_the_strategy_wraps(without):
 
 # ---- Note [inductor's cache and ATEN_CPU_CAPABILITY] -----------------------------------------------
 
-def _torch_default_cache_dir():
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    return default_cache_dir()
-
-
 @pytest.fixture
 def inductor_env(monkeypatch, tmp_path):
-    """A temp dir of our own and neither variable set; both restored after the test."""
+    """A temp dir of our own (torch's default directory is computed from it too) and neither
+    variable set; both restored after the test."""
     monkeypatch.setattr(compat.tempfile, 'gettempdir', lambda: str(tmp_path))
     monkeypatch.delenv('TORCHINDUCTOR_CACHE_DIR', raising=False)
     monkeypatch.delenv('ATEN_CPU_CAPABILITY', raising=False)
     return monkeypatch, tmp_path
 
 
-@pytest.mark.parametrize('capability', ['avx2', 'AVX512', 'default'])
+def _cache_dir():
+    return compat.os.environ.get('TORCHINDUCTOR_CACHE_DIR')
+
+
+@pytest.mark.parametrize('capability', ['avx2', 'avx512', 'default'])
 def test_isolate_inductor_cache_keys_the_directory_by_aten_cpu_capability(inductor_env, capability):
     monkeypatch, tmp = inductor_env
     monkeypatch.setenv('ATEN_CPU_CAPABILITY', capability)
     directory = compat.isolate_inductor_cache()
-    assert directory is not None and directory.startswith(str(tmp) + '/torchinductor_')
-    assert directory.endswith(f'_aten_{capability.lower()}')
-    assert compat.os.environ['TORCHINDUCTOR_CACHE_DIR'] == directory
+    assert directory == compat._default_inductor_cache_dir() + f'_aten_{capability}'
+    assert directory.startswith(str(tmp) + '/torchinductor_') and _cache_dir() == directory
 
 
-def test_isolate_inductor_cache_leaves_the_default_alone_without_a_capability(inductor_env):
-    assert compat.isolate_inductor_cache() is None
-    assert 'TORCHINDUCTOR_CACHE_DIR' not in compat.os.environ
+@pytest.mark.parametrize('value', [None, '', 'AVX2', 'avx2 ', 'bogus'])
+def test_isolate_inductor_cache_leaves_a_value_inductor_ignores_in_the_default(inductor_env, value):
+    """Inductor matches the value exactly; any other (or none) means the widest ISA, as without
+    the variable: torch's default directory, never the avx2 graphs' one."""
+    monkeypatch, _ = inductor_env
+    if value is not None:
+        monkeypatch.setenv('ATEN_CPU_CAPABILITY', value)
+    assert compat.isolate_inductor_cache() is None and _cache_dir() is None
 
 
-def test_isolate_inductor_cache_with_a_tag_keys_the_default_capability_too(inductor_env):
-    directory = compat.isolate_inductor_cache('suite')
-    assert directory.endswith('_suite_aten_default')
+def test_isolate_inductor_cache_with_a_tag_keys_every_case(inductor_env):
+    monkeypatch, _ = inductor_env
+    unset = compat.isolate_inductor_cache('suite')
+    monkeypatch.setenv('ATEN_CPU_CAPABILITY', 'default')  # scalar code: not the unset case
+    assert unset.endswith('_suite_aten_unset')
+    assert compat.isolate_inductor_cache('suite').endswith('_suite_aten_default')
 
 
 def test_isolate_inductor_cache_keeps_a_directory_the_user_chose(inductor_env):
     monkeypatch, tmp = inductor_env
     monkeypatch.setenv('ATEN_CPU_CAPABILITY', 'avx2')
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp / 'mine'))
-    assert compat.isolate_inductor_cache('suite') is None
-    assert compat.os.environ['TORCHINDUCTOR_CACHE_DIR'] == str(tmp / 'mine')
+    assert compat.isolate_inductor_cache('suite') is None and _cache_dir() == str(tmp / 'mine')
 
 
-@pytest.mark.skipif(importlib.util.find_spec('torch._inductor.runtime') is None,
-                    reason='torch._inductor.runtime.cache_dir_utils is newer than this torch')
 def test_isolate_inductor_cache_replaces_the_default_torch_wrote(inductor_env):
     """torch writes its default directory into the variable on first use (a feature probe does
     it): that is not a user's choice, so the capability still gets its own directory."""
     monkeypatch, _ = inductor_env
-    default = _torch_default_cache_dir()  # under the patched temp dir, as torch computes it
-    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', default)
+    default = compat._default_inductor_cache_dir()
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', default + '/')
     monkeypatch.setenv('ATEN_CPU_CAPABILITY', 'avx2')
     assert compat.isolate_inductor_cache() == default + '_aten_avx2'
 
 
+def test_isolate_inductor_cache_redoes_a_directory_a_parent_process_chose(inductor_env):
+    """A child inherits the variable: a directory of ours, for another value, is redone."""
+    monkeypatch, _ = inductor_env
+    default = compat._default_inductor_cache_dir()
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', default + '_aten_avx2')
+    assert compat.isolate_inductor_cache() == default  # the child has no variable: the default
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', default + '_mp_wrappers_tests_aten_unset')
+    monkeypatch.setenv('ATEN_CPU_CAPABILITY', 'avx2')
+    # compile_step's call (no tag) keeps the suite's directory; the suite's own call redoes it.
+    assert compat.isolate_inductor_cache() is None
+    assert compat.isolate_inductor_cache('mp_wrappers_tests') == default + '_mp_wrappers_tests_aten_avx2'
+
+
 def test_isolate_inductor_cache_without_a_user_name(inductor_env):
     monkeypatch, _ = inductor_env
+
     def no_user():
         raise KeyError('getpwuid(): uid not found')
     monkeypatch.setattr(compat.getpass, 'getuser', no_user)
@@ -294,13 +310,12 @@ def test_isolate_inductor_cache_without_a_user_name(inductor_env):
     assert '/torchinductor_uid_' in compat.isolate_inductor_cache()
 
 
-def test_the_suite_compiles_into_a_cache_of_its_aten_cpu_capability(request):
+def test_the_suite_compiles_into_a_cache_of_its_aten_cpu_capability(suite_inductor_cache):
     """tests/conftest.py gave the suite's inductor graphs a cache of their capability, unless the
     runner chose a directory (TORCHINDUCTOR_CACHE_DIR set before the session)."""
-    isolated = request.config.stash[INDUCTOR_CACHE_KEY]
-    if isolated is None:
-        pytest.skip('the runner chose TORCHINDUCTOR_CACHE_DIR: '
-                    + compat.os.environ.get('TORCHINDUCTOR_CACHE_DIR', ''))
-    capability = compat.os.environ.get('ATEN_CPU_CAPABILITY', '').lower() or 'default'
-    assert isolated.endswith(f'_mp_wrappers_tests_aten_{capability}')
-    assert compat.os.environ['TORCHINDUCTOR_CACHE_DIR'] == isolated
+    if suite_inductor_cache is None:
+        pytest.skip(f'the runner chose TORCHINDUCTOR_CACHE_DIR: {_cache_dir()}')
+    value = compat.os.environ.get('ATEN_CPU_CAPABILITY')
+    key = value if value in compat._ATEN_CAPABILITIES else 'unset'
+    assert suite_inductor_cache.endswith(f'_mp_wrappers_tests_aten_{key}')
+    assert _cache_dir() == suite_inductor_cache

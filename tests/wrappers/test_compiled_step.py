@@ -285,7 +285,8 @@ def test_compile_step_keeps_inductor_graphs_of_an_aten_cpu_capability_apart(monk
     monkeypatch.setattr(compiled_step, 'print_log', lambda msg, **kw: logged.append(msg))
     monkeypatch.delenv('TORCHINDUCTOR_CACHE_DIR', raising=False)
     monkeypatch.setenv('ATEN_CPU_CAPABILITY', 'avx2')
-    _train(_apex_o2, dict(backend=CompileCounter()), steps=3)
+    model = _model()
+    _apex_o2(model, dict(backend=CompileCounter()))  # set at construction, before any step
     directory = compat.os.environ['TORCHINDUCTOR_CACHE_DIR']
     assert directory.endswith('_aten_avx2')
     assert any(f'inductor caches in {directory}' in m for m in logged), logged
