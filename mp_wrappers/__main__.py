@@ -74,7 +74,9 @@ def _quantized_lines(info: dict) -> List[str]:
              'cuda         cuda kernel' if info['cuda'] else
              'cuda         this build has no CUDA kernels: CUDA params with state_dtype=\'int8\' are '
              "refused (NotImplementedError) at the first step, before any update; set "
-             "optim_wrapper.optimizer.state_dtype='float32' there"]
+             "optim_wrapper.optimizer.state_dtype='float32' there",
+             "sgd          FusedSGD(state_dtype='int8'): the CPU kernel only; CUDA params are "
+             'refused (NotImplementedError) before any update']
     lines.append(f'bytes/param  (fp32 moments -> int8 moments, blocks of {info["block_size"]}; '
                  'grads not counted)')
     for what, (fp32, int8) in info['bytes_per_param'].items():
@@ -113,7 +115,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         broken.append(f'the C++ extension failed to load: {error}')
     print('\n-- devices')
     print('\n'.join(_device_lines(rep)))
-    print("\n-- 8-bit optimizer states (FusedAdam(state_dtype='int8'))")
+    print("\n-- 8-bit optimizer states (FusedAdam / FusedSGD(state_dtype='int8'))")
     print('\n'.join(_quantized_lines(rep['quantized_states'])))
 
     if not args.no_selftest:

@@ -127,6 +127,16 @@ def _adam8bit(gen, device):
             _scalar(1024.0, device), _scalar(0.0, device))
 
 
+def _sgd8bit(gen, device):
+    # Random codes are a valid buffer; step 3: a later update, which reads them.
+    p, g, _, model = _optim_common(gen, device, 0)
+    codes = [torch.randint(0, 256, (t.numel(),), generator=gen, dtype=torch.uint8).to(device)
+             for t in p]
+    absmax = [torch.rand(num_blocks(t.numel()), generator=gen).to(device) * 0.1 for t in p]
+    return (p, g, codes, absmax, model, _scalar(3.0, device), 0.05, 0.9, 0.0, 1e-4, True, False,
+            _scalar(1024.0, device), _scalar(0.0, device))
+
+
 CASES: Dict[str, Callable[[torch.Generator, str], Tuple]] = {
     'multi_tensor_scale_': _scale,
     'multi_tensor_l2norm': _l2norm,
@@ -139,10 +149,10 @@ CASES: Dict[str, Callable[[torch.Generator, str], Tuple]] = {
     'multi_tensor_adagrad_': _adagrad,
     'multi_tensor_novograd_': _novograd,
     'multi_tensor_adam8bit_': _adam8bit,
+    'multi_tensor_sgd8bit_': _sgd8bit,
 }
 # Ops with kernels on some device types only; elsewhere the op refuses (not a broken install).
-# None now: multi_tensor_adam8bit_ has a CUDA kernel in every build with CUDA kernels.
-DEVICE_TYPES: Dict[str, Tuple[str, ...]] = {}
+DEVICE_TYPES: Dict[str, Tuple[str, ...]] = {'multi_tensor_sgd8bit_': ('cpu',)}
 
 
 def _tensors(value) -> List[Tensor]:

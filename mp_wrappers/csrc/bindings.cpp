@@ -100,6 +100,14 @@ TORCH_LIBRARY(mp_wrappers, m) {
         "float lr, float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, "
         "bool bias_correction, Tensor? grad_scale, Tensor? found_inf, "
         "Tensor? lr_tensor=None) -> ()");
+  // SGD with an 8-bit momentum buffer (momentum != 0): uint8 codes and their float32 absmax
+  // lists as above; otherwise the conventions of multi_tensor_sgd_ (reference/quant.py
+  // multi_tensor_sgd8bit_).
+  m.def("multi_tensor_sgd8bit_(Tensor(a!)[] params, Tensor[] grads, "
+        "Tensor(b!)[] momentum_buffers, Tensor(c!)[] momentum_buffer_absmaxes, "
+        "Tensor(d!)[] model_params, Tensor(e!) step, float lr, float momentum, "
+        "float dampening, float weight_decay, bool nesterov, bool wd_after_momentum, "
+        "Tensor? grad_scale, Tensor? found_inf, Tensor? lr_tensor=None) -> ()");
   // The same on bfloat16 params stored the lean way (storage, aux and seed as in
   // multi_tensor_adam_lean_); reference/quant.py multi_tensor_adam8bit_lean_.
   m.def("multi_tensor_adam8bit_lean_(Tensor(a!)[] params, Tensor(b!)[] aux, Tensor[] grads, "

@@ -40,7 +40,8 @@ def extension_info() -> Dict[str, object]:
 
 
 def quantized_states_info() -> Dict[str, object]:
-    """Where ``FusedAdam(state_dtype='int8')`` runs and what its moments cost per param.
+    """Where ``FusedAdam(state_dtype='int8')`` runs and what its moments cost per param
+    (``FusedSGD(state_dtype='int8')``: the same CPU kernels' flavour; no CUDA kernel).
 
     ``cpu``: the kernel flavour that runs the 8-bit update (``'cpp-avx512'``, ``'cpp-avx2'``,
     ``'cpp-baseline'``), or ``'reference'`` (the pure-PyTorch update: same bits, much slower) when the
@@ -62,6 +63,7 @@ def quantized_states_info() -> Dict[str, object]:
         block_size=BLOCK_SIZE,
         bytes_per_param={
             'Adam moments': (8.0, moments),
+            'SGD momentum buffer (FusedSGD)': (4.0, moments / 2),
             'fp32 params + Adam (O0)': (12.0, 4 + moments),
             'O2 bf16: model + fp32 master + Adam': (14.0, 6 + moments),
         },

@@ -189,3 +189,14 @@ def _check_adam_scalars(op: str, lr: float, beta1: float, beta2: float, eps: flo
     _check_step(op, step, device)
     _check_scalar(op, 'grad_scale', grad_scale, device)
     _check_scalar(op, 'found_inf', found_inf, device)
+
+
+def _check_sgd_hyper(op: str, momentum: float, dampening: float, weight_decay: float,
+                     nesterov: bool) -> None:
+    """The hyperparameters of an SGD op (torch.optim.SGD's rules for Nesterov)."""
+    _check_nonnegative(op, 'momentum', momentum)
+    _check_nonnegative(op, 'dampening', dampening)
+    _check_nonnegative(op, 'weight_decay', weight_decay)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError(f'{op}: nesterov=True requires momentum > 0 and dampening == 0, got '
+                         f'momentum={momentum!r}, dampening={dampening!r}')

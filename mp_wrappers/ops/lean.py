@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from .. import compat
-from ._checks import (_check_adam_scalars, _check_lr, _check_nonnegative, _check_scalar,
-                      _check_seed, _check_step, check_tensor_lists)
+from ._checks import (_check_adam_scalars, _check_lr, _check_scalar, _check_seed,
+                      _check_sgd_hyper, _check_step, check_tensor_lists)
 from ._dispatch import run
 from .reference.lean import LEAN_STORAGES
 
@@ -126,12 +126,7 @@ def multi_tensor_sgd_lean(params: Sequence[Tensor], aux: Sequence[Tensor], grads
     op = 'multi_tensor_sgd_lean'
     params, aux, grads, bufs = list(params), list(aux), list(grads), list(momentum_buffers)
     _check_lr(op, lr)
-    _check_nonnegative(op, 'momentum', momentum)
-    _check_nonnegative(op, 'dampening', dampening)
-    _check_nonnegative(op, 'weight_decay', weight_decay)
-    if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError(f'{op}: nesterov=True requires momentum > 0 and dampening == 0, got '
-                         f'momentum={momentum!r}, dampening={dampening!r}')
+    _check_sgd_hyper(op, momentum, dampening, weight_decay, nesterov)
     allow_empty = ('momentum_buffers',) if momentum == 0 else ()
     device = _check_lean(op, storage, params, aux, grads, [('momentum_buffers', bufs)],
                          allow_empty=allow_empty)

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ._checks import (_check_betas, _check_lists, _check_lr, _check_nonnegative, _check_norm_type,
-                      _check_scalar, _check_step)
+                      _check_scalar, _check_sgd_hyper, _check_step)
 from ._dispatch import run
 
 __all__ = ['multi_tensor_adam', 'multi_tensor_sgd', 'multi_tensor_lamb', 'multi_tensor_adagrad',
@@ -106,12 +106,7 @@ def multi_tensor_sgd(params: Sequence[Tensor], grads: Sequence[Tensor],
     """
     op = 'multi_tensor_sgd'
     lists = [list(params), list(grads), list(momentum_buffers), list(model_params)]
-    _check_nonnegative(op, 'momentum', momentum)
-    _check_nonnegative(op, 'dampening', dampening)
-    _check_nonnegative(op, 'weight_decay', weight_decay)
-    if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError(f'{op}: nesterov=True requires momentum > 0 and dampening == 0, got '
-                         f'momentum={momentum!r}, dampening={dampening!r}')
+    _check_sgd_hyper(op, momentum, dampening, weight_decay, nesterov)
     allow_empty = ('model_params', 'momentum_buffers') if momentum == 0 else ('model_params',)
     device = _check_lists(op, ('params', 'grads', 'momentum_buffers', 'model_params'), lists,
                           allow_empty=allow_empty, fp32=('momentum_buffers',))

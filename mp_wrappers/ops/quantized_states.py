@@ -1,4 +1,5 @@
-"""Public op of block-wise 8-bit optimizer states: Adam/AdamW with uint8 moment codes.
+"""Public ops of block-wise 8-bit optimizer states: Adam/AdamW with uint8 moment codes, SGD with a
+uint8 momentum buffer.
 
 See Note [8-bit optimizer states] in :mod:`mp_wrappers.ops.reference.quant` for the codes and the
 per-block absmax. :func:`multi_tensor_adam8bit` validates its arguments the way
@@ -9,39 +10,64 @@ warp per quantization block). CUDA tensors are accepted only where the loaded bu
 kernel; elsewhere (a CPU-only build, any other device type) :func:`check_quantized_device` refuses
 them before any work, naming the fix, rather than running the pure-PyTorch reference on the GPU.
 The argument order follows the op schema in ``csrc/bindings.cpp``.
-:class:`mp_wrappers.optim.FusedAdam` with ``state_dtype='int8'`` builds these lists for you.
+:class:`mp_wrappers.optim.FusedAdam` and :class:`mp_wrappers.optim.FusedSGD` with
+``state_dtype='int8'`` build these lists for you. The SGD op has a CPU kernel only (no CUDA kernel,
+no lean bf16 variant): :func:`check_quantized_device` refuses it elsewhere.
 """
 from typing import List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
-from ._checks import _check_adam_scalars, _check_lists
+from ._checks import (_check_adam_scalars, _check_lists, _check_scalar, _check_sgd_hyper,
+                      _check_step)
 from ._dispatch import _op_has_kernel, run
 from .lean import _check_lean
 from .optimizers import _split_lr
 from .reference.quant import BLOCK_SIZE, num_blocks
 
-__all__ = ['multi_tensor_adam8bit', 'multi_tensor_adam8bit_lean', 'BLOCK_SIZE', 'num_blocks', 'check_quantized_device',
-           'has_quantized_kernel']
+__all__ = ['multi_tensor_adam8bit', 'multi_tensor_adam8bit_lean', 'multi_tensor_sgd8bit',
+           'BLOCK_SIZE', 'num_blocks', 'check_quantized_device', 'has_quantized_kernel']
+
+# The 8-bit op of each optimizer, and its lean bf16 variant (None: there is none).
+_LEAN_OPS = {'multi_tensor_adam8bit_': 'multi_tensor_adam8bit_lean_',
+             'multi_tensor_sgd8bit_': None}
+# The ops that have a CUDA kernel in a build with CUDA kernels.
+_CUDA_OPS = frozenset({'multi_tensor_adam8bit_', 'multi_tensor_adam8bit_lean_'})
 
 
-def has_quantized_kernel(device_type: str, lean: bool = False) -> bool:
-    """Whether 8-bit optimizer states run on ``device_type``: always on the CPU (the kernel, or the
-    reference without the extension); on CUDA when the loaded build has the CUDA kernel (of
-    ``multi_tensor_adam8bit_lean_`` when ``lean``: bf16 params with lean storage)."""
+def has_quantized_kernel(device_type: str, lean: bool = False,
+                         op: str = 'multi_tensor_adam8bit_') -> bool:
+    """Whether the 8-bit update ``op`` runs on ``device_type``: on the CPU always (the kernel,
+    or the reference without the extension); on CUDA when the loaded build has its CUDA kernel.
+    ``lean``: its variant for bf16 params with lean storage (``multi_tensor_adam8bit_lean_``;
+    ``multi_tensor_sgd8bit_`` has none, on any device)."""
+    if lean:
+        op = _LEAN_OPS[op]
+        if op is None:
+            return False
     if device_type == 'cpu':
         return True
-    op = 'multi_tensor_adam8bit_lean_' if lean else 'multi_tensor_adam8bit_'
     return device_type == 'cuda' and _op_has_kernel(op, 'cuda')
 
 
-def check_quantized_device(owner: str, device: torch.device,
-                           bf16_storage: Optional[str] = None) -> None:
-    """Refuse a device without 8-bit state kernels (:func:`has_quantized_kernel`); with a
-    ``bf16_storage`` (lean bf16 params), a device without the lean 8-bit kernel."""
-    if has_quantized_kernel(device.type, lean=bf16_storage is not None):
+def check_quantized_device(owner: str, device: torch.device, bf16_storage: Optional[str] = None,
+                           op: str = 'multi_tensor_adam8bit_') -> None:
+    """Refuse a device without the 8-bit update ``op`` (:func:`has_quantized_kernel`); with a
+    ``bf16_storage`` (lean bf16 params), a device without its lean variant."""
+    if has_quantized_kernel(device.type, lean=bf16_storage is not None, op=op):
         return
+    if bf16_storage is not None and _LEAN_OPS[op] is None:
+        raise NotImplementedError(
+            f"{owner}: an 8-bit momentum buffer (state_dtype='int8') with bf16_storage="
+            f"{bf16_storage!r} (a wrapper's master_weights={bf16_storage!r}) has no kernel on any "
+            f"device. Use state_dtype='int8' with fp32 masters (ApexOptimWrapper "
+            f"opt_level='O2', or bf16_storage=None), or state_dtype='float32' / 'bfloat16' with "
+            f'bf16_storage={bf16_storage!r}')
+    if device.type == 'cuda' and op not in _CUDA_OPS:
+        raise NotImplementedError(
+            f"{owner}: state_dtype='int8' runs on CPU tensors only (there is no CUDA kernel of "
+            f"{op}); got tensors on {device}. Use state_dtype='float32' on cuda")
     why = ('this mp_wrappers build has no CUDA kernels (rebuild it with MP_WRAPPERS_CUDA=1 '
            'against a CUDA torch, docs/cuda.md)' if device.type == 'cuda' else
            f'there is no {device.type} kernel')
@@ -59,12 +85,16 @@ def check_quantized_device(owner: str, device: torch.device,
         f"state_dtype='float32' on {device.type}")
 
 
-def _checked_states(op: str, params: List[Tensor], device: torch.device, *states: Sequence[Tensor]
-                    ) -> List[List[Tensor]]:
-    """The four state lists (codes and absmaxes of m, then of v) as lists, checked against
-    ``params``."""
-    kinds = (('exp_avgs', torch.uint8, int), ('exp_avg_absmaxes', torch.float32, num_blocks),
-             ('exp_avg_sqs', torch.uint8, int), ('exp_avg_sq_absmaxes', torch.float32, num_blocks))
+_ADAM_STATES = ('exp_avgs', 'exp_avg_sqs')
+
+
+def _checked_states(op: str, params: List[Tensor], device: torch.device, *states: Sequence[Tensor],
+                    names: Sequence[str] = _ADAM_STATES) -> List[List[Tensor]]:
+    """The state lists (codes and absmaxes of each moment ``names``, in that order) as lists,
+    checked against ``params``."""
+    kinds = [kind for name in names
+             for kind in ((name, torch.uint8, int),
+                          (name[:-1] + '_absmaxes', torch.float32, num_blocks))]
     lists = []
     for tensors, (name, dtype, numel) in zip(states, kinds, strict=True):
         tensors = list(tensors)
@@ -164,3 +194,44 @@ def multi_tensor_adam8bit_lean(params: Sequence[Tensor], aux: Sequence[Tensor],
         run('multi_tensor_adam8bit_lean_', device, params, aux, grads, *lists, step, float(lr),
             float(beta1), float(beta2), float(eps), float(weight_decay), bool(adam_w_mode),
             bool(bias_correction), storage, int(seed), grad_scale, found_inf)
+
+
+def multi_tensor_sgd8bit(params: Sequence[Tensor], grads: Sequence[Tensor],
+                         momentum_buffers: Sequence[Tensor],
+                         momentum_buffer_absmaxes: Sequence[Tensor],
+                         model_params: Sequence[Tensor], step: Tensor, lr: Union[float, Tensor],
+                         momentum: float, dampening: float, weight_decay: float, nesterov: bool,
+                         wd_after_momentum: bool, grad_scale: Optional[Tensor] = None,
+                         found_inf: Optional[Tensor] = None) -> None:
+    """One SGD update with a block-wise 8-bit momentum buffer (``reference.multi_tensor_sgd8bit_``;
+    :func:`~mp_wrappers.ops.multi_tensor_sgd`'s arguments otherwise).
+
+    ``momentum_buffers`` are uint8 codes, one per element, ``momentum_buffer_absmaxes`` float32,
+    one per block of :data:`BLOCK_SIZE` elements, both updated in place; ``momentum`` must be
+    > 0. While ``step`` is 0 the buffers are set to the gradient: zero codes are a fine start.
+
+    Examples:
+        >>> codes = [torch.zeros(p.numel(), dtype=torch.uint8) for p in params]
+        >>> absmax = [torch.zeros(num_blocks(p.numel())) for p in params]
+        >>> multi_tensor_sgd8bit(params, grads, codes, absmax, [], torch.zeros(1), 0.1, 0.9, 0.0,
+        ...                      1e-4, True, False)
+    """
+    op = 'multi_tensor_sgd8bit'
+    params, grads, model_params = list(params), list(grads), list(model_params)
+    _check_sgd_hyper(op, momentum, dampening, weight_decay, nesterov)
+    if momentum == 0:
+        raise ValueError(f'{op}: momentum=0 keeps no momentum buffer to quantize; use '
+                         'multi_tensor_sgd (FusedSGD with momentum=0 keeps no state)')
+    device = _check_lists(op, ('params', 'grads', 'model_params'), [params, grads, model_params],
+                          allow_empty=('model_params',))
+    check_quantized_device(op, device, op='multi_tensor_sgd8bit_')
+    lists = _checked_states(op, params, device, momentum_buffers, momentum_buffer_absmaxes,
+                            names=('momentum_buffers',))
+    lr, lr_tensor = _split_lr(op, lr, device)
+    _check_step(op, step, device)
+    _check_scalar(op, 'grad_scale', grad_scale, device)
+    _check_scalar(op, 'found_inf', found_inf, device)
+    if params:
+        run('multi_tensor_sgd8bit_', device, params, grads, *lists, model_params, step, float(lr),
+            float(momentum), float(dampening), float(weight_decay), bool(nesterov),
+            bool(wd_after_momentum), grad_scale, found_inf, lr_tensor)

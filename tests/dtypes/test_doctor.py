@@ -7,7 +7,7 @@ from mp_wrappers import __main__ as doctor
 from mp_wrappers import selftest
 from mp_wrappers.hardware import doctor as hardware_doctor
 from mp_wrappers.ops import _extension, reference
-from mp_wrappers.optim import FusedAdam
+from mp_wrappers.optim import FusedAdam, FusedSGD
 
 
 def test_reports_the_kernel_flavour_that_runs_the_8bit_update():
@@ -42,16 +42,22 @@ def test_bytes_per_param_are_what_the_optimizer_keeps():
     opt.step()
     moments = [v for k, v in opt.state[param].items() if k != 'step']
     assert sum(v.numel() * v.element_size() for v in moments) / param.numel() == int8
+    assert info['bytes_per_param']['SGD momentum buffer (FusedSGD)'] == (4.0, 1 + 4 / 256)
+    sgd = FusedSGD([param], lr=0.1, momentum=0.9, state_dtype='int8')
+    sgd.step()
+    buffer = [v for k, v in sgd.state[param].items() if k != 'step']
+    assert sum(v.numel() * v.element_size() for v in buffer) / param.numel() == 1 + 4 / 256
 
 
 def test_doctor_prints_the_section_and_cudas_refusal(capsys):
     assert doctor.main(['--no-selftest']) == 0
     out = capsys.readouterr().out
-    section = out.split("-- 8-bit optimizer states (FusedAdam(state_dtype='int8'))\n")[1]
+    section = out.split("-- 8-bit optimizer states (FusedAdam / FusedSGD(state_dtype='int8'))\n")[1]
     lines = section.split('\n\n')[0].splitlines()
     assert lines[0].startswith('cpu          ')
     assert "state_dtype='int8' are refused (NotImplementedError)" in lines[1]
     assert "optim_wrapper.optimizer.state_dtype='float32'" in lines[1]
+    assert lines[2].startswith("sgd          FusedSGD(state_dtype='int8'): the CPU kernel only")
     assert lines[-1] == '             O2 bf16: model + fp32 master + Adam: 14.00 -> 8.03'
 
 
@@ -79,3 +85,18 @@ def test_selftest_checks_the_8bit_kernel_like_every_op(monkeypatch):
     ours = [r for r in results if r.op == 'multi_tensor_adam8bit_']
     others = [r for r in results if r.op == 'multi_tensor_adam_']
     assert [(r.ok, r.error) for r in ours] == [(r.ok, r.error) for r in others]
+
+
+def test_selftest_checks_the_8bit_sgd_kernel_on_the_cpu_only(monkeypatch):
+    if _extension.extension() is None:
+        pytest.skip('the C++ extension is not built: nothing compiled to self-test')
+    assert selftest.DEVICE_TYPES['multi_tensor_sgd8bit_'] == ('cpu',)
+    selftest._check_op('multi_tensor_sgd8bit_', 'cpu')
+    right = reference.multi_tensor_sgd8bit_
+
+    def one_code_off(params, grads, codes, *rest):
+        right(params, grads, codes, *rest)
+        codes[1][3] ^= 1
+    monkeypatch.setattr(reference, 'multi_tensor_sgd8bit_', one_code_off)
+    with pytest.raises(AssertionError, match='tensor'):
+        selftest._check_op('multi_tensor_sgd8bit_', 'cpu')

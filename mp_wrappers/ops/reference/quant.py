@@ -46,6 +46,19 @@ Note [8-bit optimizer states]
       (:func:`multi_tensor_adam8bit_lean_`) steps its bf16 storage by ``-(lr * u)`` with
       ``u = fma(weight_decay, p, q)``, as the lean masters compose a step.
 
+    The 8-bit SGD update (:func:`multi_tensor_sgd8bit_`, ``FusedSGD(state_dtype='int8')``) keeps
+    the momentum buffer ``b`` in ``EXP_AVG_CODE`` (signed) and follows ``multi_tensor_sgd_``'s
+    semantics (torch.optim.SGD, apex's ``wd_after_momentum``) with its additions as fused
+    multiply-adds, the decay of the buffer folded into the block's decode factor as for ``m``:
+
+    * ``d = g``, L2 decay first ``d = fma(weight_decay, p, d)`` (unless ``wd_after_momentum``);
+    * ``b = d`` on the first applied update (``step == 0``, decided on the device as in
+      ``multi_tensor_sgd_``; the codes are not read), else
+      ``b = fma(code_b, fl(momentum * fl(absmax_b / MAX)), fl(fl(1 - dampening) * d))``;
+    * ``d = fma(momentum, b, d)`` with Nesterov, else ``d = b``; then
+      ``d = fma(weight_decay, p, d)`` with ``wd_after_momentum``;
+    * ``p = fma(-lr, d, p)``, and ``b`` is requantized with its block's new absmax.
+
     Square roots and fused multiply-adds are correctly rounded here (:func:`_sqrt_rn`,
     :func:`_fma_rn`), as the C++ and CUDA kernels' are, so every output matches the kernels bit for
     bit.
@@ -72,8 +85,7 @@ from .lean import _check_storage, _read_param, _write_param
 
 __all__ = ['BLOCK_SIZE', 'Minifloat', 'EXP_AVG_CODE', 'EXP_AVG_SQ_CODE', 'num_blocks',
            'quantize_blockwise', 'dequantize_blockwise', 'dequantize_invertibly', 'code_table',
-           'multi_tensor_adam8bit_',
-           'multi_tensor_adam8bit_lean_']
+           'multi_tensor_adam8bit_', 'multi_tensor_adam8bit_lean_', 'multi_tensor_sgd8bit_']
 
 #: Elements per absmax block (the kernels' constant too; docs/quantized_states.md says why 256).
 BLOCK_SIZE = 256
@@ -365,3 +377,45 @@ def multi_tensor_adam8bit_lean_(params: List[Tensor], aux: List[Tensor], grads: 
             update = _fma_rn(_f32(weight_decay, flat), flat, update)
         _write_param(p, a, p32, -(lr * update).view(p.shape), storage, skip, seed, count, i)
     _commit_(step, count, skip)
+
+
+def multi_tensor_sgd8bit_(params: List[Tensor], grads: List[Tensor],
+                          momentum_buffers: List[Tensor], momentum_buffer_absmaxes: List[Tensor],
+                          model_params: List[Tensor], step: Tensor, lr: float, momentum: float,
+                          dampening: float, weight_decay: float, nesterov: bool,
+                          wd_after_momentum: bool, grad_scale: Optional[Tensor],
+                          found_inf: Optional[Tensor], lr_tensor: Optional[Tensor] = None) -> None:
+    """SGD with a block-wise 8-bit momentum buffer (Note [8-bit optimizer states]).
+
+    ``momentum_buffers`` are uint8 codes (``EXP_AVG_CODE``) with ``params``' element counts, their
+    absmax lists float32 with :func:`num_blocks` elements; ``momentum`` must be nonzero (without
+    momentum there is no buffer: ``multi_tensor_sgd_``). Otherwise ``multi_tensor_sgd_``'s
+    conventions: the first applied update (``step == 0``) sets the buffer to the direction, a
+    nonzero ``found_inf`` leaves every tensor bit-identical, ``lr_tensor`` is the lr when given.
+    """
+    lr = _lr(lr, lr_tensor)
+    skip = _skip_mask(found_inf)
+    first = step.reshape(()) == 0
+    device = step.device
+    omd = torch.tensor(1.0 - dampening, dtype=torch.float32, device=device)  # fl(1 - dampening)
+    lr32 = torch.as_tensor(lr, dtype=torch.float32, device=device)
+    for i, (p, g) in enumerate(zip(params, grads)):
+        p32 = p.to(torch.float32).reshape(-1)
+        d = _unscaled(g, grad_scale).reshape(-1)
+        if weight_decay != 0.0 and not wd_after_momentum:
+            d = _fma_rn(_f32(weight_decay, p32), p32, d)
+        codes, absmax = momentum_buffers[i], momentum_buffer_absmaxes[i]
+        fac = _decayed_decode_factor(absmax, momentum, EXP_AVG_CODE, d.numel())
+        later = _fma_rn(_code_values(codes, EXP_AVG_CODE), fac, omd * d)
+        b = torch.where(first, d, later)
+        d = _fma_rn(_f32(momentum, b), b, d) if nesterov else b
+        if weight_decay != 0.0 and wd_after_momentum:
+            d = _fma_rn(_f32(weight_decay, p32), p32, d)
+        p_new = _fma_rn(-_f32(lr32, p32), d, p32)
+        new_codes, new_absmax = quantize_blockwise(b, EXP_AVG_CODE, signed_zeros=True)
+        _commit_(codes, new_codes.view(codes.shape), skip)
+        _commit_(absmax, new_absmax, skip)
+        _commit_(p, p_new.view(p.shape), skip)
+        if model_params:
+            _commit_(model_params[i], p_new.view(model_params[i].shape), skip)
+    _commit_(step, step + 1, skip)

@@ -437,6 +437,29 @@ inline UpdateArgs<AdamHyper> multi_tensor_adam8bit_args(
           adam_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction)};
 }
 
+// SGD with an 8-bit momentum buffer: momentum must be nonzero (without it there is no buffer).
+inline UpdateArgs<SgdHyper> multi_tensor_sgd8bit_args(
+    Backend backend, at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+    at::TensorList momentum_buffer_absmaxes, at::TensorList model_params, const at::Tensor& step,
+    double lr, double momentum, double dampening, double weight_decay, bool nesterov,
+    bool wd_after_momentum, const c10::optional<at::Tensor>& grad_scale,
+    const c10::optional<at::Tensor>& found_inf, const c10::optional<at::Tensor>& lr_tensor) {
+  constexpr const char* op = "multi_tensor_sgd8bit_";
+  const SgdHyper hyper = sgd_hyper(momentum, dampening, weight_decay, nesterov, wd_after_momentum);
+  TORCH_CHECK(hyper.has_momentum, op, ": momentum=0 keeps no momentum buffer to quantize; use "
+              "multi_tensor_sgd_ (FusedSGD with momentum=0 keeps no state)");
+  const at::Device device = call_device(
+      check_tensor_lists(op, {{"params", params}, {"grads", grads}, {"model_params", model_params}},
+                         {"model_params"}),
+      params.empty(), step);
+  check_codes(op, "momentum_buffers", momentum_buffers, params, device);
+  check_absmax(op, "momentum_buffer_absmaxes", momentum_buffer_absmaxes, params, device);
+  check_one_dtype(backend, op,
+                  {{"params", params}, {"grads", grads}, {"model_params", model_params}});
+  check_step(op, step, device);
+  return {device, update_scalars(op, device, lr, grad_scale, found_inf, lr_tensor), hyper};
+}
+
 // ---- lean bf16 storage (Note [lean bf16 storage] in mp_wrappers/ops/reference/lean.py) ----------
 
 enum class LeanStorage : int { kSplit = 0, kKahan = 1, kStochastic = 2 };

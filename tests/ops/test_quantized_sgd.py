@@ -1,0 +1,281 @@
+"""SGD with a block-wise 8-bit momentum buffer (``multi_tensor_sgd8bit_``, Note [8-bit optimizer
+states]): the CPU kernel against its reference, the reference against a float64 oracle.
+
+* Kernel vs reference bit for bit, from the first applied update (the buffer set to the direction,
+  the codes not read) through later ones, for fp32 params, the O2 step (bf16/fp16 grads and a
+  model copy), loss scales, bf16 params; momentum with L2 decay, Nesterov, dampening with
+  ``wd_after_momentum``; every written tensor between guard canaries; blocks down each of the
+  kernel's paths (whole blocks of normal codes, subnormal codes, zero and negative-zero blocks, a
+  subnormal absmax whose encode factor overflows, a short tail).
+* A found_inf step leaves codes, absmax, params, model copies and step bit-identical.
+* AVX-512, AVX2 and baseline (the ``cpu_isa`` fixture), one thread and two, give the same bits.
+* The reference against SGD computed in float64 from the same dequantized buffer.
+"""
+import pytest
+import torch
+
+from _guards import checked, flat, guarded
+from mp_wrappers.ops import backend, multi_tensor_sgd8bit, reference
+from mp_wrappers.ops._dispatch import _op_has_kernel
+from mp_wrappers.ops.reference.quant import (BLOCK_SIZE, EXP_AVG_CODE, dequantize_blockwise,
+                                             num_blocks, quantize_blockwise)
+
+HAS_KERNEL = backend()['extension'] and _op_has_kernel('multi_tensor_sgd8bit_', 'cpu')
+needs_kernel = pytest.mark.skipif(not HAS_KERNEL, reason='8-bit SGD kernel not built')
+
+SIZES = [777, 65537 + 33, 4096]
+MOMENTUM = dict(lr=0.05, momentum=0.9, dampening=0.0, weight_decay=1e-3, nesterov=False,
+                wd_after_momentum=False)
+NESTEROV = dict(MOMENTUM, lr=0.02, momentum=0.95, nesterov=True)
+DAMPENED = dict(lr=0.1, momentum=0.8, dampening=0.25, weight_decay=5e-2, nesterov=False,
+                wd_after_momentum=True)
+HYPERS = {'momentum': MOMENTUM, 'nesterov': NESTEROV, 'dampened-wd-after': DAMPENED}
+# (param dtype, grad dtype, model dtype or None, grad_scale)
+SETUPS = {
+    'fp32': (torch.float32, torch.float32, None, None),
+    'o2-bf16': (torch.float32, torch.bfloat16, torch.bfloat16, 1.0),
+    'o2-fp16-scaled': (torch.float32, torch.float16, torch.float16, 1024.0),
+    'fp32-odd-scale': (torch.float32, torch.float32, None, 3.0),
+    'bf16-params': (torch.bfloat16, torch.bfloat16, None, None),
+}
+
+
+class Case:
+    """One call's tensors: params, grads, the buffer's codes and absmax, the step counter (0: the
+    first applied update comes next)."""
+
+    def __init__(self, setup, sizes=SIZES, seed=0):
+        pdt, self.gdt, mdt, scale = SETUPS[setup]
+        g = torch.Generator().manual_seed(seed)
+        self.gen, self.sizes = g, sizes
+        self.scale = None if scale is None else torch.full((1,), scale)
+        self.params = [guarded(torch.randn(n, generator=g).to(pdt)) for n in sizes]
+        self.model = [guarded(p.to(mdt)) for p in self.params] if mdt else []
+        self.codes = [guarded(torch.zeros(n, dtype=torch.uint8)) for n in sizes]
+        self.absmax = [guarded(torch.zeros(num_blocks(n))) for n in sizes]
+        self.step = guarded(torch.zeros(1))
+
+    def grads(self):
+        s = 1.0 if self.scale is None else float(self.scale)
+        return [(torch.randn(n, generator=self.gen) * s).to(self.gdt) for n in self.sizes]
+
+    def tensors(self):
+        return self.params + self.model + self.codes + self.absmax + [self.step]
+
+    def clone(self, as_flat=False, shift=0):
+        c = Case.__new__(Case)
+        c.__dict__.update(self.__dict__)
+        for k in ('params', 'model', 'codes', 'absmax'):
+            lst = getattr(self, k)
+            setattr(c, k, (flat(lst, shift) if as_flat else [guarded(t) for t in lst])
+                    if lst else [])
+        c.step = guarded(self.step)
+        return c
+
+    def run(self, fn, grads, hp, found_inf=None, **extra):
+        fn(self.params, grads, self.codes, self.absmax, self.model, self.step, **hp,
+           grad_scale=self.scale, found_inf=found_inf, **extra)
+
+
+class EdgeCase(Case):
+    """One tensor, started past its first update, whose blocks take every path of the kernel: 0,
+    a heavy-tailed buffer (subnormal codes); 1, normal codes only (the whole-block decode); 2, a zero
+    buffer and grads (absmax 0); 3, negative-zero codes and grads; 4, a buffer and grads of
+    subnormal size (the encode factor MAX / absmax overflows: the clamp, NaN for 0 * inf); 5, a
+    short tail."""
+
+    def __init__(self, setup, seed=3):
+        B = BLOCK_SIZE
+        n = 4 * B + 33
+        super().__init__(setup, sizes=[n], seed=seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        b = torch.randn(n, generator=g) * 0.1 * torch.exp(torch.randn(n, generator=g))
+        sign = torch.where(torch.rand(B, generator=g) < 0.5, -1.0, 1.0)
+        b[B:2 * B] = sign * (0.5 + torch.rand(B, generator=g))
+        b[2 * B:3 * B] = 0.0
+        b[3 * B:4 * B] = torch.randn(B, generator=g) * 1e-39
+        codes, absmax = quantize_blockwise(b, EXP_AVG_CODE)
+        codes[2 * B + 128:3 * B] = 0x80  # -0: what a negative value that rounds to 0 encodes to
+        codes[3 * B:3 * B + 16] = 0  # zeros beside a subnormal absmax: 0 * inf in the encode
+        self.codes, self.absmax = [guarded(codes)], [guarded(absmax)]
+        self.step = guarded(torch.full((1,), 3.0))
+
+    def grads(self):
+        B = BLOCK_SIZE
+        (g,) = super().grads()
+        g[2 * B:3 * B] = 0.0
+        g[2 * B + 128:3 * B] = -0.0
+        g[3 * B:4 * B] = 0.0
+        return [g]
+
+
+def _kernel():
+    return checked(torch.ops.mp_wrappers).multi_tensor_sgd8bit_
+
+
+def _assert_equal(got, want, what=''):
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), \
+            f'{what} tensor {i}'
+
+
+def _steps_agree(k, hp, steps, what):
+    r = k.clone()
+    for step in range(steps):
+        grads = k.grads()
+        k.run(_kernel(), grads, hp)
+        r.run(reference.multi_tensor_sgd8bit_, grads, hp)
+        _assert_equal(k.tensors(), r.tensors(), f'{what} step {step}')
+
+
+@needs_kernel
+@pytest.mark.parametrize('hp', list(HYPERS))
+@pytest.mark.parametrize('setup', list(SETUPS))
+def test_kernel_matches_reference_bitwise(setup, hp, cpu_isa):
+    k = Case(setup)
+    _steps_agree(k, HYPERS[hp], 3, f'{cpu_isa} {setup}')
+    assert k.step.item() == 3.0
+    assert all(a.abs().max() > 0 for a in k.absmax)  # the buffer holds something after step 1
+
+
+@needs_kernel
+@pytest.mark.parametrize('hp', ['momentum', 'dampened-wd-after'])
+@pytest.mark.parametrize('setup', ['fp32', 'o2-fp16-scaled', 'bf16-params'])
+def test_kernel_matches_reference_on_edge_blocks(setup, hp, cpu_isa):
+    _steps_agree(EdgeCase(setup), HYPERS[hp], 3, f'{cpu_isa} {setup}')
+
+
+def test_first_update_sets_the_buffer_to_the_direction():
+    """Whatever the codes hold at step 0, the first applied update is ``b = g + wd * p`` (torch's
+    SGD), and the param moves by ``lr * b``."""
+    k = Case('fp32', sizes=[BLOCK_SIZE + 7])
+    k.codes[0].fill_(0x7A)  # junk the first update must not read
+    k.absmax[0].fill_(3.0)
+    p0, (g,) = k.params[0].clone(), k.grads()
+    hp = dict(MOMENTUM, weight_decay=0.0)
+    k.run(reference.multi_tensor_sgd8bit_, [g], hp)
+    want_codes, want_absmax = quantize_blockwise(g, EXP_AVG_CODE, signed_zeros=True)
+    assert torch.equal(k.codes[0], want_codes) and torch.equal(k.absmax[0], want_absmax)
+    # p0 - fl(lr) * g rounded once (the FMA): within half a float32 ulp of the exact value
+    exact = p0.double() - torch.tensor(0.05).double() * g.double()
+    torch.testing.assert_close(k.params[0].double(), exact, rtol=2 ** -24, atol=0)
+
+
+@pytest.mark.parametrize('hp', list(HYPERS))
+def test_reference_matches_a_float64_oracle(hp):
+    """One later update: the new buffer and param against SGD in float64 from the dequantized
+    buffer (the fused multiply-adds round once where the oracle does not round at all: within a
+    few float32 ulps), the codes within one code step of quantizing the oracle's buffer."""
+    h = HYPERS[hp]
+    k = Case('fp32', sizes=[3 * BLOCK_SIZE + 11], seed=4)
+    k.run(reference.multi_tensor_sgd8bit_, k.grads(), h)  # a buffer to start from
+    p, (g,) = k.params[0].double(), k.grads()
+    b = dequantize_blockwise(k.codes[0], k.absmax[0], EXP_AVG_CODE).double()
+    d = g.double()
+    wd, mom = h['weight_decay'], h['momentum']
+    if not h['wd_after_momentum']:
+        d = d + wd * p
+    b_new = mom * b + (1 - h['dampening']) * d
+    d = d + mom * b_new if h['nesterov'] else b_new
+    if h['wd_after_momentum']:
+        d = d + wd * p
+    p_new = p - h['lr'] * d
+    k.run(reference.multi_tensor_sgd8bit_, [g], h)
+    torch.testing.assert_close(k.params[0].double(), p_new, rtol=4e-7, atol=1e-7)
+    got_b = dequantize_blockwise(k.codes[0], k.absmax[0], EXP_AVG_CODE).double()
+    want_codes, want_absmax = quantize_blockwise(b_new.float(), EXP_AVG_CODE)
+    torch.testing.assert_close(k.absmax[0], want_absmax, rtol=1e-6, atol=0)
+    step = (want_absmax.double() / 8).repeat_interleave(BLOCK_SIZE)[:b_new.numel()]
+    assert torch.all((got_b - b_new).abs() <= step + 1e-30)
+
+
+@pytest.mark.parametrize('use_kernel', [pytest.param(True, marks=needs_kernel), False],
+                         ids=['kernel', 'reference'])
+def test_found_inf_leaves_everything_bit_identical(use_kernel):
+    c = EdgeCase('o2-fp16-scaled')
+    before = [t.clone() for t in c.tensors()]
+    fn = _kernel() if use_kernel else reference.multi_tensor_sgd8bit_
+    c.run(fn, c.grads(), MOMENTUM, found_inf=torch.ones(1))
+    _assert_equal(c.tensors(), before)
+
+
+@needs_kernel
+@pytest.mark.parametrize('shift', [0, 1])
+def test_flat_buffers_match_separate_tensors(shift):
+    a = Case('o2-bf16')
+    b = a.clone(as_flat=True, shift=shift)
+    for _ in range(2):
+        grads = a.grads()
+        a.run(_kernel(), grads, NESTEROV)
+        b.run(_kernel(), grads, NESTEROV)
+    _assert_equal(a.tensors(), b.tensors())
+
+
+@needs_kernel
+def test_thread_counts_agree(cpu_isa):
+    before = torch.get_num_threads()
+    out = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            c = Case('o2-bf16', sizes=[65537 * 2 + 33, 4096 + 7], seed=5)
+            for _ in range(2):
+                c.run(_kernel(), c.grads(), DAMPENED)
+            out.append(c.tensors())
+    finally:
+        torch.set_num_threads(before)
+    _assert_equal(out[1], out[0], cpu_isa)
+
+
+@pytest.mark.parametrize('impl', [pytest.param('kernel', marks=needs_kernel), 'public op'])
+def test_a_tensor_lr_is_read_when_the_step_runs(impl):
+    want = Case('o2-bf16')
+    got = want.clone()
+    lr = torch.zeros(1)
+    for value in (0.05, 0.01, 0.0, 0.2):
+        grads = want.grads()
+        want.run(reference.multi_tensor_sgd8bit_, grads, dict(MOMENTUM, lr=value))
+        lr.fill_(value)
+        if impl == 'public op':
+            got.run(multi_tensor_sgd8bit, grads, dict(MOMENTUM, lr=lr))
+        else:  # the float says nothing: a kernel reading it instead would not step
+            got.run(_kernel(), grads, dict(MOMENTUM, lr=0.0), lr_tensor=lr)
+        _assert_equal(got.tensors(), want.tensors(), f'{impl}, lr {value}')
+
+
+# ---- argument checks -------------------------------------------------------------------------------
+
+def _args(**change):
+    c = Case('fp32', sizes=[300])
+    kw = dict(params=c.params, grads=c.grads(), momentum_buffers=c.codes,
+              momentum_buffer_absmaxes=c.absmax, model_params=[], step=c.step, **MOMENTUM)
+    kw.update(change)
+    return kw
+
+
+@pytest.mark.parametrize('change,match', [
+    (dict(momentum=0.0), r'momentum=0 keeps no momentum buffer to quantize'),
+    (dict(momentum=-0.5), r'momentum'),
+    (dict(nesterov=True, dampening=0.1), r'nesterov=True requires momentum > 0 and dampening'),
+    (dict(momentum_buffers=[torch.zeros(300)]),
+     r'momentum_buffers\[0\] must be a contiguous torch.uint8 tensor'),
+    (dict(momentum_buffer_absmaxes=[torch.zeros(1)]),
+     r'momentum_buffer_absmaxes\[0\] must be a contiguous torch.float32 tensor .* with 2 '
+     r'elements'),
+    (dict(momentum_buffers=[]), r'momentum_buffers has 0 tensors but params has 1'),
+    (dict(lr=-1.0), r'lr'),
+])
+def test_public_op_refuses_bad_arguments(change, match):
+    with pytest.raises(ValueError, match=match):
+        multi_tensor_sgd8bit(**_args(**change))
+
+
+@needs_kernel
+def test_kernel_refuses_bad_arguments():
+    kw = _args(momentum=0.0)
+    with pytest.raises(RuntimeError, match='momentum=0 keeps no momentum buffer'):
+        torch.ops.mp_wrappers.multi_tensor_sgd8bit_(*kw.values(), None, None)
+    kw = _args(momentum_buffer_absmaxes=[torch.zeros(3)])
+    with pytest.raises(RuntimeError, match=r'momentum_buffer_absmaxes\[0\] must be a contiguous '
+                                           r'float32 tensor on cpu with 2 elements'):
+        torch.ops.mp_wrappers.multi_tensor_sgd8bit_(*kw.values(), None, None)
