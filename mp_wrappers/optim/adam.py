@@ -1,5 +1,5 @@
 """FusedAdam: Adam and AdamW in one multi-tensor op per bucket (apex's signature and defaults)."""
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -11,8 +11,8 @@ from ..registry import OPTIMIZERS
 from . import layout
 from .base import FusedOptimizer, ParamsT
 from .buckets import _Bucket
-from .lean import LeanStorageMixin
-from .quantized_state import DEFAULT_MIN_8BIT_SIZE, QuantizedStateMixin
+from .lean import AUX_STATE_KEYS, LeanStorageMixin
+from .quantized_state import ADAM_CODES, DEFAULT_MIN_8BIT_SIZE, QuantizedStateMixin
 
 __all__ = ['FusedAdam']
 
@@ -67,6 +67,8 @@ class FusedAdam(QuantizedStateMixin, LeanStorageMixin, FusedOptimizer):
     _tensor_state = ('exp_avg', 'exp_avg_sq')
     _moment_keys = ('exp_avg', 'exp_avg_sq')
     _lean_op = 'multi_tensor_adam_lean_'
+    _quantized_codes = ADAM_CODES
+    _quantized_op = 'multi_tensor_adam8bit_'
 
     def __init__(self, params: ParamsT, lr: float = 1e-3, bias_correction: bool = True,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -140,3 +142,23 @@ class FusedAdam(QuantizedStateMixin, LeanStorageMixin, FusedOptimizer):
                       lr, float(beta1), float(beta2), float(g['eps']),
                       float(g['weight_decay']), bool(g['adam_w_mode']),
                       bool(g['bias_correction']), grad_scale, found_inf, lr_tensor)
+
+    def _call_8bit_op(self, bucket: _Bucket, pick: Callable[[List[Tensor]], List[Tensor]],
+                      states: List[List[Tensor]], step: Tensor, grad_scale: Optional[Tensor],
+                      found_inf: Optional[Tensor], lr: float, lr_tensor: Optional[Tensor]) -> None:
+        # multi_tensor_adam8bit_, or its lean form for bf16 params with a bf16_storage (the aux
+        # state in the same pass). The kernel checks its lists again; the optimizer built them.
+        g = bucket.group
+        beta1, beta2 = g['betas']
+        params, grads = pick(bucket.params), pick(bucket.grads)
+        hyper = (lr, float(beta1), float(beta2), float(g['eps']),
+                 float(g['weight_decay']), bool(g['adam_w_mode']), bool(g['bias_correction']))
+        if self._lean_8bit(bucket.params[0]):
+            key = AUX_STATE_KEYS.get(self.bf16_storage)
+            aux = pick(bucket.states[key]) if key else []
+            self._call_op(bucket, params, aux, grads, *states, step, *hyper, self.bf16_storage,
+                          int(self.seed), grad_scale, found_inf, op='multi_tensor_adam8bit_lean_')
+            return
+        models = pick(bucket.model_params) if bucket.model_params else []
+        self._call_op(bucket, params, grads, *states, models, step, *hyper, grad_scale, found_inf,
+                      lr_tensor, op='multi_tensor_adam8bit_')

@@ -1,10 +1,11 @@
-"""Block-wise 8-bit Adam moments for FusedAdam: ``state_dtype='int8'`` (Note [8-bit optimizer states]
-in :mod:`mp_wrappers.ops.reference.quant`).
+"""Block-wise 8-bit optimizer states: ``state_dtype='int8'`` of FusedAdam (both moments) and FusedSGD
+(the momentum buffer) (Note [8-bit optimizer states] in :mod:`mp_wrappers.ops.reference.quant`).
 
-:class:`QuantizedStateMixin` keeps ``exp_avg`` / ``exp_avg_sq`` of every param with at least
+:class:`QuantizedStateMixin` keeps the optimizer's moments (FusedAdam ``exp_avg`` / ``exp_avg_sq``,
+FusedSGD ``momentum_buffer``: the subclass's ``_quantized_codes``) of every param with at least
 ``min_8bit_size`` elements (default 4096) as uint8 codes laid out like the param, plus
-``exp_avg_absmax`` / ``exp_avg_sq_absmax``: float32, one per block of 256 elements in memory order
-(about 2 bytes per parameter instead of 8). Smaller params (biases, norms) keep float32 moments:
+``<moment>_absmax`` (``exp_avg_absmax``, ...): float32, one per block of 256 elements in memory
+order (about 1 byte per parameter and moment instead of 4). Smaller params (biases, norms) keep float32 moments:
 their bytes do not matter and they are often the most sensitive. A param group may override the
 optimizer's choice with ``state_dtype='float32'`` or ``'int8'`` (e.g. embeddings in 32-bit; mmengine's
 ``paramwise_cfg=dict(custom_keys={'embed': dict(state_dtype='float32')})`` sets it).
@@ -14,10 +15,12 @@ checkpoint loaded into an int8-state optimizer is quantized, an int8 one loaded 
 optimizer (or a param that now wants float32 moments) is dequantized.
 
 With a ``bf16_storage`` (the lean bf16 masters, a wrapper's ``master_weights='split'|'kahan'|
-'stochastic'``) the bf16 params' 8-bit moments are stepped by ``multi_tensor_adam8bit_lean_``, the
-storage's aux state in the same pass (on the CPU, and on CUDA with a build that has CUDA kernels:
-lean bf16 params with 8-bit moments on another device are refused when the storage is set or the
-group added, before any step).
+'stochastic'``) FusedAdam's bf16 params' 8-bit moments are stepped by
+``multi_tensor_adam8bit_lean_``, the storage's aux state in the same pass (on the CPU, and on CUDA
+with a build that has CUDA kernels: lean bf16 params with 8-bit moments on another device are
+refused when the storage is set or the group added, before any step). FusedSGD's 8-bit momentum
+has a CPU kernel only, with fp32 / half params (``multi_tensor_sgd8bit_``): CUDA params, and bf16
+params with a ``bf16_storage``, are refused the same way.
 
 FSDP2 params (DTensors) keep 8-bit moments where their blocks never straddle shards, as DTensors
 placed like the param (:mod:`.quantized_shards`, Note [8-bit blocks on FSDP2 shards]); the others
@@ -52,7 +55,7 @@ Note [8-bit states under FSDP1]
     requantized in the new pieces' blocks. The price is the checkpoint's size (float32 moments, 8
     bytes per param); memory while training is the 8-bit state's.
 """
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -60,44 +63,53 @@ from torch import Tensor
 from ..casting import parse_dtype
 from ..sharding import dtensor_type, is_dtensor
 from ..ops.quantized_states import check_quantized_device
-from ..ops.reference.quant import (EXP_AVG_CODE, EXP_AVG_SQ_CODE, dequantize_invertibly,
-                                   quantize_blockwise)
+from ..ops.reference.quant import (EXP_AVG_CODE, EXP_AVG_SQ_CODE, Minifloat,
+                                   dequantize_invertibly, quantize_blockwise)
 from . import layout
 from . import quantized_shards as shards
 from .buckets import SlotSpec, _Bucket
 from .lean import AUX_STATE_KEYS
 
-__all__ = ['QuantizedStateMixin', 'STATE_DTYPES', 'DEFAULT_MIN_8BIT_SIZE', 'ABSMAX_KEYS']
+__all__ = ['QuantizedStateMixin', 'STATE_DTYPES', 'DEFAULT_MIN_8BIT_SIZE', 'ADAM_CODES',
+           'SGD_CODES', 'absmax_key']
 
-#: The values of ``state_dtype`` (FusedAdam's argument and a param group's override).
+#: The values of ``state_dtype`` (the optimizers' argument and a param group's override).
 STATE_DTYPES = ('float32', 'bfloat16', 'int8')
 #: Params with fewer elements keep float32 moments.
 DEFAULT_MIN_8BIT_SIZE = 4096
-#: Optimizer-state key of each moment's per-block absmax.
-ABSMAX_KEYS = {'exp_avg': 'exp_avg_absmax', 'exp_avg_sq': 'exp_avg_sq_absmax'}
-_CODES = {'exp_avg': EXP_AVG_CODE, 'exp_avg_sq': EXP_AVG_SQ_CODE}
-_ABSMAX_NAMES = frozenset(ABSMAX_KEYS.values())
-# A moment held as codes is uint8 for _state_dtype too: add_contiguous need not ask it.
-_OWN_CODES = frozenset((key, torch.uint8) for key in ABSMAX_KEYS)
+#: FusedAdam's 8-bit moments and their codes.
+ADAM_CODES = {'exp_avg': EXP_AVG_CODE, 'exp_avg_sq': EXP_AVG_SQ_CODE}
+#: FusedSGD's 8-bit momentum buffer: signed, as Adam's first moment.
+SGD_CODES = {'momentum_buffer': EXP_AVG_CODE}
 _GROUP_STATE_DTYPES = ('float32', 'int8')
 
 
-def _float32_moment(codes: Tensor, absmax: Tensor, key: str, like: Tensor) -> Tensor:
-    """Moment ``key``'s codes as float32 values (``dequantize_invertibly``), laid out like
-    ``like``."""
-    values = dequantize_invertibly(layout.flat(codes), absmax.reshape(-1), _CODES[key])
+def absmax_key(key: str) -> str:
+    """Optimizer-state key of moment ``key``'s per-block absmax."""
+    return key + '_absmax'
+
+
+def _float32_moment(codes: Tensor, absmax: Tensor, code: Minifloat, like: Tensor) -> Tensor:
+    """A moment's codes as float32 values (``dequantize_invertibly``), laid out like ``like``."""
+    values = dequantize_invertibly(layout.flat(codes), absmax.reshape(-1), code)
     out = layout.like(like, torch.float32)
     layout.flat(out).copy_(values)
     return out
 
 
 class QuantizedStateMixin:
-    """``state_dtype='int8'`` for :class:`~mp_wrappers.optim.FusedAdam` (see the module docstring).
+    """``state_dtype='int8'`` for :class:`~mp_wrappers.optim.FusedAdam` and
+    :class:`~mp_wrappers.optim.FusedSGD` (see the module docstring).
 
-    The subclass calls :meth:`_init_quantized` before ``FusedOptimizer.__init__`` and
-    :meth:`_launch_quantized` at the start of ``_launch``.
+    The subclass names its 8-bit moments (``_quantized_codes``) and op (``_quantized_op``), calls
+    :meth:`_init_quantized` before ``FusedOptimizer.__init__`` and :meth:`_launch_quantized` at
+    the start of ``_launch``, and implements :meth:`_call_8bit_op`.
     """
 
+    #: moment key -> its code, in the op's order
+    _quantized_codes: Dict[str, Minifloat] = ADAM_CODES
+    #: the 8-bit update (has_quantized_kernel says where it runs)
+    _quantized_op: str = 'multi_tensor_adam8bit_'
     int8_states: bool = False
     min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE
     #: local-shard address -> FSDP2 param (:meth:`_shard_state`)
@@ -154,7 +166,8 @@ class QuantizedStateMixin:
             return
         for param in group['params']:
             if param.dtype == torch.bfloat16 and self._wants_8bit(param, group):
-                check_quantized_device(type(self).__name__, param.device, storage)
+                check_quantized_device(type(self).__name__, param.device, storage,
+                                       op=self._quantized_op)
 
     # ---- which params, and their state -----------------------------------------------------------
     def _wants_8bit(self, param: Tensor, group: Dict[str, Any]) -> bool:
@@ -171,15 +184,17 @@ class QuantizedStateMixin:
         # The spec's dtypes are the first such target's (codes or not): a slot holding the other
         # kind of moments is one _state_dtype would confirm too, without its lookup of the state.
         spec = super()._slot_spec(group, target)  # type: ignore[misc]
+        # A moment held as codes is uint8 for _state_dtype too: add_contiguous need not ask it.
+        codes = frozenset((key, torch.uint8) for key in self._quantized_codes)
         unquantized = frozenset(
             (key, super(QuantizedStateMixin, self)._state_dtype(key, target))  # type: ignore
-            for key in ABSMAX_KEYS if key in spec.keys)
-        return spec._replace(own=spec.own | _OWN_CODES | unquantized)
+            for key in self._quantized_codes if key in spec.keys)
+        return spec._replace(own=spec.own | codes | unquantized)
 
     def _check_8bit_param(self, param: Tensor) -> None:
         name = type(self).__name__
         storage = self.bf16_storage if self._lean_8bit(param) else None
-        check_quantized_device(name, param.device, storage)
+        check_quantized_device(name, param.device, storage, op=self._quantized_op)
         # FSDP2 shards are contiguous (Note [8-bit blocks on FSDP2 shards]); say so if one is not.
         dense = shards.local(param).is_contiguous() if is_dtensor(param) else layout.is_dense(param)
         if not dense:
@@ -200,7 +215,7 @@ class QuantizedStateMixin:
         return state
 
     def _state_dtype(self, key: str, param: Tensor) -> torch.dtype:
-        if key in ABSMAX_KEYS:
+        if key in self._quantized_codes:
             state = self.state.get(param)  # type: ignore[attr-defined]
             if state is None and self._holds_dtensors():
                 # an FSDP2 param's local shard (a slot's target) is no key: its owner's state.
@@ -216,27 +231,27 @@ class QuantizedStateMixin:
         # a DTensor's on its local shards (Note [8-bit blocks on FSDP2 shards])
         sharded = is_dtensor(param)
         target = shards.local(param) if sharded else param
-        for key, absmax_key in ABSMAX_KEYS.items():
+        for key, code in self._quantized_codes.items():
+            absmax_key_ = absmax_key(key)
             value = self._local_state(param, state[key], key) if sharded else state[key]
             flat = layout.flat(value) if layout.is_dense(value) else value.reshape(-1)
-            codes, absmax = quantize_blockwise(flat.to(torch.float32), _CODES[key],
-                                               signed_zeros=True)
+            codes, absmax = quantize_blockwise(flat.to(torch.float32), code, signed_zeros=True)
             state[key] = layout.like(target, torch.uint8)
             layout.flat(state[key]).copy_(codes)
-            state[absmax_key] = absmax.to(param.device)
+            state[absmax_key_] = absmax.to(param.device)
             if sharded:
                 state[key] = shards.like_param(param, state[key])
-                state[absmax_key] = shards.absmax_like(param, state[absmax_key])
+                state[absmax_key_] = shards.absmax_like(param, state[absmax_key_])
 
     def _dequantize_moments(self, param: Tensor, state: Dict[str, Any]) -> None:
         sharded = is_dtensor(param)
         target = shards.local(param) if sharded else param
-        for key, absmax_key in ABSMAX_KEYS.items():
-            codes, absmax = state[key], state.pop(absmax_key)
+        for key, code in self._quantized_codes.items():
+            codes, absmax = state[key], state.pop(absmax_key(key))
             if sharded:
                 codes = self._local_state(param, codes, key)
-                absmax = self._local_state(param, absmax, absmax_key)
-            state[key] = _float32_moment(codes, absmax, key, target)
+                absmax = self._local_state(param, absmax, absmax_key(key))
+            state[key] = _float32_moment(codes, absmax, code, target)
             if sharded:
                 state[key] = shards.like_param(param, state[key])
 
@@ -244,7 +259,7 @@ class QuantizedStateMixin:
         """This rank's part of state ``key`` of DTensor ``param``: a DTensor too, or a whole
         absmax (a consolidated checkpoint converted to float32 moments)."""
         if not is_dtensor(value):
-            rows = (shards.local_rows_of_full_absmax(param, value) if key in _ABSMAX_NAMES
+            rows = (shards.local_rows_of_full_absmax(param, value) if key.endswith('_absmax')
                     else None)
             if rows is not None:
                 return rows
@@ -258,16 +273,22 @@ class QuantizedStateMixin:
     def _float32_slot(self, slot: Dict[str, Any]) -> Dict[str, Any]:
         """A saved param state as float32: 8-bit moments by ``dequantize_invertibly`` (Note [8-bit
         states under FSDP1]), their absmax dropped."""
-        if isinstance(slot.get('exp_avg'), Tensor) and slot['exp_avg'].dtype == torch.uint8:
+        if self._holds_codes(slot):
+            absmaxes = {absmax_key(key) for key in self._quantized_codes}
             slot = {k: v for k, v in dict(slot, **self._float32_moments(slot)).items()
-                    if k not in _ABSMAX_NAMES}
+                    if k not in absmaxes}
         return super()._float32_slot(slot)  # type: ignore[misc]
 
-    @staticmethod
-    def _float32_moments(slot: Dict[str, Any]) -> Dict[str, Tensor]:
+    def _holds_codes(self, state: Dict[str, Any]) -> bool:
+        """Whether a param's state holds its moments as 8-bit codes (the first moment's dtype
+        says: the moments of a param are quantized together)."""
+        first = state.get(next(iter(self._quantized_codes)))
+        return isinstance(first, Tensor) and first.dtype == torch.uint8
+
+    def _float32_moments(self, slot: Dict[str, Any]) -> Dict[str, Tensor]:
         """The 8-bit moments of a saved ``slot`` (plain tensors) as float32 values shaped alike."""
-        return {key: _float32_moment(slot[key], slot[absmax_key], key, slot[key])
-                for key, absmax_key in ABSMAX_KEYS.items()}
+        return {key: _float32_moment(slot[key], slot[absmax_key(key)], code, slot[key])
+                for key, code in self._quantized_codes.items()}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load, then quantize or dequantize each param's moments to what it wants now."""
@@ -276,19 +297,21 @@ class QuantizedStateMixin:
         for group in self.param_groups:  # type: ignore[attr-defined]
             for i, param in enumerate(group['params']):
                 state = self.state.get(param)  # type: ignore[attr-defined]
-                if not state or not isinstance(state.get('exp_avg'), Tensor):
+                first = next(iter(self._quantized_codes))
+                if not state or not isinstance(state.get(first), Tensor):
                     continue
-                has = state['exp_avg'].dtype == torch.uint8
+                has = self._holds_codes(state)
                 if has:
-                    for key, absmax_key in ABSMAX_KEYS.items():
-                        absmax = state.get(absmax_key)
+                    for key in self._quantized_codes:
+                        absmax = state.get(absmax_key(key))
                         if not isinstance(absmax, Tensor) or state[key].dtype != torch.uint8:
                             raise ValueError(f'{name}.load_state_dict: the 8-bit state of param '
-                                             f'{i} of its group lacks {absmax_key!r} or has '
+                                             f'{i} of its group lacks {absmax_key(key)!r} or has '
                                              f'{key!r} of another dtype')
                         absmax = absmax.to(device=param.device, dtype=torch.float32)
                         # one per block: a consolidated FSDP2 checkpoint's are one row per param row
-                        state[absmax_key] = absmax if is_dtensor(absmax) else absmax.reshape(-1)
+                        state[absmax_key(key)] = (absmax if is_dtensor(absmax)
+                                                  else absmax.reshape(-1))
                 want = self._wants_8bit(param, group)
                 if want and not has:
                     self._check_8bit_param(param)
@@ -304,7 +327,7 @@ class QuantizedStateMixin:
         ``lr, lr_tensor``: the group's lr as ``_lr_args`` gives it."""
         eight: List[int] = []
         rest: List[int] = []
-        for i, t in enumerate(bucket.states.get('exp_avg', ())):
+        for i, t in enumerate(bucket.states.get(next(iter(self._quantized_codes)), ())):
             (eight if t.dtype == torch.uint8 else rest).append(i)
         if not eight:
             return bucket
@@ -328,46 +351,36 @@ class QuantizedStateMixin:
     def _call_8bit(self, bucket: _Bucket, eight: List[int], step: Tensor,
                    grad_scale: Optional[Tensor], found_inf: Optional[Tensor], lr: float,
                    lr_tensor: Optional[Tensor]) -> None:
-        """The 8-bit op on the bucket's slots ``eight``: ``multi_tensor_adam8bit_``, or its lean
-        form for bf16 params with a ``bf16_storage`` (the aux state in the same pass)."""
-        g = bucket.group
+        """The 8-bit op on the bucket's slots ``eight`` (:meth:`_call_8bit_op` with their lists)."""
         absmax = [self._absmax_of(bucket, i) for i in eight]
-        beta1, beta2 = g['betas']
         whole = len(eight) == len(bucket.params)  # no float32-moment slot: the lists as they are
 
         def pick(values: List[Tensor]) -> List[Tensor]:
             return values if whole else [values[i] for i in eight]
-        lists = (pick(bucket.params), pick(bucket.grads), pick(bucket.states['exp_avg']),
-                 [a[0] for a in absmax], pick(bucket.states['exp_avg_sq']),
-                 [a[1] for a in absmax])
-        hyper = (lr, float(beta1), float(beta2), float(g['eps']),
-                 float(g['weight_decay']), bool(g['adam_w_mode']), bool(g['bias_correction']))
-        # The kernel checks its lists again; the optimizer built them (as _call_op's other ops).
-        if self._lean_8bit(bucket.params[0]):
-            storage = self.bf16_storage  # type: ignore[attr-defined]
-            key = AUX_STATE_KEYS.get(storage)
-            aux = pick(bucket.states[key]) if key else []
-            self._call_op(  # type: ignore[attr-defined]
-                bucket, lists[0], aux, *lists[1:], step, *hyper, storage,
-                int(self.seed), grad_scale, found_inf,  # type: ignore[attr-defined]
-                op='multi_tensor_adam8bit_lean_')
-            return
-        models = pick(bucket.model_params) if bucket.model_params else []
-        self._call_op(  # type: ignore[attr-defined]
-            bucket, *lists, models, step, *hyper, grad_scale, found_inf, lr_tensor,
-            op='multi_tensor_adam8bit_')
+        # moment codes and absmaxes interleaved, in _quantized_codes' order (the ops' order)
+        states = []
+        for j, key in enumerate(self._quantized_codes):
+            states += [pick(bucket.states[key]), [a[j] for a in absmax]]
+        self._call_8bit_op(bucket, pick, states, step, grad_scale, found_inf, lr, lr_tensor)
 
-    def _absmax_of(self, bucket: _Bucket, i: int) -> Tuple[Tensor, Tensor]:
-        """The absmax of both moments of slot ``i`` (local shards of an FSDP2 param's)."""
+    def _call_8bit_op(self, bucket: _Bucket, pick: Callable[[List[Tensor]], List[Tensor]],
+                      states: List[List[Tensor]], step: Tensor, grad_scale: Optional[Tensor],
+                      found_inf: Optional[Tensor], lr: float, lr_tensor: Optional[Tensor]) -> None:
+        """Call the subclass's 8-bit op: ``pick`` selects the 8-bit slots of a bucket list,
+        ``states`` are their codes and absmaxes (the op's state lists)."""
+        raise NotImplementedError
+
+    def _absmax_of(self, bucket: _Bucket, i: int) -> Tuple[Tensor, ...]:
+        """The absmax of every moment of slot ``i`` (local shards of an FSDP2 param's)."""
         param = bucket.params[i]
         if not param.numel():  # a rank holding no rows of an FSDP2 param: no block to update
             empty = torch.empty(0, dtype=torch.float32, device=param.device)
-            return empty, empty
+            return (empty,) * len(self._quantized_codes)
         state = bucket.slot_states[i]
-        m, v = state['exp_avg_absmax'], state['exp_avg_sq_absmax']
-        if type(m) is Tensor:  # noqa: E721 - plain tensors, the common case, skip the DTensor check
-            return m, v
-        return shards.local(m).view(-1), shards.local(v).view(-1)
+        absmax = tuple(state[absmax_key(key)] for key in self._quantized_codes)
+        if type(absmax[0]) is Tensor:  # noqa: E721 - plain tensors, the common case: no DTensor
+            return absmax
+        return tuple(shards.local(a).view(-1) for a in absmax)
 
     def _holds_dtensors(self) -> bool:
         dtensor = dtensor_type()

@@ -1,5 +1,5 @@
 """FusedSGD: SGD with momentum in one multi-tensor op per bucket (apex's signature and defaults)."""
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torch import Tensor
 
@@ -8,12 +8,13 @@ from ..registry import OPTIMIZERS
 from .base import FusedOptimizer, ParamsT
 from .buckets import _Bucket
 from .lean import LeanStorageMixin
+from .quantized_state import DEFAULT_MIN_8BIT_SIZE, SGD_CODES, QuantizedStateMixin
 
 __all__ = ['FusedSGD']
 
 
 @OPTIMIZERS.register_module()
-class FusedSGD(LeanStorageMixin, FusedOptimizer):
+class FusedSGD(QuantizedStateMixin, LeanStorageMixin, FusedOptimizer):
     """SGD with momentum, dampening, Nesterov and weight decay (torch.optim.SGD math, apex FusedSGD).
 
     The first applied update sets the momentum buffer to the gradient, as torch does; the decision
@@ -37,7 +38,11 @@ class FusedSGD(LeanStorageMixin, FusedOptimizer):
         bf16_storage: How bfloat16 params are stored without an fp32 master: None (default),
             ``'split'``, ``'kahan'`` or ``'stochastic'`` (:mod:`mp_wrappers.optim.lean`).
         state_dtype: ``'float32'`` (default) or ``'bfloat16'``: dtype of the momentum buffers of
-            the bf16 params stepped with ``bf16_storage``.
+            the bf16 params stepped with ``bf16_storage``; or ``'int8'``: a block-wise 8-bit
+            momentum buffer (~1 B/param instead of 4) for params of at least ``min_8bit_size``
+            elements (:mod:`mp_wrappers.optim.quantized_state`; CPU params, fp32 or half, e.g.
+            behind a wrapper's fp32 masters; not with a ``bf16_storage`` nor on CUDA).
+        min_8bit_size: Params with fewer elements keep a float32 buffer under ``'int8'``.
         seed: Key of the stochastic-rounding hash (``bf16_storage='stochastic'``).
         capturable: Make every group's lr a 1-element float32 tensor on the params' device at its
             first step, read by the kernel on the device, so that a CUDA graph capturing step()
@@ -54,16 +59,20 @@ class FusedSGD(LeanStorageMixin, FusedOptimizer):
     _op = 'multi_tensor_sgd_'
     _moment_keys = ('momentum_buffer',)
     _lean_op = 'multi_tensor_sgd_lean_'
+    _quantized_codes = SGD_CODES
+    _quantized_op = 'multi_tensor_sgd8bit_'
 
     def __init__(self, params: ParamsT, lr: float, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False,
                  wd_after_momentum: bool = False, materialize_master_grads: bool = True,
                  set_grad_none: bool = False, bf16_storage: Optional[str] = None,
-                 state_dtype: str = 'float32', seed: int = 0, capturable: bool = False) -> None:
+                 state_dtype: str = 'float32', seed: int = 0, capturable: bool = False,
+                 min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE) -> None:
         _check_flag('FusedSGD', 'materialize_master_grads', materialize_master_grads)
         self.materialize_master_grads = bool(materialize_master_grads)
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, wd_after_momentum=wd_after_momentum)
+        state_dtype = self._init_quantized(state_dtype, min_8bit_size)
         self._init_lean(bf16_storage, state_dtype, seed)
         super().__init__(params, defaults, set_grad_none, capturable)
 
@@ -82,10 +91,17 @@ class FusedSGD(LeanStorageMixin, FusedOptimizer):
     def _tensor_state_keys(self, group: Dict[str, Any]) -> Tuple[str, ...]:
         return ('momentum_buffer',) if group['momentum'] != 0 else ()
 
+    def _wants_8bit(self, param: Tensor, group: Dict[str, Any]) -> bool:
+        # without momentum there is no buffer to quantize
+        return group['momentum'] != 0 and super()._wants_8bit(param, group)
+
     def _launch(self, bucket: _Bucket, grad_scale: Optional[Tensor], found_inf: Optional[Tensor],
                 prepared: Any) -> None:
         g = bucket.group
         lr, lr_tensor = self._lr_args(g, bucket.device)
+        bucket = self._launch_quantized(bucket, grad_scale, found_inf, lr, lr_tensor)
+        if bucket is None:  # all of its slots had an 8-bit buffer
+            return
         if self._is_lean(bucket.params[0]):
             self._launch_lean(bucket, (bucket.states.get('momentum_buffer', []),),
                               self._lean_lr(lr, lr_tensor), float(g['momentum']),
@@ -97,3 +113,13 @@ class FusedSGD(LeanStorageMixin, FusedOptimizer):
                       bucket.model_params, bucket.step, lr, float(g['momentum']),
                       float(g['dampening']), float(g['weight_decay']), bool(g['nesterov']),
                       bool(g['wd_after_momentum']), grad_scale, found_inf, lr_tensor)
+
+    def _call_8bit_op(self, bucket: _Bucket, pick: Callable[[List[Tensor]], List[Tensor]],
+                      states: List[List[Tensor]], step: Tensor, grad_scale: Optional[Tensor],
+                      found_inf: Optional[Tensor], lr: float, lr_tensor: Optional[Tensor]) -> None:
+        g = bucket.group
+        models = pick(bucket.model_params) if bucket.model_params else []
+        self._call_op(bucket, pick(bucket.params), pick(bucket.grads), *states, models, step, lr,
+                      float(g['momentum']), float(g['dampening']), float(g['weight_decay']),
+                      bool(g['nesterov']), bool(g['wd_after_momentum']), grad_scale, found_inf,
+                      lr_tensor, op='multi_tensor_sgd8bit_')

@@ -363,10 +363,11 @@ def test_refused_group_values():
             opt.add_param_group(dict(params=_mlp().parameters(), state_dtype='int8'))
 
 
-def test_other_optimizers_refuse_int8_naming_allowed_values():
-    with pytest.raises((ValueError, TypeError), match=r"state_dtype.*int8.*float32.*bfloat16|"
-                                                       r"state_dtype.*float32.*bfloat16.*int8"):
-        FusedSGD(_mlp().parameters(), lr=0.1, state_dtype='int8')
+@pytest.mark.parametrize('cls', [FusedAdam, FusedSGD])
+def test_unknown_state_dtypes_are_refused_naming_all_three(cls):
+    with pytest.raises(ValueError, match=rf"{cls.__name__}: state_dtype='int4' is not supported; "
+                                         r"allowed: 'float32', 'bfloat16', 'int8'"):
+        cls(_mlp().parameters(), lr=0.1, state_dtype='int4')
 
 
 def test_params_without_an_8bit_kernel_are_refused():

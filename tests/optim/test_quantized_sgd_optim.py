@@ -1,0 +1,308 @@
+"""FusedSGD(state_dtype='int8'): a block-wise 8-bit momentum buffer (Note [8-bit optimizer states]).
+Which params get it, its state and checkpoints (small, converting to and from float32 buffers,
+bitwise resume), the refused combinations (lean bf16 storages, CUDA), and the wrappers
+(ApexOptimWrapper O2, FP16OptimWrapper's overflow skip) and mmengine's Runner (our tools/train.py
+and a toolbox's own train script, EMAHook, accumulation, resume) training with it."""
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mp_wrappers import ApexOptimWrapper, FP16OptimWrapper, FusedSGD, cast_model
+from mp_wrappers.ops.quantized_states import check_quantized_device
+from mp_wrappers.ops.reference.quant import EXP_AVG_CODE, dequantize_invertibly
+
+SGD = dict(lr=0.05, momentum=0.9, weight_decay=1e-4, nesterov=True)
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    # 8192- and 8320-element weights (8-bit buffers), 128- and 64-element biases (float32)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+
+
+def _batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(64, 64, generator=g) / 8
+    return [(x, torch.tanh(x @ teacher)) for x in (torch.randn(32, 64, generator=g)
+                                                   for _ in range(n))]
+
+
+def _train(model, opt, batches):
+    losses = []
+    for x, y in batches:
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _states(opt):
+    return [(k, v.clone()) for st in opt.state.values() for k, v in sorted(st.items())
+            if isinstance(v, torch.Tensor)]
+
+
+def _assert_states_equal(a, b):
+    assert [k for k, _ in a] == [k for k, _ in b]
+    for (k, x), (_, y) in zip(a, b):
+        assert x.dtype == y.dtype and torch.equal(x, y), k
+
+
+def _roundtrip(state_dict):
+    buf = io.BytesIO()
+    torch.save(state_dict, buf)
+    n = buf.tell()
+    buf.seek(0)
+    return torch.load(buf, weights_only=True), n
+
+
+# ---- state layout ----------------------------------------------------------------------------------
+
+def test_large_params_get_an_8bit_buffer_small_ones_float32():
+    model = _mlp()
+    opt = FusedSGD(model.parameters(), state_dtype='int8', **SGD)
+    _train(model, opt, _batches(2))
+    w, b = opt.state[model[0].weight], opt.state[model[0].bias]
+    assert w['momentum_buffer'].dtype == torch.uint8
+    assert w['momentum_buffer'].shape == model[0].weight.shape
+    assert w['momentum_buffer_absmax'].shape == (8192 // 256,)
+    assert b['momentum_buffer'].dtype == torch.float32 and 'momentum_buffer_absmax' not in b
+    assert opt.int8_states
+
+
+def test_min_8bit_size_group_override_and_no_momentum():
+    model = _mlp()
+    opt = FusedSGD([dict(params=model[0].parameters(), state_dtype='float32'),
+                    dict(params=model[2].parameters())], state_dtype='int8', min_8bit_size=0,
+                   **SGD)
+    _train(model, opt, _batches(1))
+    assert opt.state[model[0].weight]['momentum_buffer'].dtype == torch.float32
+    assert opt.state[model[2].bias]['momentum_buffer'].dtype == torch.uint8  # 64 elements
+    # momentum=0 keeps no buffer: nothing to quantize, plain SGD steps
+    model = _mlp()
+    plain = FusedSGD(model.parameters(), lr=0.05, state_dtype='int8')
+    _train(model, plain, _batches(1))
+    assert all(set(st) <= {'step'} for st in plain.state.values())
+
+
+def test_trains_close_to_a_float32_buffer_and_to_torch_sgd():
+    losses = {}
+    for name, make in (('int8', lambda p: FusedSGD(p, state_dtype='int8', **SGD)),
+                       ('float32', lambda p: FusedSGD(p, **SGD)),
+                       ('torch', lambda p: torch.optim.SGD(p, **SGD))):
+        model = _mlp()
+        losses[name] = _train(model, make(model.parameters()), _batches(30))
+    assert losses['int8'][-1] < 0.85 * losses['int8'][0]  # it learns
+    for a, b in zip(losses['int8'], losses['torch']):
+        assert abs(a - b) <= 0.02 * b
+    torch.testing.assert_close(losses['float32'], losses['torch'], rtol=1e-4, atol=0)
+
+
+def test_mixed_bucket_steps_each_kind_once():
+    """8-bit and float32 buffers in one group: both kinds step (close to a run with float32
+    buffers only), and the step counter advances once per step."""
+    model = _mlp()
+    opt = FusedSGD(model.parameters(), state_dtype='int8', **SGD)
+    _train(model, opt, _batches(3))
+    steps = {float(st['step']) for st in opt.state.values()}
+    assert steps == {3.0}
+    assert {st['momentum_buffer'].dtype for st in opt.state.values()} == {torch.uint8,
+                                                                          torch.float32}
+    twin = _mlp()
+    ref = FusedSGD(twin.parameters(), **SGD)
+    _train(twin, ref, _batches(3))
+    for p, q in zip(model.parameters(), twin.parameters()):  # every param moved as SGD moves it
+        assert (p - q).norm() < 0.02 * q.norm()
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------
+
+def test_state_dict_is_small_and_resume_is_bitwise():
+    batches = _batches(6)
+    model = _mlp()
+    opt = FusedSGD(model.parameters(), state_dtype='int8', **SGD)
+    _train(model, opt, batches[:3])
+    saved, nbytes = _roundtrip(opt.state_dict())
+    fp32_model = _mlp()
+    fp32 = FusedSGD(fp32_model.parameters(), **SGD)
+    _train(fp32_model, fp32, batches[:3])
+    assert nbytes < 0.5 * _roundtrip(fp32.state_dict())[1]
+    model_sd = copy.deepcopy(model.state_dict())
+    _train(model, opt, batches[3:])
+    resumed = _mlp(seed=5)
+    resumed.load_state_dict(model_sd)
+    opt2 = FusedSGD(resumed.parameters(), state_dtype='int8', **SGD)
+    opt2.load_state_dict(saved)
+    _train(resumed, opt2, batches[3:])
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters()))
+    _assert_states_equal(_states(opt), _states(opt2))
+
+
+def test_checkpoints_convert_between_int8_and_float32_buffers():
+    model = _mlp()
+    opt8 = FusedSGD(model.parameters(), state_dtype='int8', **SGD)
+    _train(model, opt8, _batches(3))
+    # int8 -> float32: dequantized invertibly ...
+    opt32 = FusedSGD(_mlp().parameters(), **SGD)
+    opt32.load_state_dict(_roundtrip(opt8.state_dict())[0])
+    w8 = opt8.state[model[0].weight]
+    w32 = opt32.state[opt32.param_groups[0]['params'][0]]
+    assert w32['momentum_buffer'].dtype == torch.float32 and 'momentum_buffer_absmax' not in w32
+    assert torch.equal(w32['momentum_buffer'], dequantize_invertibly(
+        w8['momentum_buffer'], w8['momentum_buffer_absmax'], EXP_AVG_CODE))
+    # ... and back: the same codes and absmax, bit for bit.
+    back = FusedSGD(_mlp().parameters(), state_dtype='int8', **SGD)
+    back.load_state_dict(_roundtrip(opt32.state_dict())[0])
+    _assert_states_equal(_states(opt8), _states(back))
+    # float32 -> int8 from a float32-buffer run: quantized, and training continues.
+    model = _mlp()
+    fp32 = FusedSGD(model.parameters(), **SGD)
+    _train(model, fp32, _batches(3))
+    opt = FusedSGD(model.parameters(), state_dtype='int8', **SGD)
+    opt.load_state_dict(_roundtrip(fp32.state_dict())[0])
+    st = opt.state[model[0].weight]
+    assert st['momentum_buffer'].dtype == torch.uint8
+    b = fp32.state[model[0].weight]['momentum_buffer']
+    got = dequantize_invertibly(st['momentum_buffer'], st['momentum_buffer_absmax'], EXP_AVG_CODE)
+    assert (got - b).norm() < 0.05 * b.norm()
+    _train(model, opt, _batches(2))
+
+
+def test_an_8bit_state_without_its_absmax_is_refused_on_load():
+    model = _mlp()
+    opt = FusedSGD(model.parameters(), state_dtype='int8', **SGD)
+    _train(model, opt, _batches(1))
+    saved = _roundtrip(opt.state_dict())[0]
+    for slot in saved['state'].values():
+        slot.pop('momentum_buffer_absmax', None)
+    with pytest.raises(ValueError, match=r"FusedSGD.load_state_dict: the 8-bit state of param 0 "
+                                         r"of its group lacks 'momentum_buffer_absmax'"):
+        FusedSGD(_mlp().parameters(), state_dtype='int8', **SGD).load_state_dict(saved)
+
+
+# ---- refused combinations --------------------------------------------------------------------------
+
+def test_lean_bf16_params_with_an_8bit_buffer_are_refused_before_any_step():
+    model = _mlp().to(torch.bfloat16)
+    with pytest.raises(NotImplementedError,
+                       match=r"FusedSGD: an 8-bit momentum buffer \(state_dtype='int8'\) with "
+                             r"bf16_storage='kahan' .* has no kernel on any device. Use "
+                             r"state_dtype='int8' with fp32 masters"):
+        FusedSGD(model.parameters(), state_dtype='int8', bf16_storage='kahan', **SGD)
+    # the wrapper's master_weights sets the storage when it is built: refused there
+    opt = FusedSGD(model.parameters(), state_dtype='int8', **SGD)
+    with pytest.raises(NotImplementedError, match="bf16_storage='split'"):
+        ApexOptimWrapper(opt, opt_level='O2', dtype='bfloat16', master_weights='split',
+                         verbosity=0)
+    # a bf16 buffer with a lean storage stays allowed
+    FusedSGD(model.parameters(), state_dtype='bfloat16', bf16_storage='kahan', **SGD)
+
+
+def test_cuda_params_are_refused_naming_the_fix():
+    with pytest.raises(NotImplementedError,
+                       match=r"FusedSGD: state_dtype='int8' runs on CPU tensors only \(there is "
+                             r"no CUDA kernel of multi_tensor_sgd8bit_\); got tensors on cuda:0. "
+                             r"Use state_dtype='float32' on cuda"):
+        check_quantized_device('FusedSGD', torch.device('cuda:0'), op='multi_tensor_sgd8bit_')
+    with pytest.raises(NotImplementedError, match='there is no meta kernel'):
+        check_quantized_device('FusedSGD', torch.device('meta'), op='multi_tensor_sgd8bit_')
+
+
+# ---- the wrappers ----------------------------------------------------------------------------------
+
+def _classifier():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def _cls_batches(n):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g))
+            for _ in range(n)]
+
+
+def _apex(state_dtype, steps=12, clip=None, accum=1):
+    model = _classifier()
+    w = ApexOptimWrapper(FusedSGD(model.parameters(), state_dtype=state_dtype, **SGD),
+                         opt_level='O2', dtype='bfloat16', verbosity=0, clip_grad=clip,
+                         accumulative_counts=accum)
+    for x, y in _cls_batches(steps):
+        with w.optim_context(model):
+            loss = F.cross_entropy(model(x), y)
+        w.update_params(loss)
+    return model, w
+
+
+@pytest.mark.parametrize('clip,accum', [(None, 1), (dict(max_norm=1.0), 2)],
+                         ids=['plain', 'clip-accum'])
+def test_apex_o2_trains_close_to_a_float32_buffer(clip, accum):
+    m8, w8 = _apex('int8', clip=clip, accum=accum)
+    m32, _ = _apex('float32', clip=clip, accum=accum)
+    first = w8.optimizer.param_groups[0]['params'][0]  # the fp32 master of the first weight
+    assert first.dtype == torch.float32
+    assert w8.optimizer.state[first]['momentum_buffer'].dtype == torch.uint8
+    for p, q in zip(m8.parameters(), m32.parameters()):
+        assert (p.float() - q.float()).norm() < 0.05 * q.float().norm() + 1e-3
+
+
+def test_fp16_overflow_skip_leaves_the_8bit_buffer_bitwise():
+    model = cast_model(_classifier(), torch.float16)
+    w = FP16OptimWrapper(FusedSGD(model.parameters(), state_dtype='int8', **SGD),
+                         dynamic_loss_scale=True)
+    for x, y in _cls_batches(2):
+        w.update_params(F.cross_entropy(model(x.half()).float(), y))
+    snap = [t.detach().clone() for t in list(model.parameters()) + w.master_params()]
+    states = _states(w.optimizer)
+    assert any(v.dtype == torch.uint8 for _, v in states)
+    (x, y), = _cls_batches(1)
+    w.backward(F.cross_entropy(model(x.half()).float(), y), update_master_grads=False)
+    model[2].weight.grad[0, 0] = float('inf')
+    w.step()
+    w.zero_grad()
+    assert w.last_step_skipped
+    assert all(torch.equal(a, b.detach()) for a, b in
+               zip(snap, list(model.parameters()) + w.master_params()))
+    _assert_states_equal(states, _states(w.optimizer))
+
+
+# ---- mmengine's Runner -----------------------------------------------------------------------------
+
+def _runner_kw(states):
+    return dict(wrapper='O2', dtype='bfloat16', iters=6, accumulative_counts=2,
+                custom_hooks=[dict(type='EMAHook', momentum=0.1)],
+                optimizer=dict(type='mp_wrappers.FusedSGD', lr=0.05, momentum=0.9,
+                               weight_decay=1e-4, state_dtype=states, min_8bit_size=0))
+
+
+def test_runner_trains_and_resumes_bitwise(tmp_path, launcher):
+    """A config line selects it: ApexOptimWrapper O2 bf16 over FusedSGD(state_dtype='int8') with
+    accumulation and EMAHook, under our tools/train.py and a toolbox's own train script. A run
+    resumed from its iteration-4 checkpoint ends with the uninterrupted run's params and buffer,
+    bit for bit; the run stays close to the same run with a float32 buffer and to mmengine's
+    OptimWrapper over torch's SGD in fp32."""
+    from _workflow import latest_checkpoint, losses, make_runner, train
+    full = train(make_runner(str(tmp_path / 'full'), ckpt_interval=4, **_runner_kw('int8')))
+    opt = full.optim_wrapper.optimizer
+    assert isinstance(opt, FusedSGD) and opt.int8_states
+    buffers = [st['momentum_buffer'] for st in opt.state.values() if 'momentum_buffer' in st]
+    assert buffers and all(b.dtype == torch.uint8 for b in buffers)
+    ckpt = next((tmp_path / 'full').rglob('iter_4.pth'))
+    resumed = train(make_runner(str(tmp_path / 'resumed'), load_from=str(ckpt), resume=True,
+                                **_runner_kw('int8')))
+    for p, q in zip(full.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q)
+    _assert_states_equal(_states(opt), _states(resumed.optim_wrapper.optimizer))
+    fp32_buffer = train(make_runner(str(tmp_path / 'fp32buf'), **_runner_kw('float32')))
+    plain = train(make_runner(str(tmp_path / 'plain'), wrapper='fp32', iters=6,
+                              accumulative_counts=2,
+                              optimizer=dict(type='SGD', lr=0.05, momentum=0.9, weight_decay=1e-4)))
+    ours, ref, torch_fp32 = losses(full), losses(fp32_buffer), losses(plain)
+    assert len(ours) == len(ref) == len(torch_fp32) == 6
+    for a, b, c in zip(ours, ref, torch_fp32):
+        assert abs(a - b) <= 0.02 * b and abs(a - c) <= 0.05 * c
+    assert latest_checkpoint(str(tmp_path / 'full'))
