@@ -2,7 +2,8 @@
 
 mmpretrain's own ``tools/train.py`` trains its shipped ``configs/resnet/resnet18_8xb16_cifar10.py``
 (``ResNet_CIFAR`` depth 18, 3x3 stem, no max-pool) with the one optimizer-wrapper line a user
-changes: ``mp_wrappers.ApexOptimWrapper`` O2 bf16 with ``mp_wrappers.FusedAdam``, once with
+changes: ``mp_wrappers.ApexOptimWrapper`` O2 bf16 with ``mp_wrappers.FusedAdam`` (or, with
+``--optimizer sgd``, ``mp_wrappers.FusedSGD`` with momentum), once with
 ``state_dtype='float32'`` and once with ``state_dtype='int8'``, same seed, data order and schedule.
 
 The data is real and offline: scikit-learn's 1797 handwritten digits (8x8, 17 grey levels), scaled
@@ -59,8 +60,7 @@ val_dataloader = dict(
 test_dataloader = val_dataloader
 optim_wrapper = dict(
     type='mp_wrappers.ApexOptimWrapper', opt_level='O2', dtype='bfloat16',{masters}
-    optimizer=dict(_delete_=True, type='mp_wrappers.FusedAdam', lr=2e-3, weight_decay=0.05,
-                   state_dtype='{states}'))
+    optimizer=dict(_delete_=True, {optimizer}, state_dtype='{states}'))
 param_scheduler = [
     dict(type='LinearLR', start_factor=0.1, by_epoch=True, begin=0, end=1,
          convert_to_iter_based=True),
@@ -103,6 +103,14 @@ def make_digits_folder(root: str) -> str:
     return root
 
 
+# --optimizer: FusedAdam (AdamW), or FusedSGD as the shipped CIFAR schedule's SGD (momentum 0.9,
+# weight decay 1e-4) at the lr of this script's batch size.
+OPTIMIZERS = {'adam': "type='mp_wrappers.FusedAdam', lr=2e-3, weight_decay=0.05",
+              'sgd': "type='mp_wrappers.FusedSGD', lr=0.05, momentum=0.9, weight_decay=1e-4"}
+# The state key of each optimizer's 8-bit moment that counts its params.
+MOMENT = {'adam': 'exp_avg', 'sgd': 'momentum_buffer'}
+
+
 def write_config(work_dir: str, data: str, states: str, args) -> str:
     shipped = osp.join(mmpretrain_mim(), 'configs', 'resnet', 'resnet18_8xb16_cifar10.py')
     path = osp.join(work_dir, f'resnet18_digits_{states}.py')
@@ -111,7 +119,8 @@ def write_config(work_dir: str, data: str, states: str, args) -> str:
     with open(path, 'w') as f:
         f.write(CONFIG.format(shipped=shipped, width=args.width, head_in=8 * args.width, data=data,
                               states=states, epochs=args.epochs, seed=args.seed,
-                              val_interval=args.val_interval, masters=masters))
+                              val_interval=args.val_interval, masters=masters,
+                              optimizer=OPTIMIZERS[args.optimizer]))
     return path
 
 
@@ -134,7 +143,7 @@ def val_accuracies(work_dir: str) -> List[float]:
     return [r['accuracy/top1'] for r in records if 'accuracy/top1' in r]
 
 
-def evaluate(config: str, checkpoint: str) -> Dict[str, float]:
+def evaluate(config: str, checkpoint: str, moment: str = 'exp_avg') -> Dict[str, float]:
     """Val cross-entropy and top-1 of the checkpoint, as O2 computes (bf16 model, fp32 norms)."""
     from mmengine.config import Config
     from mmengine.registry import DefaultScope
@@ -162,14 +171,15 @@ def evaluate(config: str, checkpoint: str) -> Dict[str, float]:
         logits = model(inputs.to(torch.bfloat16), mode='tensor').float()
     ce = torch.nn.functional.cross_entropy(logits, labels).item()
     top1 = (logits.argmax(1) == labels).float().mean().item() * 100
-    return dict(val_ce=ce, top1=top1, **state_counts(ckpt))
+    return dict(val_ce=ce, top1=top1, **state_counts(ckpt, moment))
 
 
-def state_counts(ckpt: dict) -> Dict[str, float]:
-    """Params with 8-bit moments and the optimizer-state bytes of the checkpoint."""
+def state_counts(ckpt: dict, moment: str = 'exp_avg') -> Dict[str, float]:
+    """Params with 8-bit moments (state key ``moment``) and the optimizer-state bytes of the
+    checkpoint."""
     state = ckpt['optimizer']['state']
-    int8 = sum(s['exp_avg'].numel() for s in state.values() if s['exp_avg'].dtype == torch.uint8)
-    total = sum(s['exp_avg'].numel() for s in state.values())
+    int8 = sum(s[moment].numel() for s in state.values() if s[moment].dtype == torch.uint8)
+    total = sum(s[moment].numel() for s in state.values())
     nbytes = sum(v.numel() * v.element_size() for s in state.values() for v in s.values()
                  if torch.is_tensor(v))
     return dict(params=total, int8_params=int8, state_bytes=nbytes)
@@ -184,6 +194,8 @@ def main() -> None:
     parser.add_argument('--val-interval', type=int, default=5)
     parser.add_argument('--width', type=int, default=32)
     parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--optimizer', choices=sorted(OPTIMIZERS), default='adam',
+                        help='FusedAdam (AdamW) or FusedSGD (momentum 0.9): the moments quantized')
     parser.add_argument('--master-weights', default='fp32',
                         choices=['fp32', 'split', 'kahan', 'stochastic'],
                         help="O2's fp32 masters, or a lean bf16 storage (no fp32 master)")
@@ -193,17 +205,20 @@ def main() -> None:
     data = make_digits_folder(osp.join(root, 'data'))
     print(f'# {platform.processor() or platform.machine()}, torch {torch.__version__}, '
           f'OMP_NUM_THREADS={os.environ.get("OMP_NUM_THREADS", "1")}, seed {args.seed}, '
-          f'width {args.width}, {args.epochs} epochs, masters {args.master_weights}')
+          f'width {args.width}, {args.epochs} epochs, masters {args.master_weights}, '
+          f'optimizer {args.optimizer}')
     print('| states | seed | val top-1 per val (log) | top-1 | val CE | int8 params / params '
           '| state bytes (B/param) | wall s |')
     print('|---|---|---|---|---|---|---|---|')
     for states in args.states:
         masters = '' if args.master_weights == 'fp32' else f'{args.master_weights}_'
-        work_dir = osp.join(root, f'{masters}{states}_seed{args.seed}')
+        opt = '' if args.optimizer == 'adam' else f'{args.optimizer}_'
+        work_dir = osp.join(root, f'{opt}{masters}{states}_seed{args.seed}')
         os.makedirs(work_dir, exist_ok=True)
         config = write_config(work_dir, data, states, args)
         seconds = train(config, work_dir)
-        result = evaluate(config, osp.join(work_dir, f'epoch_{args.epochs}.pth'))
+        result = evaluate(config, osp.join(work_dir, f'epoch_{args.epochs}.pth'),
+                          MOMENT[args.optimizer])
         logged = ' / '.join(f'{a:.2f}' for a in val_accuracies(work_dir))
         print(f'| {states} | {args.seed} | {logged} | {result["top1"]:.2f} | '
               f'{result["val_ce"]:.4f} | {result["int8_params"]:,} / {result["params"]:,} | '

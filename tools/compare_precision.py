@@ -39,7 +39,8 @@ count; and **time vs O2**, the ms/iter ratio to the plain O2 row of the same inv
 
 ``--state-dtypes S ...`` trains every (level, dtype) run once per optimizer state dtype ``S``
 (``float32`` or ``int8``: the optimizer's ``state_dtype``, so the config's optimizer must be
-``mp_wrappers.FusedAdam``, docs/quantized_states.md; bf16 moments need lean masters and come with
+``mp_wrappers.FusedAdam`` or ``mp_wrappers.FusedSGD``, docs/quantized_states.md; bf16 moments
+need lean masters and come with
 ``--masters MODE-bf16state``; another optimizer is refused before any run starts); without it each
 run keeps the config's optimizer as it is (``--cfg-options optim_wrapper.optimizer.state_dtype=int8``
 selects 8-bit states for every run as well). The **states** column shows what each run's optimizer
@@ -134,7 +135,7 @@ def _set_state_dtype(optimizer: dict, state: str) -> None:
     if not name.startswith('mp_wrappers.'):
         raise ValueError(f'--state-dtypes {state}: the optimizer {kind!r} has no state_dtype; it '
                          'needs one of ours, e.g. --cfg-options optim_wrapper.optimizer.type='
-                         'mp_wrappers.FusedAdam')
+                         'mp_wrappers.FusedAdam (or mp_wrappers.FusedSGD)')
     optimizer['state_dtype'] = state
 
 
@@ -589,8 +590,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "kahan, stochastic, optionally suffixed '-bf16state' (bf16 optimizer state)")
     parser.add_argument('--state-dtypes', nargs='+', default=[], metavar='STATE',
                         help='train every level/dtype once per optimizer state_dtype: float32, '
-                        "int8 (needs mp_wrappers.FusedAdam); default: the config's optimizer as "
-                        'it is')
+                        "int8 (needs mp_wrappers.FusedAdam or FusedSGD); default: the config's "
+                        'optimizer as it is')
     parser.add_argument('--run-one', nargs=2, metavar=('LEVEL', 'DTYPE'), help=argparse.SUPPRESS)
     parser.add_argument('--bar', nargs='+', default=[], metavar='METRIC=TOL',
                         help='fail (exit 1) unless every O1/O2 run is within TOL of O0: points '

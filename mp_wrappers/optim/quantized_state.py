@@ -1,13 +1,14 @@
 """Block-wise 8-bit optimizer states: ``state_dtype='int8'`` of FusedAdam (both moments) and FusedSGD
 (the momentum buffer) (Note [8-bit optimizer states] in :mod:`mp_wrappers.ops.reference.quant`).
 
-:class:`QuantizedStateMixin` keeps the optimizer's moments (FusedAdam ``exp_avg`` / ``exp_avg_sq``,
-FusedSGD ``momentum_buffer``: the subclass's ``_quantized_codes``) of every param with at least
-``min_8bit_size`` elements (default 4096) as uint8 codes laid out like the param, plus
-``<moment>_absmax`` (``exp_avg_absmax``, ...): float32, one per block of 256 elements in memory
-order (about 1 byte per parameter and moment instead of 4). Smaller params (biases, norms) keep float32 moments:
-their bytes do not matter and they are often the most sensitive. A param group may override the
-optimizer's choice with ``state_dtype='float32'`` or ``'int8'`` (e.g. embeddings in 32-bit; mmengine's
+:class:`QuantizedStateMixin` keeps the optimizer's moments (FusedAdam ``exp_avg`` /
+``exp_avg_sq``, FusedSGD ``momentum_buffer``: the subclass's ``_quantized_codes``) of every param
+with at least ``min_8bit_size`` elements (default 4096) as uint8 codes laid out like the param,
+plus ``<moment>_absmax`` (``exp_avg_absmax``, ...): float32, one per block of 256 elements in
+memory order (about 1 byte per parameter and moment instead of 4). Smaller params (biases, norms)
+keep float32 moments: their bytes do not matter and they are often the most sensitive. A param
+group may override the optimizer's choice with ``state_dtype='float32'`` or ``'int8'`` (e.g.
+embeddings in 32-bit; mmengine's
 ``paramwise_cfg=dict(custom_keys={'embed': dict(state_dtype='float32')})`` sets it).
 
 The codes and absmax are what ``state_dict()`` saves. ``load_state_dict`` converts: a float32-state

@@ -145,15 +145,17 @@ def test_kernel_matches_reference_on_edge_blocks(setup, hp, cpu_isa):
     _steps_agree(EdgeCase(setup), HYPERS[hp], 3, f'{cpu_isa} {setup}')
 
 
-def test_first_update_sets_the_buffer_to_the_direction():
-    """Whatever the codes hold at step 0, the first applied update is ``b = g + wd * p`` (torch's
-    SGD), and the param moves by ``lr * b``."""
-    k = Case('fp32', sizes=[BLOCK_SIZE + 7])
-    k.codes[0].fill_(0x7A)  # junk the first update must not read
+@pytest.mark.parametrize('use_kernel', [pytest.param(True, marks=needs_kernel), False],
+                         ids=['kernel', 'reference'])
+def test_first_update_sets_the_buffer_to_the_direction(use_kernel):
+    """Whatever the codes hold at step 0, the first applied update is ``b = g`` (torch's SGD; no
+    decay here), and the param moves by ``lr * b``."""
+    k = Case('fp32', sizes=[2 * BLOCK_SIZE + 7])
+    k.codes[0].fill_(0x3A)  # junk the first update must not read (normal codes: the fast path)
     k.absmax[0].fill_(3.0)
     p0, (g,) = k.params[0].clone(), k.grads()
     hp = dict(MOMENTUM, weight_decay=0.0)
-    k.run(reference.multi_tensor_sgd8bit_, [g], hp)
+    k.run(_kernel() if use_kernel else reference.multi_tensor_sgd8bit_, [g], hp)
     want_codes, want_absmax = quantize_blockwise(g, EXP_AVG_CODE, signed_zeros=True)
     assert torch.equal(k.codes[0], want_codes) and torch.equal(k.absmax[0], want_absmax)
     # p0 - fl(lr) * g rounded once (the FMA): within half a float32 ulp of the exact value

@@ -4,7 +4,8 @@ Note [compiled step] (mp_wrappers/wrappers/compiled_step.py): a step that would 
 or an lr tensor runs eagerly, the others run the device stages compiled. Here a real config trains
 with what users combine: O2 bf16, FusedAdam with capturable=True, mmengine's LinearLR (which assigns
 a new lr tensor every iteration), gradient accumulation, EMAHook and a head whose params get their
-first gradient at iteration 3, with float32 and with 8-bit moments (``state_dtype='int8'``). The
+first gradient at iteration 3, with float32 and with 8-bit moments (``state_dtype='int8'``), and
+FusedSGD with an 8-bit momentum buffer. The
 compiled run ends bitwise equal to the same run without compile_step. The 'eager' backend traces with dynamo (whole graphs, fullgraph=True) and runs the
 graph eagerly: seconds on a CPU.
 """
@@ -18,20 +19,25 @@ pytestmark = [requires('fake_kernels'), requires('compile_list_ops'), needs_exte
 
 
 def _run(work_dir, compile_step, states='float32'):
-    return train_recorded(work_dir, dict(type='mp_wrappers.FusedAdam', lr=1e-2, capturable=True,
-                                         state_dtype=states, min_8bit_size=0),
+    if states == 'sgd-int8':  # FusedSGD's 8-bit momentum buffer
+        optimizer = dict(type='mp_wrappers.FusedSGD', lr=0.05, momentum=0.9, state_dtype='int8')
+    else:
+        optimizer = dict(type='mp_wrappers.FusedAdam', lr=1e-2, state_dtype=states)
+    return train_recorded(work_dir, dict(optimizer, capturable=True, min_8bit_size=0),
                           dict(compile_step=compile_step))
 
 
 @pytest.mark.parametrize('launcher, states', [('tools_train', 'float32'), ('toolbox', 'float32'),
-                                              ('toolbox', 'int8')], indirect=['launcher'])
+                                              ('toolbox', 'int8'), ('toolbox', 'sgd-int8')],
+                         indirect=['launcher'])
 def test_compiled_step_trains_like_eager_under_the_runner(tmp_path, launcher, states):
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     runner, eager = _run(tmp_path / 'eager', False, states)
-    if states == 'int8':  # the head's and the body's moments are codes
+    if states != 'float32':  # the head's and the body's moments (or buffers) are codes
+        key = 'momentum_buffer' if states == 'sgd-int8' else 'exp_avg'
         state = runner.optim_wrapper.optimizer.state
-        assert state and all(s['exp_avg'].dtype == torch.uint8 for s in state.values())
+        assert state and all(s[key].dtype == torch.uint8 for s in state.values())
     counters.clear()
     _, compiled = _run(tmp_path / 'compiled', dict(backend='eager'), states)
     graphs = counters['stats']['unique_graphs']

@@ -6,9 +6,9 @@
 // read the buffer's codes, apply the SGD update (the reference's operations in its order, its fused
 // multiply-adds as V::fmadd), store the param and the rounded model copy, keep the new buffer in a
 // block buffer (L1) while its absmax is reduced, then requantize the block with the codes of
-// cpu_quant.h. Chunks hold whole blocks, so the result does not depend on the thread count. 11
-// bytes per fp32 parameter (p read and written, g read, one code read and written) against fp32
-// momentum SGD's 20. The first applied update (step == 0, read on the host with found_inf) sets
+// cpu_quant.h. Chunks hold whole blocks, so the result does not depend on the thread count. 14
+// bytes per fp32 parameter (p read and written, g read, one code read and written, plus 8 bytes of
+// absmax per block) against fp32 momentum SGD's 20. The first applied update (step == 0, read on the host with found_inf) sets
 // the buffer to the direction without reading the codes, as multi_tensor_sgd_ does.
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>  // Note [optional arguments] in bindings.cpp
