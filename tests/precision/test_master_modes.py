@@ -82,9 +82,9 @@ def test_wrapper_needs_a_lean_optimizer():
      r'2\*\*63\)'),
     # None is no choice: refused here, not at the first step as a 'bfloat16' without a storage.
     (FusedSGD, dict(lr=0.1, state_dtype=None), ValueError,
-     r"FusedSGD: state_dtype=None is not supported; allowed: 'float32', 'bfloat16'$"),
-    (FusedSGD, dict(lr=0.1, state_dtype='int8'), ValueError,
-     r"FusedSGD: state_dtype='int8' is not supported; allowed: 'float32', 'bfloat16'$"),
+     r"FusedSGD: state_dtype=None is not supported; allowed: 'float32', 'bfloat16', 'int8'$"),
+    (FusedSGD, dict(lr=0.1, state_dtype='int4'), ValueError,
+     r"FusedSGD: state_dtype='int4' is not supported; allowed: 'float32', 'bfloat16', 'int8'$"),
 ])
 def test_optimizer_options_are_validated(cls, kwargs, err, match):
     with pytest.raises(err, match=match):
