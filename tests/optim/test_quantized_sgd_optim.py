@@ -4,61 +4,25 @@ bitwise resume), the refused combinations (lean bf16 storages, CUDA), and the wr
 (ApexOptimWrapper O2, FP16OptimWrapper's overflow skip) and mmengine's Runner (our tools/train.py
 and a toolbox's own train script, EMAHook, accumulation, resume) training with it."""
 import copy
-import io
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from _optim_training import assert_states_equal as _assert_states_equal
+from _optim_training import batches as _batches
+from _optim_training import classifier as _classifier
+from _optim_training import cls_batches as _cls_batches
+from _optim_training import mlp as _mlp
+from _optim_training import overflow_step_changes_nothing
+from _optim_training import roundtrip as _roundtrip
+from _optim_training import states as _states
+from _optim_training import train as _train
 from mp_wrappers import ApexOptimWrapper, FP16OptimWrapper, FusedSGD, cast_model
 from mp_wrappers.ops.quantized_states import check_quantized_device
 from mp_wrappers.ops.reference.quant import EXP_AVG_CODE, dequantize_invertibly
 
 SGD = dict(lr=0.05, momentum=0.9, weight_decay=1e-4, nesterov=True)
-
-
-def _mlp(seed=0):
-    torch.manual_seed(seed)
-    # 8192- and 8320-element weights (8-bit buffers), 128- and 64-element biases (float32)
-    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
-
-
-def _batches(n, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    teacher = torch.randn(64, 64, generator=g) / 8
-    return [(x, torch.tanh(x @ teacher)) for x in (torch.randn(32, 64, generator=g)
-                                                   for _ in range(n))]
-
-
-def _train(model, opt, batches):
-    losses = []
-    for x, y in batches:
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-def _states(opt):
-    return [(k, v.clone()) for st in opt.state.values() for k, v in sorted(st.items())
-            if isinstance(v, torch.Tensor)]
-
-
-def _assert_states_equal(a, b):
-    assert [k for k, _ in a] == [k for k, _ in b]
-    for (k, x), (_, y) in zip(a, b):
-        assert x.dtype == y.dtype and torch.equal(x, y), k
-
-
-def _roundtrip(state_dict):
-    buf = io.BytesIO()
-    torch.save(state_dict, buf)
-    n = buf.tell()
-    buf.seek(0)
-    return torch.load(buf, weights_only=True), n
 
 
 # ---- state layout ----------------------------------------------------------------------------------
@@ -215,17 +179,6 @@ def test_cuda_params_are_refused_naming_the_fix():
 
 # ---- the wrappers ----------------------------------------------------------------------------------
 
-def _classifier():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
-
-
-def _cls_batches(n):
-    g = torch.Generator().manual_seed(3)
-    return [(torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g))
-            for _ in range(n)]
-
-
 def _apex(state_dtype, steps=12, clip=None, accum=1):
     model = _classifier()
     w = ApexOptimWrapper(FusedSGD(model.parameters(), state_dtype=state_dtype, **SGD),
@@ -256,18 +209,8 @@ def test_fp16_overflow_skip_leaves_the_8bit_buffer_bitwise():
                          dynamic_loss_scale=True)
     for x, y in _cls_batches(2):
         w.update_params(F.cross_entropy(model(x.half()).float(), y))
-    snap = [t.detach().clone() for t in list(model.parameters()) + w.master_params()]
-    states = _states(w.optimizer)
-    assert any(v.dtype == torch.uint8 for _, v in states)
-    (x, y), = _cls_batches(1)
-    w.backward(F.cross_entropy(model(x.half()).float(), y), update_master_grads=False)
-    model[2].weight.grad[0, 0] = float('inf')
-    w.step()
-    w.zero_grad()
-    assert w.last_step_skipped
-    assert all(torch.equal(a, b.detach()) for a, b in
-               zip(snap, list(model.parameters()) + w.master_params()))
-    _assert_states_equal(states, _states(w.optimizer))
+    before = overflow_step_changes_nothing(model, w)
+    assert any(v.dtype == torch.uint8 for _, v in before)
 
 
 # ---- mmengine's Runner -----------------------------------------------------------------------------

@@ -2,54 +2,24 @@
 refused combinations, and the wrappers (ApexOptimWrapper O2, FP16OptimWrapper, mmengine's Runner)
 training with it (Note [8-bit optimizer states])."""
 import copy
-import io
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from _optim_training import assert_states_equal as _assert_states_equal
+from _optim_training import batches as _batches
+from _optim_training import classifier as _classifier
+from _optim_training import cls_batches as _cls_batches
+from _optim_training import mlp as _mlp
+from _optim_training import overflow_step_changes_nothing
+from _optim_training import roundtrip as _roundtrip
+from _optim_training import states as _states
+from _optim_training import train as _train
 from mp_wrappers import ApexOptimWrapper, FP16OptimWrapper, FusedAdam, FusedSGD, cast_model
 
 ADAMW = dict(lr=1e-2, weight_decay=0.01)
-
-
-def _mlp(seed=0):
-    torch.manual_seed(seed)
-    # 8192- and 8320-element weights (8-bit moments), 128- and 64-element biases (float32)
-    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
-
-
-def _batches(n, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    teacher = torch.randn(64, 64, generator=g) / 8
-    out = []
-    for _ in range(n):
-        x = torch.randn(32, 64, generator=g)
-        out.append((x, torch.tanh(x @ teacher)))
-    return out
-
-
-def _train(model, opt, batches):
-    losses = []
-    for x, y in batches:
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-def _states(opt):
-    return [(k, v.clone()) for st in opt.state.values() for k, v in sorted(st.items())
-            if isinstance(v, torch.Tensor)]
-
-
-def _assert_states_equal(a, b):
-    assert [k for k, _ in a] == [k for k, _ in b]
-    for (k, x), (_, y) in zip(a, b):
-        assert x.dtype == y.dtype and torch.equal(x, y), k
 
 
 # ---- state layout ----------------------------------------------------------------------------------
@@ -173,13 +143,6 @@ def test_channels_last_param_matches_its_memory_order():
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------
-
-def _roundtrip(sd):
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True), buf.getbuffer().nbytes
-
 
 def test_state_dict_is_small_and_resume_is_bitwise():
     batches = _batches(6)
@@ -455,17 +418,6 @@ def test_float32_state_dict_loads_back_bitwise(storage, state_dtype):
 
 # ---- the wrappers ----------------------------------------------------------------------------------
 
-def _classifier():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
-
-
-def _cls_batches(n):
-    g = torch.Generator().manual_seed(3)
-    return [(torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g))
-            for _ in range(n)]
-
-
 def _apex(state_dtype, steps=12, clip=None, accum=1):
     model = _classifier()
     w = ApexOptimWrapper(FusedAdam(model.parameters(), state_dtype=state_dtype, **ADAMW),
@@ -501,17 +453,7 @@ def test_wrappers_train_close_to_float32_states(run, clip, accum):
 
 def test_fp16_overflow_skip_leaves_8bit_state_bitwise():
     model, w = _fp16('int8', steps=2)
-    snap = [t.detach().clone() for t in list(model.parameters()) + w.master_params()]
-    states = _states(w.optimizer)
-    (x, y), = _cls_batches(1)
-    w.backward(F.cross_entropy(model(x.half()).float(), y), update_master_grads=False)
-    model[2].weight.grad[0, 0] = float('inf')
-    w.step()
-    w.zero_grad()
-    assert w.last_step_skipped
-    assert all(torch.equal(a, b.detach()) for a, b in
-               zip(snap, list(model.parameters()) + w.master_params()))
-    _assert_states_equal(states, _states(w.optimizer))
+    overflow_step_changes_nothing(model, w)
 
 
 def test_apex_o2_resume_is_bitwise():
