@@ -186,6 +186,12 @@ def _check_adam_scalars(op: str, lr: float, beta1: float, beta2: float, eps: flo
     _check_nonnegative(op, 'weight_decay', weight_decay)
     if seed is not None:
         _check_seed(op, seed)
+    _check_step_scalars(op, step, grad_scale, found_inf, device)
+
+
+def _check_step_scalars(op: str, step: Tensor, grad_scale: Optional[Tensor],
+                        found_inf: Optional[Tensor], device: torch.device) -> None:
+    """The step counter and the optional scale and overflow flag of an update op."""
     _check_step(op, step, device)
     _check_scalar(op, 'grad_scale', grad_scale, device)
     _check_scalar(op, 'found_inf', found_inf, device)

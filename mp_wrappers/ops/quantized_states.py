@@ -19,8 +19,8 @@ from typing import List, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from ._checks import (_check_adam_scalars, _check_lists, _check_scalar, _check_sgd_hyper,
-                      _check_step)
+from ._checks import (_check_adam_scalars, _check_lists, _check_sgd_hyper,
+                      _check_step_scalars)
 from ._dispatch import _op_has_kernel, run
 from .lean import _check_lean
 from .optimizers import _split_lr
@@ -42,6 +42,9 @@ def has_quantized_kernel(device_type: str, lean: bool = False,
     or the reference without the extension); on CUDA when the loaded build has its CUDA kernel.
     ``lean``: its variant for bf16 params with lean storage (``multi_tensor_adam8bit_lean_``;
     ``multi_tensor_sgd8bit_`` has none, on any device)."""
+    if op not in _LEAN_OPS:
+        raise ValueError(f'has_quantized_kernel: op={op!r} is not an 8-bit update; expected one '
+                         f'of {sorted(_LEAN_OPS)}')
     if lean:
         op = _LEAN_OPS[op]
         if op is None:
@@ -57,7 +60,7 @@ def check_quantized_device(owner: str, device: torch.device, bf16_storage: Optio
     ``bf16_storage`` (lean bf16 params), a device without its lean variant."""
     if has_quantized_kernel(device.type, lean=bf16_storage is not None, op=op):
         return
-    if bf16_storage is not None and _LEAN_OPS[op] is None:
+    if bf16_storage is not None and _LEAN_OPS.get(op) is None:
         raise NotImplementedError(
             f"{owner}: an 8-bit momentum buffer (state_dtype='int8') with bf16_storage="
             f"{bf16_storage!r} (a wrapper's master_weights={bf16_storage!r}) has no kernel on any "
@@ -228,9 +231,7 @@ def multi_tensor_sgd8bit(params: Sequence[Tensor], grads: Sequence[Tensor],
     lists = _checked_states(op, params, device, momentum_buffers, momentum_buffer_absmaxes,
                             names=('momentum_buffers',))
     lr, lr_tensor = _split_lr(op, lr, device)
-    _check_step(op, step, device)
-    _check_scalar(op, 'grad_scale', grad_scale, device)
-    _check_scalar(op, 'found_inf', found_inf, device)
+    _check_step_scalars(op, step, grad_scale, found_inf, device)
     if params:
         run('multi_tensor_sgd8bit_', device, params, grads, *lists, model_params, step, float(lr),
             float(momentum), float(dampening), float(weight_decay), bool(nesterov),

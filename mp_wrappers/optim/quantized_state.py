@@ -69,10 +69,9 @@ from ..ops.reference.quant import (EXP_AVG_CODE, EXP_AVG_SQ_CODE, Minifloat,
 from . import layout
 from . import quantized_shards as shards
 from .buckets import SlotSpec, _Bucket
-from .lean import AUX_STATE_KEYS
 
 __all__ = ['QuantizedStateMixin', 'STATE_DTYPES', 'DEFAULT_MIN_8BIT_SIZE', 'ADAM_CODES',
-           'SGD_CODES', 'absmax_key']
+           'SGD_CODES', 'absmax_key', 'ABSMAX_KEYS']
 
 #: The values of ``state_dtype`` (the optimizers' argument and a param group's override).
 STATE_DTYPES = ('float32', 'bfloat16', 'int8')
@@ -88,6 +87,10 @@ _GROUP_STATE_DTYPES = ('float32', 'int8')
 def absmax_key(key: str) -> str:
     """Optimizer-state key of moment ``key``'s per-block absmax."""
     return key + '_absmax'
+
+
+#: FusedAdam's moment -> its absmax key (the name of earlier releases; :func:`absmax_key`).
+ABSMAX_KEYS = {key: absmax_key(key) for key in ADAM_CODES}
 
 
 def _float32_moment(codes: Tensor, absmax: Tensor, code: Minifloat, like: Tensor) -> Tensor:
@@ -209,9 +212,12 @@ class QuantizedStateMixin:
         return bool(is_lean is not None and is_lean(param))
 
     def _init_state(self, param: Tensor, group: Dict[str, Any], step: Tensor) -> Dict[str, Any]:
-        state = super()._init_state(param, group, step)  # type: ignore[misc]
-        if self._wants_8bit(param, group):
+        # Refused before any state exists: a float32 state left behind would step the next time.
+        eight_bit = self._wants_8bit(param, group)
+        if eight_bit:
             self._check_8bit_param(param)
+        state = super()._init_state(param, group, step)  # type: ignore[misc]
+        if eight_bit:
             self._quantize_moments(param, state)
         return state
 
@@ -280,10 +286,15 @@ class QuantizedStateMixin:
                     if k not in absmaxes}
         return super()._float32_slot(slot)  # type: ignore[misc]
 
+    @property
+    def _first_moment(self) -> str:
+        """The state key whose dtype says whether a param's moments are codes (a param's moments
+        are quantized together)."""
+        return next(iter(self._quantized_codes))
+
     def _holds_codes(self, state: Dict[str, Any]) -> bool:
-        """Whether a param's state holds its moments as 8-bit codes (the first moment's dtype
-        says: the moments of a param are quantized together)."""
-        first = state.get(next(iter(self._quantized_codes)))
+        """Whether a param's state holds its moments as 8-bit codes."""
+        first = state.get(self._first_moment)
         return isinstance(first, Tensor) and first.dtype == torch.uint8
 
     def _float32_moments(self, slot: Dict[str, Any]) -> Dict[str, Tensor]:
@@ -292,14 +303,21 @@ class QuantizedStateMixin:
                 for key, code in self._quantized_codes.items()}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load, then quantize or dequantize each param's moments to what it wants now."""
+        """Load, then quantize or dequantize each param's moments to what it wants now.
+
+        Params that want 8-bit moments on a device without the 8-bit kernel are refused first,
+        before anything is loaded (a saved 8-bit state would otherwise step without the check
+        that a new param's first step makes)."""
+        for group in self.param_groups:  # type: ignore[attr-defined]
+            for param in group['params']:
+                if self._wants_8bit(param, group):
+                    self._check_8bit_param(param)
         super().load_state_dict(state_dict)  # type: ignore[misc]
         name = type(self).__name__
         for group in self.param_groups:  # type: ignore[attr-defined]
             for i, param in enumerate(group['params']):
                 state = self.state.get(param)  # type: ignore[attr-defined]
-                first = next(iter(self._quantized_codes))
-                if not state or not isinstance(state.get(first), Tensor):
+                if not state or not isinstance(state.get(self._first_moment), Tensor):
                     continue
                 has = self._holds_codes(state)
                 if has:
@@ -315,7 +333,6 @@ class QuantizedStateMixin:
                                                   else absmax.reshape(-1))
                 want = self._wants_8bit(param, group)
                 if want and not has:
-                    self._check_8bit_param(param)
                     self._quantize_moments(param, state)
                 elif has and not want:
                     self._dequantize_moments(param, state)
@@ -328,7 +345,7 @@ class QuantizedStateMixin:
         ``lr, lr_tensor``: the group's lr as ``_lr_args`` gives it."""
         eight: List[int] = []
         rest: List[int] = []
-        for i, t in enumerate(bucket.states.get(next(iter(self._quantized_codes)), ())):
+        for i, t in enumerate(bucket.states.get(self._first_moment, ())):
             (eight if t.dtype == torch.uint8 else rest).append(i)
         if not eight:
             return bucket

@@ -37,6 +37,7 @@ SETUPS = {
     'o2-fp16-scaled': (torch.float32, torch.float16, torch.float16, 1024.0),
     'fp32-odd-scale': (torch.float32, torch.float32, None, 3.0),
     'bf16-params': (torch.bfloat16, torch.bfloat16, None, None),
+    'fp16-params': (torch.float16, torch.float16, None, 512.0),
 }
 
 
@@ -257,7 +258,7 @@ def _args(**change):
 
 @pytest.mark.parametrize('change,match', [
     (dict(momentum=0.0), r'momentum=0 keeps no momentum buffer to quantize'),
-    (dict(momentum=-0.5), r'momentum'),
+    (dict(momentum=-0.5), r'Invalid momentum value: -0.5; expected momentum >= 0'),
     (dict(nesterov=True, dampening=0.1), r'nesterov=True requires momentum > 0 and dampening'),
     (dict(momentum_buffers=[torch.zeros(300)]),
      r'momentum_buffers\[0\] must be a contiguous torch.uint8 tensor'),
@@ -265,7 +266,7 @@ def _args(**change):
      r'momentum_buffer_absmaxes\[0\] must be a contiguous torch.float32 tensor .* with 2 '
      r'elements'),
     (dict(momentum_buffers=[]), r'momentum_buffers has 0 tensors but params has 1'),
-    (dict(lr=-1.0), r'lr'),
+    (dict(lr=-1.0), r'Invalid learning rate: -1.0; expected a number lr >= 0'),
 ])
 def test_public_op_refuses_bad_arguments(change, match):
     with pytest.raises(ValueError, match=match):

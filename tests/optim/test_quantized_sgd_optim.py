@@ -68,20 +68,26 @@ def test_trains_close_to_a_float32_buffer_and_to_torch_sgd():
 
 
 def test_mixed_bucket_steps_each_kind_once():
-    """8-bit and float32 buffers in one group: both kinds step (close to a run with float32
-    buffers only), and the step counter advances once per step."""
+    """8-bit and float32 buffers in one group step bit for bit as the same params in two groups
+    of one kind each (the 8-bit call advances a copy of the shared step counter, and both calls
+    see the first update), and the step counter advances once per step."""
     model = _mlp()
     opt = FusedSGD(model.parameters(), state_dtype='int8', **SGD)
-    _train(model, opt, _batches(3))
-    steps = {float(st['step']) for st in opt.state.values()}
-    assert steps == {3.0}
+    _train(model, opt, _batches(4))
+    assert {float(st['step']) for st in opt.state.values()} == {4.0}
     assert {st['momentum_buffer'].dtype for st in opt.state.values()} == {torch.uint8,
                                                                           torch.float32}
     twin = _mlp()
-    ref = FusedSGD(twin.parameters(), **SGD)
-    _train(twin, ref, _batches(3))
-    for p, q in zip(model.parameters(), twin.parameters()):  # every param moved as SGD moves it
-        assert (p - q).norm() < 0.02 * q.norm()
+    weights = [twin[0].weight, twin[2].weight]
+    biases = [twin[0].bias, twin[2].bias]
+    apart = FusedSGD([dict(params=weights), dict(params=biases, state_dtype='float32')],
+                     state_dtype='int8', **SGD)
+    _train(twin, apart, _batches(4))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        a, b = opt.state[p], apart.state[q]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------
@@ -167,14 +173,34 @@ def test_lean_bf16_params_with_an_8bit_buffer_are_refused_before_any_step():
     FusedSGD(model.parameters(), state_dtype='bfloat16', bf16_storage='kahan', **SGD)
 
 
-def test_cuda_params_are_refused_naming_the_fix():
+def test_params_without_the_8bit_kernel_are_refused_naming_the_fix():
     with pytest.raises(NotImplementedError,
                        match=r"FusedSGD: state_dtype='int8' runs on CPU tensors only \(there is "
                              r"no CUDA kernel of multi_tensor_sgd8bit_\); got tensors on cuda:0. "
                              r"Use state_dtype='float32' on cuda"):
         check_quantized_device('FusedSGD', torch.device('cuda:0'), op='multi_tensor_sgd8bit_')
+    # through the optimizer: meta params (no kernel), refused at their first step ...
+    param = torch.nn.Parameter(torch.zeros(64, 128, device='meta'))
+    param.grad = torch.zeros_like(param)
+    opt = FusedSGD([param], state_dtype='int8', **SGD)
+    with pytest.raises(NotImplementedError, match=r"FusedSGD: 8-bit optimizer states "
+                                                  r"\(state_dtype='int8'\) .* there is no meta "
+                                                  r"kernel. Use state_dtype='float32' on meta"):
+        opt.step()
+    assert not any(opt.state.values())  # no state made: a second step is refused again
     with pytest.raises(NotImplementedError, match='there is no meta kernel'):
-        check_quantized_device('FusedSGD', torch.device('meta'), op='multi_tensor_sgd8bit_')
+        opt.step()
+    # ... and when an 8-bit checkpoint is loaded for them, before anything is loaded
+    model = _mlp()
+    saved = FusedSGD(model.parameters(), state_dtype='int8', **SGD)
+    _train(model, saved, _batches(1))
+    on_meta = [torch.nn.Parameter(torch.zeros_like(p, device='meta')) for p in model.parameters()]
+    opt = FusedSGD(on_meta, state_dtype='int8', **SGD)
+    with pytest.raises(NotImplementedError, match='there is no meta kernel'):
+        opt.load_state_dict(_roundtrip(saved.state_dict())[0])
+    assert not any(opt.state.values())
+    with pytest.raises(ValueError, match=r"op='multi_tensor_lamb_' is not an 8-bit update"):
+        check_quantized_device('FusedSGD', torch.device('cpu'), op='multi_tensor_lamb_')
 
 
 # ---- the wrappers ----------------------------------------------------------------------------------
