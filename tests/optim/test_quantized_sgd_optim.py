@@ -166,8 +166,8 @@ def test_lean_bf16_params_with_an_8bit_buffer_are_refused_before_any_step():
         FusedSGD(model.parameters(), state_dtype='int8', bf16_storage='kahan', **SGD)
     # the wrapper's master_weights sets the storage when it is built: refused there
     opt = FusedSGD(model.parameters(), state_dtype='int8', **SGD)
-    with pytest.raises(NotImplementedError, match="bf16_storage='split'"):
-        ApexOptimWrapper(opt, opt_level='O2', dtype='bfloat16', master_weights='split',
+    with pytest.raises(NotImplementedError, match="bf16_storage='stochastic'"):
+        ApexOptimWrapper(opt, opt_level='O2', dtype='bfloat16', master_weights='stochastic',
                          verbosity=0)
     # a bf16 buffer with a lean storage stays allowed
     FusedSGD(model.parameters(), state_dtype='bfloat16', bf16_storage='kahan', **SGD)
