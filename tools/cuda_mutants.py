@@ -79,10 +79,13 @@ TESTS = ['tests/kernels/test_cuda_host.py', 'tests/kernels/test_cuda_host_lean.p
          'tests/kernels/test_cuda_host_optim_traffic.py',
          'tests/kernels/test_cuda_host_param_limit.py',
          'tests/kernels/test_cuda_host_nonfinite.py',
-         'tests/kernels/test_cuda_host_partials.py']
+         'tests/kernels/test_cuda_host_partials.py',
+         'tests/kernels/test_cuda_host_sgd8bit.py']
 # The host tests that exercise a file's code, run first (most of its mutants die there); a file not
 # named here starts with test_cuda_host.py, which calls every other kernel.
 PRIMARY_TESTS = {'multi_tensor_adam8bit.cu': 'tests/kernels/test_cuda_host_adam8bit.py',
+                 'multi_tensor_sgd8bit.cu': 'tests/kernels/test_cuda_host_sgd8bit.py',
+                 'quant_block.cuh': 'tests/kernels/test_cuda_host_adam8bit.py',
                  'multi_tensor_lean.cu': 'tests/kernels/test_cuda_host_lean.py',
                  'lean_param.cuh': 'tests/kernels/test_cuda_host_lean.py',
                  'multi_tensor_apply.cuh': 'tests/kernels/test_cuda_host_planner.py',
@@ -97,21 +100,22 @@ EQUIVALENT: Dict[str, str] = {
                                               'finite (no found_inf)',
     'multi_tensor_scale.cu:37:rel:70b8d9ee': _TAIL + 'and 0 is finite (no found_inf)',
     'multi_tensor_scale.cu:81:rel:420d481b': _TAIL + 'and 0 is finite in x and y (no found_inf)',
-    # multi_tensor_adam8bit.cu: the boundaries of the codes, where both branches give the same code.
-    'multi_tensor_adam8bit.cu:59:rel:b389cf53': 'code 2^M (the first normal) decoded as a subnormal '
+    # quant_block.cuh (the 8-bit kernels' codes): the boundaries, where both branches give the same
+    # code.
+    'quant_block.cuh:40:rel:80441451': 'code 2^M (the first normal) decoded as a subnormal '
                                                 'is 2^M * 2^(1-B-M) = 2^(1-B), its normal value',
-    'multi_tensor_adam8bit.cu:71:rel:50b71e5f': 'a magnitude equal to MAX is clamped to MAX',
-    'multi_tensor_adam8bit.cu:73:rel:d9d703f1': 'min_normal encoded as a subnormal rounds to code '
+    'quant_block.cuh:52:rel:a843350a': 'a magnitude equal to MAX is clamped to MAX',
+    'quant_block.cuh:54:rel:fd00aefa': 'min_normal encoded as a subnormal rounds to code '
                                                 '2^M, its normal code',
-    'multi_tensor_adam8bit.cu:232:rel:e5c568d0': 'the lane at i == n of a short block loaded p = g = 0 '
+    'multi_tensor_adam8bit.cu:172:rel:e5c568d0': 'the lane at i == n of a short block loaded p = g = 0 '
                                                  'and code 0: its new moments are 0 and do not '
                                                  'raise a max that starts at 0 (only an infinite '
                                                  'absmax in the state, which no finite step writes, '
                                                  'would make them NaN)',
-    'multi_tensor_adam8bit.cu:318:logic:8f7d61c5': 'launch bounds are a register budget for nvcc '
+    'quant_block.cuh:108:logic:4e2f9ee0': 'launch bounds are a register budget for nvcc '
                                                    '(empty in the host build); '
                                                    'tools/check_cuda_compile.sh checks it',
-    'multi_tensor_adam8bit.cu:187:arith:1b25fc34': 'the vector layout\'s index is used with j == 0 '
+    'quant_block.cuh:86:arith:45a69305': 'the vector layout\'s index is used with j == 0 '
                                                    '(a pack\'s first element, where + j and - j '
                                                    'agree) and in the absmax guard `< b.n`, where '
                                                    'the vector path has b.n == 256 '
@@ -162,8 +166,8 @@ EQUIVALENT: Dict[str, str] = {
                                                'memory, which the host build does not count). '
                                                'A one-warp block (no such launch reduces) would '
                                                'keep its first stage, equal but for -0 + 0',
-    'multi_tensor_adam8bit.cu:445:rel:61e25f20': 'with size - b0 == 256 both branches give 256',
-    'multi_tensor_adam8bit.cu:267:rel:75579f15': 'the scalar encode loop runs once more per half: '
+    'multi_tensor_adam8bit.cu:326:rel:61e25f20': 'with size - b0 == 256 both branches give 256',
+    'multi_tensor_adam8bit.cu:207:rel:75579f15': 'the scalar encode loop runs once more per half: '
                                                  'element (h * kILP + kILP) * 32 + lane of h == 0 '
                                                  'is element (1 * kILP + 0) * 32 + lane, so it '
                                                  'writes the code h == 1 writes next, the same '

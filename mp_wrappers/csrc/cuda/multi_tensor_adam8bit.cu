@@ -34,6 +34,7 @@
 
 #include "mp_wrappers/cuda/lean_param.cuh"
 #include "mp_wrappers/cuda/optim_apply.cuh"
+#include "mp_wrappers/cuda/quant_block.cuh"
 #include "mp_wrappers/minifloat.h"
 #include "mp_wrappers/op_args.h"
 
@@ -43,53 +44,6 @@ namespace {
 
 using quant::ExpAvgCode;
 using quant::ExpAvgSqCode;
-constexpr int64_t kQBlock = quant::kBlock;
-constexpr int kPerLane = static_cast<int>(kQBlock / kWarp);  // 8
-static_assert(kPerLane == 2 * kILP, "a lane holds two vector packs of its block");
-static_assert(kQuantChunkSize % kQBlock == 0, "chunks hold whole quantization blocks");
-static_assert(kQuantChunkSize <= (1 << 30), "in-chunk offsets are int");
-
-// ---- the codes: cpu/multi_tensor_adam8bit.cpp's scalar forms, with the IEEE intrinsics ---------
-
-// The value of a code with absmax = MAX (exact); the update's FMA applies the block's factor (Note
-// [the folded decode factor] in cpu/multi_tensor_adam8bit.cpp).
-template <class C>
-__device__ __forceinline__ float decode(uint32_t byte) {
-  const int32_t c = C::S ? static_cast<int32_t>(byte & 0x7Fu) : static_cast<int32_t>(byte);
-  const float mag = c < C::kFirstNormal ? fmul(static_cast<float>(c), C::kSubDec)
-                                        : __int_as_float((c + C::kRebase) << C::kShift);
-  return C::S && byte >= 0x80u ? -mag : mag;
-}
-
-// The nearest code of x * enc (ties to the even mantissa). `enc` infinite (a subnormal absmax):
-// clamped to MAX as torch.clamp does, NaN (0 * inf) passes and encodes as the reference's integer
-// arithmetic on its bits does; the low byte is the code, as the reference's uint8 cast.
-template <class C>
-__device__ __forceinline__ uint32_t encode(float x, float enc) {
-  const float scaled = fmul(x, enc);
-  const float mag = fabsf(scaled);
-  const float a = mag > C::kMax ? C::kMax : mag;
-  int32_t c;
-  if (a < C::kMinNormal) {
-    c = __float2int_rn(fmul(a, C::kSubEnc));
-  } else {
-    const int32_t bits = __float_as_int(a);
-    c = ((bits + ((1 << (C::kShift - 1)) - 1) + ((bits >> C::kShift) & 1)) >> C::kShift) -
-        C::kRebase;
-  }
-  if (C::S && signbit(scaled)) c |= 0x80;  // -0 too (Note [signed zero codes])
-  return static_cast<uint32_t>(c) & 0xFFu;
-}
-
-// max that propagates NaN, as the reference's amax does.
-__device__ __forceinline__ float max_nan(float acc, float x) { return NanMaxOp()(acc, x); }
-
-// Every lane gets the warp's max.
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = kWarp / 2; o > 0; o /= 2) v = max_nan(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
 
 struct Adam8bitOp : AdamHyper {
   const float* found_inf;
@@ -172,20 +126,6 @@ struct QBlock {
   float* va;
   int b0, n;
 };
-
-// The kILP bytes of a pack as one word, byte j element j.
-__device__ __forceinline__ uint32_t packed_bytes(const Pack<uint8_t>& pk) {
-  uint32_t r = 0u;
-#pragma unroll
-  for (int j = 0; j < kILP; ++j) r |= static_cast<uint32_t>(pk.v[j]) << (8 * j);
-  return r;
-}
-
-// Element j (0..3) of the lane's group h (0, 1): vector layout (a pack) or guarded layout (strided
-// by the warp, so that neighbouring lanes still touch neighbouring elements).
-__device__ __forceinline__ int lane_element(bool vector, int lane, int h, int j) {
-  return vector ? h * static_cast<int>(kQBlock / 2) + lane * kILP + j : (h * kILP + j) * kWarp + lane;
-}
 
 // The lane's two groups of kILP elements are loaded, updated and stored one after the other (fewer
 // values live at once); only the new moments stay in registers for the encode.
@@ -279,13 +219,6 @@ __device__ __forceinline__ void adam8bit_block(const Adam8bitOp& op, const Adam8
   }
 }
 
-// Byte `byte` of the kQBlock elements of type T at `first`, asked of L2 when it lies inside them.
-template <class T>
-__device__ __forceinline__ void prefetch_line(const T* first, int byte) {
-  if (byte < static_cast<int>(kQBlock * sizeof(T)))
-    prefetch_l2(reinterpret_cast<const char*>(first) + byte);
-}
-
 // The warp's next quantization block (a whole one, at `b0` of the chunk), asked of L2 while this
 // one computes: one 128-byte line per lane and list, so that its loads wait for L2, not DRAM (the
 // H100 profile of 2026-11-27: warps stalled on their loads half of the time, 47% of the DRAM
@@ -304,67 +237,12 @@ __device__ __forceinline__ void prefetch_qblock(const QBlock<PM, G>& b, int b0, 
   }
 }
 
-template <class T>
-__device__ __forceinline__ T* at_element(void* base, int64_t off) {
-  return base == nullptr ? nullptr : offset_ptr<T>(base, off);
-}
-
-// Blocks per SM the registers are budgeted for: two (at most 64 registers a thread at 512 threads,
-// twice the resident warps of one). Half params with a model copy, a combination no wrapper makes
-// (half params step without one; fp32 masters have the half copy), spilled 4 bytes within 64
-// registers (nvcc 13.0, sm_80 and sm_90): one block, no spill.
-template <class P, class M>
-constexpr int kMinBlocksPerSm =
-    !std::is_same<P, float>::value && !std::is_same<M, NoOut>::value ? 1 : 2;
-
-// The param of the block update, as the block reads and writes it: element `i` of the chunk (the
-// vector forms: i0..i0+kILP-1), `n` the guarded forms' bound. store* step p32 by the Adam
-// direction q (Adam8bitOp::master_param, lean_step).
+// The param of the block update beside MasterParam (cuda/quant_block.cuh): store* step p32 by the
+// Adam direction q (Adam8bitOp::master_param, lean_step).
 //
-// fp32 or half params at the chunk's first element, with the optional model copy.
-template <class P, class M>
-struct MasterParam {
-  static constexpr int kMinBlocksPerSm = cuda::kMinBlocksPerSm<P, M>;
-  P* p;
-  M* out;  // nullptr: no model copy
-
-  template <class Op>
-  __device__ __forceinline__ static MasterParam at_chunk(const Op&, const typename Op::Ctx&,
-                                                         void* p, void* out, int64_t begin) {
-    return {offset_ptr<P>(p, begin), at_element<M>(out, begin)};
-  }
-  __device__ __forceinline__ bool aligned() const {
-    return pack_aligned(p) && (out == nullptr || pack_aligned(out));
-  }
-  __device__ __forceinline__ void load_pack(float (&r)[kILP], int i0) const {
-    cuda::load_pack(r, p, i0);
-  }
-  __device__ __forceinline__ float load_one(int i, int n) const { return cuda::load_one(p, i, n); }
-  static constexpr bool kPrefetch = true;
-  __device__ __forceinline__ void prefetch(int b0, int byte) const { prefetch_line(p + b0, byte); }
-  template <class Op>
-  __device__ __forceinline__ void store_pack(const Op& op, const typename Op::Ctx& ctx, int i0,
-                                             const float (&p32)[kILP],
-                                             const float (&q)[kILP]) const {
-    float r[kILP];
-#pragma unroll
-    for (int j = 0; j < kILP; ++j) r[j] = op.master_param(ctx, p32[j], q[j]);
-    cuda::store_pack(p, i0, r);
-    if (out != nullptr) cuda::store_pack(out, i0, r);
-  }
-  template <class Op>
-  __device__ __forceinline__ void store_one(const Op& op, const typename Op::Ctx& ctx, int i,
-                                            int n, float p32, float q) const {
-    const float r = op.master_param(ctx, p32, q);
-    cuda::store_one(p, i, n, r);
-    if (out != nullptr) cuda::store_one(out, i, n, r);
-  }
-};
-
 // bf16 params stored the lean way (cuda/lean_param.cuh), at the tensor's first element: the
 // stochastic hash takes the element's index in the tensor. Element by element in either layout.
 struct LeanParam {
-  static constexpr int kMinBlocksPerSm = 2;  // but see MinBlocksPerSm
   uint16_t* p;
   uint16_t* aux;  // nullptr for 'stochastic'
   int64_t begin;  // the chunk's first element
@@ -402,12 +280,15 @@ struct LeanParam {
   }
 };
 
-// The kernel's launch bound: the param's, except that fp32 grads of lean bf16 params, which no
-// wrapper makes (autograd gives bf16 params bf16 grads), spilled 4 bytes within 64 registers
-// (nvcc 13.0, sm_90): one block, no spill.
+// The kernel's launch bound: kMinBlocksPerSm (cuda/quant_block.cuh) for fp32 / half params; for
+// lean bf16 params two,
+// except with fp32 grads, which no wrapper makes (autograd gives bf16 params bf16 grads): they
+// spilled 4 bytes within 64 registers (nvcc 13.0, sm_90): one block, no spill.
 template <class PM, class G>
-struct MinBlocksPerSm {
-  static constexpr int value = PM::kMinBlocksPerSm;
+struct MinBlocksPerSm;
+template <class P, class M, class G>
+struct MinBlocksPerSm<MasterParam<P, M>, G> {
+  static constexpr int value = kMinBlocksPerSm<P, M>;
 };
 template <class G>
 struct MinBlocksPerSm<LeanParam, G> {
@@ -449,25 +330,6 @@ __global__ void __launch_bounds__(kBlockSize, MinBlocksPerSm<PM, G>::value)
   }
 }
 
-// The update launches of one call: `lists` in Meta's order, the param read and written as PM does.
-// No launch ends in a partial extra wave of the blocks the device holds at once (blocks_per_launch):
-// a block's 256-element quantization blocks are many and alike, so blocks take the same time, and
-// a partial last wave is time lost.
-template <class Op, class PM, class G>
-void launch_adam8bit(const char* name, const std::array<at::TensorList, kLists>& lists,
-                     const Op& op) {
-  constexpr auto kernel = &adam8bit_kernel<Op, PM, G>;
-  const Stream stream = current_stream();
-  const int per_launch = blocks_per_launch(total_chunks(lists[0], kQuantChunkSize),
-                                           resident_blocks<kernel, kBlockSize>());
-  for_each_launch<kLists, kQuantChunkSize>(
-      lists,
-      [&](int blocks, const Meta& meta) {
-        launch(name, kernel, blocks, kBlockSize, stream, meta, op);
-      },
-      per_launch);
-}
-
 void multi_tensor_adam8bit_cuda(at::TensorList params, at::TensorList grads,
                                 at::TensorList exp_avgs, at::TensorList exp_avg_absmaxes,
                                 at::TensorList exp_avg_sqs, at::TensorList exp_avg_sq_absmaxes,
@@ -491,7 +353,7 @@ void multi_tensor_adam8bit_cuda(at::TensorList params, at::TensorList grads,
           using P = std::remove_pointer_t<decltype(p_tag)>;
           using G = std::remove_pointer_t<decltype(g_tag)>;
           using M = std::remove_pointer_t<decltype(m_tag)>;
-          launch_adam8bit<Adam8bitOp, MasterParam<P, M>, G>(
+          launch_quantized<&adam8bit_kernel<Adam8bitOp, MasterParam<P, M>, G>, kLists>(
               "adam8bit",
               {params, grads, exp_avgs, exp_avg_absmaxes, exp_avg_sqs, exp_avg_sq_absmaxes,
                model_params},
@@ -515,7 +377,7 @@ void adam8bit_lean_cuda(const LeanArgs<AdamHyper>& args, const Adam8bitLeanLists
   if (!l.params.empty()) {
     dispatch_dtype(l.grads, [&](auto* g_tag) {
       using G = std::remove_pointer_t<decltype(g_tag)>;
-      launch_adam8bit<Adam8bitLeanOp, LeanParam, G>(
+      launch_quantized<&adam8bit_kernel<Adam8bitLeanOp, LeanParam, G>, kLists>(
           "adam8bit_lean",
           {l.params, l.grads, l.exp_avgs, l.exp_avg_absmaxes, l.exp_avg_sqs,
            l.exp_avg_sq_absmaxes, l.aux},
