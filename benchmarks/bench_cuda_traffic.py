@@ -9,7 +9,8 @@ pass over the half grads, then one update pass writing the fp32 master, moments 
 against docs/semantics.md section 7: fp32 Adam 28 B/param, fused O2 ~30, the composed torch pipeline
 ~44; and the same with 8-bit moments (``multi_tensor_adam8bit_``: 16.06 B/param at least), also on
 lean bf16 masters (``multi_tensor_adam8bit_lean_``: 14.06 B/param with a 'kahan' compensation, 10.06
-with 'stochastic' rounding). The implied step time uses the H100 SXM's *nominal* HBM3 bandwidth
+with 'stochastic' rounding), and SGD's 8-bit momentum (``multi_tensor_sgd8bit_``: 14.03 against fp32
+momentum's 20). The implied step time uses the H100 SXM's *nominal* HBM3 bandwidth
 (3.35 TB/s), not a measurement: a real kernel reaches some fraction of it.
 
 Usage: python benchmarks/bench_cuda_traffic.py [--params N]   (builds the 'real' variant if needed)
@@ -101,6 +102,12 @@ def main():
         ('sgd momentum fp32', 20,
          lambda: ops.multi_tensor_sgd_(t(F32), t(F32), t(F32), [], step(), 0.1, 0.9, 0.0, 0.0,
                                        False, False, one, zero)),
+        # 8-bit momentum: 1 byte read (not on the first update) and written, one fp32 absmax per
+        # 256 elements read and written (2 x 4 / 256 = 0.03125 B/param); step 1: a later update
+        ('sgd 8-bit momentum fp32', 14 + eight_bit / 2,
+         lambda: ops.multi_tensor_sgd8bit_(t(F32), t(F32), *moments8()[:2], [],
+                                           torch.ones(1), 0.1, 0.9, 0.0, 0.0, False, False, one,
+                                           zero)),
         ('adagrad fp32', 20,
          lambda: ops.multi_tensor_adagrad_(t(F32), t(F32), t(F32), [], step(), 0.01, 1e-10, 0.0,
                                            False, one, zero)),
@@ -142,6 +149,8 @@ def main():
                         results['adam 8-bit lean kahan (bf16 grad)']),
                        ('lean stochastic masters, 8-bit states (update)',
                         results['adam 8-bit lean stochastic (bf16 grad)']),
+                       ('fp32 momentum SGD', results['sgd momentum fp32']),
+                       ('8-bit momentum SGD, fp32 params', results['sgd 8-bit momentum fp32']),
                        ('composed torch O2 (docs/semantics.md)', 44.0)):
         ms = bpp * args.model_params / H100_NOMINAL_BYTES_PER_S * 1e3
         print(f'  implied H100 time, {args.model_params / 1e6:.1f}M params, {label}: {ms:.3f} ms '

@@ -18,7 +18,7 @@ from torch import Tensor
 from .ops import reference
 from .ops.quantized_states import num_blocks
 
-__all__ = ['CaseResult', 'run_selftest', 'CASES', 'DEVICE_TYPES']
+__all__ = ['CaseResult', 'run_selftest', 'CASES']
 
 _SIZES = (7, 33, 1000, 65537)
 _F32, _BF16, _F16 = torch.float32, torch.bfloat16, torch.float16
@@ -151,8 +151,6 @@ CASES: Dict[str, Callable[[torch.Generator, str], Tuple]] = {
     'multi_tensor_adam8bit_': _adam8bit,
     'multi_tensor_sgd8bit_': _sgd8bit,
 }
-# Ops with kernels on some device types only; elsewhere the op refuses (not a broken install).
-DEVICE_TYPES: Dict[str, Tuple[str, ...]] = {'multi_tensor_sgd8bit_': ('cpu',)}
 
 
 def _tensors(value) -> List[Tensor]:
@@ -229,9 +227,6 @@ def run_selftest(devices: Optional[Sequence[str]] = None) -> Tuple[List[CaseResu
             previous = setter(isa) if isa is not None else None
             try:
                 for name in CASES:
-                    if torch.device(device).type not in DEVICE_TYPES.get(
-                            name, (torch.device(device).type,)):
-                        continue
                     if not _op_has_kernel(name, torch.device(device).type):
                         results.append(CaseResult(name, device, isa, False,
                                                   f'no {device} kernel registered'))

@@ -161,7 +161,8 @@ step backend "$PY" -c 'import mp_wrappers; b = mp_wrappers.ops.backend(); print(
 
 export MP_WRAPPERS_TEST_REQUIRE_CUDA=1
 OP_TESTS=(tests/ops/test_multi_tensor.py tests/kernels/test_cpu_kernels.py tests/kernels/test_cuda_paths.py
-          tests/ops/test_quantized_states.py tests/optim/test_quantized_state.py tests/ops/test_lean.py)
+          tests/ops/test_quantized_states.py tests/optim/test_quantized_state.py tests/ops/test_lean.py
+          tests/ops/test_quantized_sgd.py tests/optim/test_quantized_sgd_optim.py)
 step cuda-cases "$PY" -m pytest -q -rs -k cuda "${OP_TESTS[@]}"
 step compiled-step "$PY" -m pytest -q -rs -k cuda tests/optim/test_fused_optimizers_compile.py \
   tests/wrappers/test_compiled_step.py tests/wrappers/test_compiled_step_setup.py
@@ -213,7 +214,7 @@ for tool in memcheck racecheck initcheck; do
   step "sanitizer-$tool" compute-sanitizer --tool "$tool" ${filter[@]+"${filter[@]}"} --error-exitcode 1 \
     "$PY" -m pytest -v -x -p no:cacheprovider -k 'cuda and not 2_pow_31 and not split_across' \
     tests/ops/test_quantized_states.py tests/ops/test_multi_tensor.py tests/kernels/test_cpu_kernels.py tests/kernels/test_cuda_paths.py \
-    tests/ops/test_lean.py
+    tests/ops/test_lean.py tests/ops/test_quantized_sgd.py
 done
 
 step bench-optimizers "$PY" benchmarks/bench_optimizers.py --device cuda --threads 1 \

@@ -41,7 +41,7 @@ def extension_info() -> Dict[str, object]:
 
 def quantized_states_info() -> Dict[str, object]:
     """Where ``FusedAdam(state_dtype='int8')`` runs and what its moments cost per param
-    (``FusedSGD(state_dtype='int8')``: the same CPU kernels' flavour; no CUDA kernel).
+    (``FusedSGD(state_dtype='int8')``: its kernels are built beside Adam's, the same flavours).
 
     ``cpu``: the kernel flavour that runs the 8-bit update (``'cpp-avx512'``, ``'cpp-avx2'``,
     ``'cpp-baseline'``), or ``'reference'`` (the pure-PyTorch update: same bits, much slower) when the

@@ -5,14 +5,14 @@ See Note [8-bit optimizer states] in :mod:`mp_wrappers.ops.reference.quant` for 
 per-block absmax. :func:`multi_tensor_adam8bit` validates its arguments the way
 :mod:`mp_wrappers.ops.optimizers` does and calls the implementation chosen by
 :func:`~mp_wrappers.ops._dispatch.implementation`: on the CPU the CPU kernel (or the reference when
-the extension is not built), on CUDA the CUDA kernel (``csrc/cuda/multi_tensor_adam8bit.cu``, one
-warp per quantization block). CUDA tensors are accepted only where the loaded build has that CUDA
+the extension is not built), on CUDA the CUDA kernel (``csrc/cuda/multi_tensor_adam8bit.cu`` and
+``multi_tensor_sgd8bit.cu``, one warp per quantization block). CUDA tensors are accepted only where the loaded build has that CUDA
 kernel; elsewhere (a CPU-only build, any other device type) :func:`check_quantized_device` refuses
 them before any work, naming the fix, rather than running the pure-PyTorch reference on the GPU.
 The argument order follows the op schema in ``csrc/bindings.cpp``.
 :class:`mp_wrappers.optim.FusedAdam` and :class:`mp_wrappers.optim.FusedSGD` with
-``state_dtype='int8'`` build these lists for you. The SGD op has a CPU kernel only (no CUDA kernel,
-no lean bf16 variant): :func:`check_quantized_device` refuses it elsewhere.
+``state_dtype='int8'`` build these lists for you. The SGD op has no lean bf16 variant:
+:func:`check_quantized_device` refuses bf16 params with a lean storage on every device.
 """
 from typing import List, Optional, Sequence, Union
 
@@ -29,11 +29,10 @@ from .reference.quant import BLOCK_SIZE, num_blocks
 __all__ = ['multi_tensor_adam8bit', 'multi_tensor_adam8bit_lean', 'multi_tensor_sgd8bit',
            'BLOCK_SIZE', 'num_blocks', 'check_quantized_device', 'has_quantized_kernel']
 
-# The 8-bit op of each optimizer, and its lean bf16 variant (None: there is none).
+# The 8-bit op of each optimizer, and its lean bf16 variant (None: there is none). Each has a CUDA
+# kernel in a build with CUDA kernels.
 _LEAN_OPS = {'multi_tensor_adam8bit_': 'multi_tensor_adam8bit_lean_',
              'multi_tensor_sgd8bit_': None}
-# The ops that have a CUDA kernel in a build with CUDA kernels.
-_CUDA_OPS = frozenset({'multi_tensor_adam8bit_', 'multi_tensor_adam8bit_lean_'})
 
 
 def has_quantized_kernel(device_type: str, lean: bool = False,
@@ -67,10 +66,6 @@ def check_quantized_device(owner: str, device: torch.device, bf16_storage: Optio
             f"device. Use state_dtype='int8' with fp32 masters (ApexOptimWrapper "
             f"opt_level='O2', or bf16_storage=None), or state_dtype='float32' / 'bfloat16' with "
             f'bf16_storage={bf16_storage!r}')
-    if device.type == 'cuda' and op not in _CUDA_OPS:
-        raise NotImplementedError(
-            f"{owner}: state_dtype='int8' runs on CPU tensors only (there is no CUDA kernel of "
-            f"{op}); got tensors on {device}. Use state_dtype='float32' on cuda")
     why = ('this mp_wrappers build has no CUDA kernels (rebuild it with MP_WRAPPERS_CUDA=1 '
            'against a CUDA torch, docs/cuda.md)' if device.type == 'cuda' else
            f'there is no {device.type} kernel')

@@ -20,8 +20,8 @@ With a ``bf16_storage`` (the lean bf16 masters, a wrapper's ``master_weights='sp
 ``multi_tensor_adam8bit_lean_``, the storage's aux state in the same pass (on the CPU, and on CUDA
 with a build that has CUDA kernels: lean bf16 params with 8-bit moments on another device are
 refused when the storage is set or the group added, before any step). FusedSGD's 8-bit momentum
-has a CPU kernel only, with fp32 / half params (``multi_tensor_sgd8bit_``): CUDA params, and bf16
-params with a ``bf16_storage``, are refused the same way.
+has kernels for fp32 / half params only (``multi_tensor_sgd8bit_``, on the CPU and on CUDA with a
+build that has CUDA kernels): bf16 params with a ``bf16_storage`` are refused the same way.
 
 FSDP2 params (DTensors) keep 8-bit moments where their blocks never straddle shards, as DTensors
 placed like the param (:mod:`.quantized_shards`, Note [8-bit blocks on FSDP2 shards]); the others

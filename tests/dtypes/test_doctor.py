@@ -57,7 +57,8 @@ def test_doctor_prints_the_section_and_cudas_refusal(capsys):
     assert lines[0].startswith('cpu          ')
     assert "state_dtype='int8' are refused (NotImplementedError)" in lines[1]
     assert "optim_wrapper.optimizer.state_dtype='float32'" in lines[1]
-    assert lines[2].startswith("sgd          FusedSGD(state_dtype='int8'): the CPU kernel only")
+    assert lines[2].startswith("sgd          FusedSGD(state_dtype='int8'): the same devices, "
+                               "fp32 / half params; bf16 params with a lean master_weights")
     assert lines[-1] == '             O2 bf16: model + fp32 master + Adam: 14.00 -> 8.03'
 
 
@@ -70,7 +71,6 @@ def test_selftest_checks_the_8bit_kernel_like_every_op(monkeypatch):
     if _extension.extension() is None:
         pytest.skip('the C++ extension is not built: nothing compiled to self-test')
     # Kernels on CPU and CUDA: self-tested on every device the build covers.
-    assert 'multi_tensor_adam8bit_' not in selftest.DEVICE_TYPES
     selftest._check_op('multi_tensor_adam8bit_', 'cpu')  # bit for bit: codes compared exactly
     right = reference.multi_tensor_adam8bit_
 
@@ -87,10 +87,14 @@ def test_selftest_checks_the_8bit_kernel_like_every_op(monkeypatch):
     assert [(r.ok, r.error) for r in ours] == [(r.ok, r.error) for r in others]
 
 
-def test_selftest_checks_the_8bit_sgd_kernel_on_the_cpu_only(monkeypatch):
+def test_selftest_checks_the_8bit_sgd_kernel_like_every_op(monkeypatch):
     if _extension.extension() is None:
         pytest.skip('the C++ extension is not built: nothing compiled to self-test')
-    assert selftest.DEVICE_TYPES['multi_tensor_sgd8bit_'] == ('cpu',)
+    # Kernels on CPU and CUDA: asked for CUDA, it is reported as every other op is.
+    results, _, _ = selftest.run_selftest(['cuda'])
+    ours = [r for r in results if r.op == 'multi_tensor_sgd8bit_']
+    others = [r for r in results if r.op == 'multi_tensor_sgd_']
+    assert ours and [(r.ok, r.error) for r in ours] == [(r.ok, r.error) for r in others]
     selftest._check_op('multi_tensor_sgd8bit_', 'cpu')
     right = reference.multi_tensor_sgd8bit_
 

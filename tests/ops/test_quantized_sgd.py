@@ -203,6 +203,31 @@ def test_found_inf_leaves_everything_bit_identical(use_kernel):
 
 
 @needs_kernel
+@pytest.mark.parametrize('setup', ['fp32', 'o2-bf16', 'o2-fp16-scaled', 'fp16-params'])
+@pytest.mark.parametrize('device', ['cuda'])
+def test_cuda_kernel_matches_the_cpu_kernel(device, setup):
+    """The CUDA kernel (csrc/cuda/multi_tensor_sgd8bit.cu) through the public op, on a GPU with a
+    build that has CUDA kernels (skipped otherwise; the conftest fails the case if the reference
+    runs instead): from the first applied update through each hyper-parameter set, edge blocks
+    included, bit for bit against the CPU kernel; then a found_inf step changes nothing."""
+    for case in (Case(setup), EdgeCase(setup)):
+        twin = Case.__new__(Case)
+        twin.__dict__.update(case.__dict__)
+        for k in ('params', 'model', 'codes', 'absmax'):
+            setattr(twin, k, [t.to(device) for t in getattr(case, k)])
+        twin.step = case.step.to(device)
+        twin.scale = None if case.scale is None else case.scale.to(device)
+        for name, hp in HYPERS.items():
+            grads = case.grads()
+            case.run(_kernel(), grads, hp)
+            twin.run(multi_tensor_sgd8bit, [g.to(device) for g in grads], hp)
+            _assert_equal([t.cpu() for t in twin.tensors()], case.tensors(), f'{setup} {name}')
+        twin.run(multi_tensor_sgd8bit, [g.to(device) for g in case.grads()], MOMENTUM,
+                 found_inf=torch.ones(1, device=device))
+        _assert_equal([t.cpu() for t in twin.tensors()], case.tensors(), f'{setup} skipped')
+
+
+@needs_kernel
 @pytest.mark.parametrize('shift', [0, 1])
 def test_flat_buffers_match_separate_tensors(shift):
     a = Case('o2-bf16')

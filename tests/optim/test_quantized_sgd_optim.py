@@ -1,8 +1,9 @@
 """FusedSGD(state_dtype='int8'): a block-wise 8-bit momentum buffer (Note [8-bit optimizer states]).
 Which params get it, its state and checkpoints (small, converting to and from float32 buffers,
-bitwise resume), the refused combinations (lean bf16 storages, CUDA), and the wrappers
-(ApexOptimWrapper O2, FP16OptimWrapper's overflow skip) and mmengine's Runner (our tools/train.py
-and a toolbox's own train script, EMAHook, accumulation, resume) training with it."""
+bitwise resume), CUDA params, the refused combinations (lean bf16 storages, a build without CUDA
+kernels), and the wrappers (ApexOptimWrapper O2, FP16OptimWrapper's overflow skip) and mmengine's
+Runner (our tools/train.py and a toolbox's own train script, EMAHook, accumulation, resume)
+training with it."""
 import copy
 
 import pytest
@@ -173,12 +174,44 @@ def test_lean_bf16_params_with_an_8bit_buffer_are_refused_before_any_step():
     FusedSGD(model.parameters(), state_dtype='bfloat16', bf16_storage='kahan', **SGD)
 
 
-def test_params_without_the_8bit_kernel_are_refused_naming_the_fix():
+@pytest.mark.parametrize('device', ['cuda'])
+def test_cuda_params_step_like_the_cpu(device):
+    """The CUDA kernel (a build with CUDA kernels, on a GPU; skipped otherwise): FusedSGD's int8
+    steps on CUDA params give the CPU's buffers (codes, absmaxes, the small params' float32
+    buffers) and params bit for bit (no float64 pow on either side). The grads are the CPU
+    model's."""
+    models = [_mlp(), _mlp().to(device)]
+    opts = [FusedSGD(m.parameters(), state_dtype='int8', **SGD) for m in models]
+    for x, y in _batches(3):
+        F.mse_loss(models[0](x), y).backward()  # the same grads for both (CPU matmuls)
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            b.grad = a.grad.to(device)
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    assert opts[1].state[models[1][0].weight]['momentum_buffer'].dtype == torch.uint8
+    _assert_states_equal(_states(opts[0]), [(k, v.cpu()) for k, v in _states(opts[1])])
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a.detach(), b.detach().cpu())
+
+
+def test_params_without_the_8bit_kernel_are_refused_naming_the_fix(monkeypatch):
+    from mp_wrappers.ops import quantized_states
+    # CUDA params: the build's CUDA kernel runs them (csrc/cuda/multi_tensor_sgd8bit.cu) ...
+    monkeypatch.setattr(quantized_states, '_op_has_kernel',
+                        lambda name, device_type: name == 'multi_tensor_sgd8bit_')
+    check_quantized_device('FusedSGD', torch.device('cuda:0'), op='multi_tensor_sgd8bit_')
+    # ... and a build without CUDA kernels refuses them, saying how to get it
+    monkeypatch.setattr(quantized_states, '_op_has_kernel',
+                        lambda name, device_type: device_type == 'cpu')
     with pytest.raises(NotImplementedError,
-                       match=r"FusedSGD: state_dtype='int8' runs on CPU tensors only \(there is "
-                             r"no CUDA kernel of multi_tensor_sgd8bit_\); got tensors on cuda:0. "
-                             r"Use state_dtype='float32' on cuda"):
+                       match=r"FusedSGD: 8-bit optimizer states \(state_dtype='int8'\) run on CPU "
+                             r"tensors, and on CUDA tensors with a build that has CUDA kernels; got "
+                             r"tensors on cuda:0 and this mp_wrappers build has no CUDA kernels "
+                             r"\(rebuild it with MP_WRAPPERS_CUDA=1.*Use state_dtype='float32' on "
+                             r"cuda"):
         check_quantized_device('FusedSGD', torch.device('cuda:0'), op='multi_tensor_sgd8bit_')
+    monkeypatch.undo()
     # through the optimizer: meta params (no kernel), refused at their first step ...
     param = torch.nn.Parameter(torch.zeros(64, 128, device='meta'))
     param.grad = torch.zeros_like(param)
