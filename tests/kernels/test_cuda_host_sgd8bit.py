@@ -284,6 +284,49 @@ def test_sgd8bit_traffic(host, model, first):
     assert sum(r[4] for r in launches) == n * (4 + 1 + (2 if model else 0)) + qblocks * 4
 
 
+@pytest.mark.parametrize('first', [True, False])
+@pytest.mark.parametrize('shift', [0, 1])
+def test_sgd8bit_short_blocks_load_nothing_past_their_end(host, shift, first):
+    """Tensors whose last quantization block is short (the guarded path; shift 1: every block
+    guarded): each element's bytes are loaded once (fp32 p and g, its code but on the first
+    update), each block's absmax once, and per CUDA block thread 0's found_inf, step and
+    grad_scale. A code read at the block's size, or on the first update, stays inside the
+    allocation, so only this count sees it."""
+    representative(host, shift == 0 and not first)
+    q = host.geometry['quant_chunk_size']
+    sizes = [1, 255, 257, q + 300]
+    st = State('fp32', sizes, seed=64, shift=shift, step=0.0 if first else 2.0)
+    st.scale = guarded(torch.full((1,), 4.0))
+    host.module.traffic_reset()
+    st.run(host.ops.multi_tensor_sgd8bit_, st.grads(), MOMENTUM, guarded(torch.zeros(1)))
+    launches = _update_launches(host)
+    n, qblocks = sum(sizes), sum(-(-s // 256) for s in sizes)
+    cuda_blocks = sum(r[1] for r in launches)
+    assert launches and sum(r[3] for r in launches) == n * (4 + 4 + (0 if first else 1)) + \
+        qblocks * 4 + cuda_blocks * 12
+    assert sum(r[4] for r in launches) == n * (4 + 1) + qblocks * 4
+
+
+def _stores(host, setup, n, shift=0):
+    st = State(setup, [n], seed=65, shift=shift, step=1.0)
+    host.module.traffic_reset()
+    st.run(host.ops.multi_tensor_sgd8bit_, st.grads(), MOMENTUM)
+    return sum(count for kernel, count in host.module.store_log() if kernel == _UPDATE)
+
+
+def test_sgd8bit_model_copy_keeps_the_vector_path(host):
+    """Whole aligned blocks take the vector path with or without a model copy: p, the copy and the
+    codes are stored 4 elements a store, each block's absmax once. Misaligned storage sends every
+    block down the element path: one store per element. The bits and bytes are the same on both
+    paths: only the number of stores tells a copy that wrongly takes the element path."""
+    n = 2 * 256
+    blocks = n // 256
+    vector = _stores(host, 'fp32', n)
+    assert vector == n // 4 + n // 4 + blocks
+    assert _stores(host, 'o2-bf16', n) == vector + n // 4
+    assert _stores(host, 'o2-bf16', n, shift=1) == 3 * n + blocks
+
+
 def _expected_prefetches(st, grads, q, warps, first):
     """The lines the update asks of L2 ahead of use (prefetch_qblock): in each chunk of ``q``
     elements, every whole quantization block but the first ``warps`` (those the warps start on) is
