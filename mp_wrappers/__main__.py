@@ -75,9 +75,10 @@ def _quantized_lines(info: dict) -> List[str]:
              'cuda         this build has no CUDA kernels: CUDA params with state_dtype=\'int8\' are '
              "refused (NotImplementedError) at the first step, before any update; set "
              "optim_wrapper.optimizer.state_dtype='float32' there",
-             "sgd          FusedSGD(state_dtype='int8'): the same devices, fp32 / half params; "
-             "bf16 params with a lean master_weights ('split', 'kahan', 'stochastic') are "
-             'refused (NotImplementedError) before any update']
+             f"sgd          FusedSGD(state_dtype='int8'): {info['sgd_cpu']} on cpu, "
+             + ('cuda kernel' if info['sgd_cuda'] else 'no CUDA kernel (CUDA params refused)')
+             + "; fp32 / half params only: bf16 params with a lean master_weights ('split', "
+             "'kahan', 'stochastic') are refused (NotImplementedError) before any update"]
     lines.append(f'bytes/param  (fp32 moments -> int8 moments, blocks of {info["block_size"]}; '
                  'grads not counted)')
     for what, (fp32, int8) in info['bytes_per_param'].items():

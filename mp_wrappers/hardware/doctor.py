@@ -41,7 +41,8 @@ def extension_info() -> Dict[str, object]:
 
 def quantized_states_info() -> Dict[str, object]:
     """Where ``FusedAdam(state_dtype='int8')`` runs and what its moments cost per param
-    (``FusedSGD(state_dtype='int8')``: its kernels are built beside Adam's, the same flavours).
+    (``FusedSGD(state_dtype='int8')``: ``sgd_cpu`` / ``sgd_cuda``, the same for its own op, which
+    a build may lack where it has Adam's).
 
     ``cpu``: the kernel flavour that runs the 8-bit update (``'cpp-avx512'``, ``'cpp-avx2'``,
     ``'cpp-baseline'``), or ``'reference'`` (the pure-PyTorch update: same bits, much slower) when the
@@ -56,10 +57,14 @@ def quantized_states_info() -> Dict[str, object]:
     ext = _extension.extension()
     kernel = ext is not None and _op_has_kernel('multi_tensor_adam8bit_', 'cpu')
     cuda_kernel = ext is not None and _op_has_kernel('multi_tensor_adam8bit_', 'cuda')
+    sgd_kernel = ext is not None and _op_has_kernel('multi_tensor_sgd8bit_', 'cpu')
+    sgd_cuda_kernel = ext is not None and _op_has_kernel('multi_tensor_sgd8bit_', 'cuda')
     moments = 2 + 2 * 4 / BLOCK_SIZE  # a byte per element per moment, an fp32 absmax per block
     return dict(
         cpu=f'cpp-{ext.cpu_isa()}' if kernel else 'reference',
         cuda='cuda' if cuda_kernel else None,
+        sgd_cpu=f'cpp-{ext.cpu_isa()}' if sgd_kernel else 'reference',
+        sgd_cuda='cuda' if sgd_cuda_kernel else None,
         block_size=BLOCK_SIZE,
         bytes_per_param={
             'Adam moments': (8.0, moments),

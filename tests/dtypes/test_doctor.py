@@ -57,14 +57,18 @@ def test_doctor_prints_the_section_and_cudas_refusal(capsys):
     assert lines[0].startswith('cpu          ')
     assert "state_dtype='int8' are refused (NotImplementedError)" in lines[1]
     assert "optim_wrapper.optimizer.state_dtype='float32'" in lines[1]
-    assert lines[2].startswith("sgd          FusedSGD(state_dtype='int8'): the same devices, "
-                               "fp32 / half params; bf16 params with a lean master_weights")
+    assert lines[2].startswith("sgd          FusedSGD(state_dtype='int8'): cpp-")
+    assert "on cpu, no CUDA kernel (CUDA params refused); fp32 / half params only: bf16 params " \
+           "with a lean master_weights" in lines[2]
     assert lines[-1] == '             O2 bf16: model + fp32 master + Adam: 14.00 -> 8.03'
 
 
 def test_doctor_names_the_cuda_kernel_where_the_build_has_it():
     info = dict(hardware_doctor.quantized_states_info(), cuda='cuda')
     assert doctor._quantized_lines(info)[1] == 'cuda         cuda kernel'
+    assert 'no CUDA kernel' in doctor._quantized_lines(info)[2]  # SGD's op has its own
+    info['sgd_cuda'] = 'cuda'
+    assert 'on cpu, cuda kernel;' in doctor._quantized_lines(info)[2]
 
 
 def test_selftest_checks_the_8bit_kernel_like_every_op(monkeypatch):

@@ -148,8 +148,9 @@ def test_sgd8bit_edge_blocks(host, setup, hp):
 
 def test_sgd8bit_first_update_ignores_the_codes(host):
     """On the first applied update (step 0) the buffer is the direction whatever the codes and
-    absmax hold (a checkpoint's leftovers, a torch.empty state): the kernel must not read them. The
-    same call from step 1 reads them (the flag is the device's step, not a constant)."""
+    absmax hold (a checkpoint's leftovers, a torch.empty state): the kernel must not use them (it
+    reads no code; the absmax it reads is not used). The same call from step 1 uses them (the flag
+    is the device's step, not a constant)."""
     st = State('o2-bf16', sizes_of(host)[:5], seed=53)
     for c, a in zip(st.codes, st.absmax):
         c.fill_(0x7F)

@@ -4,9 +4,11 @@
 // an optional model copy. The 8-bit Adam kernel's structure with one state (cuda/quant_block.cuh:
 // one warp per quantization block of 256 elements, the codes, the lanes' layout, the launches):
 // each lane dequantizes 8 elements of the buffer, applies the SGD update (the CPU kernel's
-// operations in its order, its fused multiply-adds as FMAs, so the same bits), stores the param and
-// the model copy, and keeps its 8 new buffer values in registers while the warp reduces the block's
-// new absmax with shuffles; then every lane encodes its elements and lane 0 stores the absmax.
+// operations in its order, its fused multiply-adds as FMAs, so the same bits; only a NaN's code, a
+// zero times a subnormal absmax's infinite encode factor, follows the platform's default NaN, as
+// in the Adam kernel: docs/quantized_states.md), stores the param and the model copy, and keeps its
+// 8 new buffer values in registers while the warp reduces the block's new absmax with shuffles;
+// then every lane encodes its elements and lane 0 stores the absmax.
 //
 // Whether this is the first applied update (step == 0: buffer := direction, its codes not read) is
 // read from step on the device by thread 0 of each block, as multi_tensor_sgd_ does: no host sync.
