@@ -17,13 +17,14 @@ import collections
 import pytest
 import torch
 
-from _guards import flat, guarded
+from _guards import guarded
 from mp_wrappers.ops import reference
 from mp_wrappers.ops.reference.quant import EXP_AVG_CODE, quantize_blockwise
-from test_cuda_host import _bits_equal, host, representative  # noqa: F401 (host is a fixture)
-from test_cuda_host_adam8bit import sizes_of, steps_then_skip
+from test_cuda_host import host, representative  # noqa: F401 (host is a fixture)
+from test_cuda_host_adam8bit import resident  # noqa: F401 (a fixture)
+from test_cuda_host_adam8bit import _assert_equal, sizes_of, steps_then_skip
 from test_cuda_host_planner import blocks_per_launch, planned_launches
-from test_quantized_sgd import DAMPENED, HYPERS, MOMENTUM, EdgeCase
+from test_quantized_sgd import DAMPENED, HYPERS, MOMENTUM, Case, EdgeCase
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.ops.mp_wrappers, 'multi_tensor_sgd8bit_'),
                                 reason='the C++ extension mp_wrappers._C is not built')
@@ -42,10 +43,11 @@ SETUPS = {
 _UPDATE = 'sgd8bit'
 
 
-class State:
-    """One call's tensors: params, grads, the buffer's codes and absmax, the step counter. `step`
-    0: the first applied update comes next (codes and absmax zero, as FusedSGD makes them); else a
-    buffer quantized from random values."""
+class State(Case):
+    """One call's tensors (tests/ops/test_quantized_sgd.py Case: params, grads, the buffer's codes
+    and absmax, the step counter) between guard canaries, `shift` elements off alignment. `step`
+    0: the first applied update comes next (codes and absmax zero, as FusedSGD makes them); else
+    a buffer quantized from random values."""
 
     def __init__(self, setup, sizes, seed=0, shift=0, step=0.0):
         pdt, self.gdt, mdt, scale = SETUPS[setup]
@@ -66,29 +68,6 @@ class State:
         s = 1.0 if self.scale is None else float(self.scale)
         return [guarded((torch.randn(n, generator=self.gen) * s).to(self.gdt), shift)
                 for n in self.sizes]
-
-    def tensors(self):
-        return self.params + self.model + self.codes + self.absmax + [self.step]
-
-    def clone(self, as_flat=False, shift=0):
-        c = State.__new__(State)
-        c.__dict__.update(self.__dict__)
-        for k in ('params', 'model', 'codes', 'absmax'):
-            lst = getattr(self, k)
-            setattr(c, k, (flat(lst, shift) if as_flat else [guarded(t) for t in lst])
-                    if lst else [])
-        c.step = guarded(self.step)
-        return c
-
-    def run(self, fn, grads, hp, found_inf=None, lr_tensor=None):
-        fn(self.params, grads, self.codes, self.absmax, self.model, self.step, *hp.values(),
-           self.scale, found_inf, lr_tensor)
-
-
-def _assert_equal(got, want, what):
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert _bits_equal(a, b) if a.is_floating_point() else torch.equal(a, b), \
-            f'{what}: tensor {i} differs'
 
 
 def _update_launches(host):
@@ -228,14 +207,6 @@ def test_sgd8bit_tensor_lr(host):
         st.run(host.ops.multi_tensor_sgd8bit_, grads, dict(MOMENTUM, lr=0.0), lr_tensor=lr)
         cpu.run(torch.ops.mp_wrappers.multi_tensor_sgd8bit_, grads, dict(MOMENTUM, lr=value))
         _assert_equal(st.tensors(), cpu.tensors(), f'lr {value}')
-
-
-@pytest.fixture
-def resident(host):
-    """Sets the blocks the emulated device holds at once for one test, then restores it."""
-    before = host.module.resident_blocks()
-    yield host.module.set_resident_blocks
-    host.module.set_resident_blocks(before)
 
 
 @pytest.mark.parametrize('n_resident', [None, 0, 4, 9])

@@ -64,7 +64,7 @@ class Case:
         return self.params + self.model + self.codes + self.absmax + [self.step]
 
     def clone(self, as_flat=False, shift=0):
-        c = Case.__new__(Case)
+        c = type(self).__new__(type(self))
         c.__dict__.update(self.__dict__)
         for k in ('params', 'model', 'codes', 'absmax'):
             lst = getattr(self, k)
