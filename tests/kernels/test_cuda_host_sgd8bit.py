@@ -158,6 +158,17 @@ def test_sgd8bit_first_update_ignores_the_codes(host):
     assert not torch.equal(later.params[0], st.params[0])
 
 
+@pytest.mark.parametrize('scale', [2.0 ** -127, 2.0 ** -130])
+def test_sgd8bit_unscale_by_a_scale_whose_reciprocal_overflows(host, scale):
+    """A power-of-two grad_scale whose reciprocal overflows (below 2**-127): make_unscale divides,
+    as the reference does, instead of multiplying finite grads by inf (optim_apply.cuh, shared by
+    every optimizer kernel); 2**-127's reciprocal is finite and multiplies."""
+    st = State('fp32-odd-scale', sizes_of(host)[:5], seed=66, step=1.0)
+    st.scale = guarded(torch.full((1,), scale))
+    _step_and_compare(host, st, MOMENTUM, 2, f'scale {scale}')
+    assert all(torch.isfinite(p).all() for p in st.params)
+
+
 @pytest.mark.parametrize('misaligned', ['params', 'grads', 'momentum_buffers', 'model'])
 def test_sgd8bit_one_misaligned_list(host, misaligned):
     """Only one list misaligned: its storage alone must send the chunk down the guarded path (a

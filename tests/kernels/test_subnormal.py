@@ -88,3 +88,44 @@ def test_adam_with_subnormal_second_moment(impl):
     torch.testing.assert_close(v.double(), v64, rtol=1e-2, atol=0)  # ~71 ulps of subnormal: 1%
     torch.testing.assert_close(p.double(), p64, rtol=1e-2, atol=0)
     assert step.item() == 1
+
+
+# A power-of-two loss scale whose reciprocal overflows (2**-128 and below, down to the smallest
+# subnormal): the kernels divide by it, as the reference does, instead of multiplying by an
+# infinite reciprocal. 2**-127 is the smallest power of two whose reciprocal (2**127) is finite.
+@pytest.mark.parametrize('scale', [2.0 ** -127, 2.0 ** -128, 2.0 ** -130, 2.0 ** -149])
+@pytest.mark.parametrize('op', ['multi_tensor_sgd_', 'multi_tensor_adam_', 'multi_tensor_sgd8bit_',
+                                'multi_tensor_adam8bit_'])
+def test_optimizers_unscale_by_a_scale_whose_reciprocal_overflows(op, scale):
+    if not _kernel_built():
+        pytest.skip('the C++ extension is not built')
+    from mp_wrappers.ops.reference.quant import num_blocks
+    n = 300
+
+    def state():
+        g = torch.Generator().manual_seed(7)
+        p = [torch.randn(n, generator=g)]
+        grads = [torch.randn(n, generator=g) * scale]  # finite grads of a tiny scale
+        if op == 'multi_tensor_sgd_':
+            lists = ([torch.zeros(n)],)
+            hyper = (0.1, 0.9, 0.0, 1e-4, False, False)
+        elif op == 'multi_tensor_adam_':
+            lists = ([torch.zeros(n)], [torch.zeros(n)])
+            hyper = (1e-3, 0.9, 0.999, 1e-8, 0.01, True, True)
+        else:
+            moments = 1 if op == 'multi_tensor_sgd8bit_' else 2
+            lists = sum((([torch.zeros(n, dtype=torch.uint8)], [torch.zeros(num_blocks(n))])
+                         for _ in range(moments)), ())
+            hyper = ((0.1, 0.9, 0.0, 1e-4, False, False) if moments == 1 else
+                     (1e-3, 0.9, 0.999, 1e-8, 0.01, True, True))
+        return p, grads, lists, hyper
+
+    out = []
+    for impl in (getattr(torch.ops.mp_wrappers, op), getattr(reference, op)):
+        p, grads, lists, hyper = state()
+        for _ in range(2):  # the first update, then one that reads the state
+            impl(p, grads, *lists, [], torch.zeros(1) + _, *hyper,
+                 torch.tensor([scale]), torch.zeros(1))
+        out.append([p[0]] + [t for lst in lists for t in lst])
+    for a, b in zip(*out):
+        assert torch.isfinite(a.float()).all() and torch.equal(a, b)

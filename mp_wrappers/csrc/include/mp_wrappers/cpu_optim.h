@@ -58,8 +58,11 @@ struct Unscale {
     const float s = *grad_scale;
     int exp = 0;
     const float mant = std::frexp(s, &exp);
-    if (std::isfinite(s) && mant == 0.5f) {
-      u.factor = 1.f / s;  // exact: a power of two, normal or subnormal
+    const float inv = 1.f / s;
+    // Exact for a power of two, normal or subnormal, while it is finite: below 2^-127 the
+    // reciprocal overflows to inf (g * inf, where g / s is finite), so those divide.
+    if (std::isfinite(s) && mant == 0.5f && std::isfinite(inv)) {
+      u.factor = inv;
     } else {
       u.factor = s;
       u.divide = true;

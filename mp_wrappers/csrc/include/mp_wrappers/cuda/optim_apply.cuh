@@ -34,8 +34,8 @@ __device__ __forceinline__ bool skip_update(const float* found_inf) {
   return found_inf != nullptr && ld_uniform(found_inf) != 0.f;
 }
 
-// grad / grad_scale as the reference computes it; for a finite power of two the exact reciprocal
-// gives the same bits with a multiply (see cpu_optim.h, Unscale).
+// grad / grad_scale as the reference computes it; for a power of two whose reciprocal is finite
+// the exact reciprocal gives the same bits with a multiply (see cpu_optim.h, Unscale).
 struct DeviceUnscale {
   float factor;
   bool divide;
@@ -48,7 +48,9 @@ __device__ __forceinline__ DeviceUnscale make_unscale(const float* grad_scale) {
   const float s = ld(grad_scale);
   int e = 0;
   const float mant = frexpf(s, &e);
-  if (isfinite(s) && mant == 0.5f) return DeviceUnscale{fdiv(1.f, s), false};
+  const float inv = fdiv(1.f, s);
+  // Below 2^-127 the reciprocal overflows to inf (g * inf, where g / s is finite): divide.
+  if (isfinite(s) && mant == 0.5f && isfinite(inv)) return DeviceUnscale{inv, false};
   return DeviceUnscale{s, true};
 }
 
