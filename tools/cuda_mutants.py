@@ -170,7 +170,9 @@ EQUIVALENT: Dict[str, str] = {
                                                 'and no code (code value 0): its new buffer '
                                                 'value is 0 (d = 0 on the first update, else '
                                                 'fma(0, fac, (1 - dampening) * 0) with a finite '
-                                                'fac) and does not raise a max that starts at 0',
+                                                'fac; unscaled, 0 stays 0 for every grad_scale '
+                                                'but 0, which no scaler holds) and does not '
+                                                'raise a max that starts at 0',
     'multi_tensor_sgd8bit.cu:190:rel:e942c60d': 'with size - b0 == 256 both branches give 256',
     'multi_tensor_adam8bit.cu:326:rel:61e25f20': 'with size - b0 == 256 both branches give 256',
     'multi_tensor_adam8bit.cu:207:rel:75579f15': 'the scalar encode loop runs once more per half: '
