@@ -121,11 +121,11 @@ EQUIVALENT: Dict[str, str] = {
                                                    'the vector path has b.n == 256 '
                                                    '(adam8bit_kernel passes `vector` only then) and '
                                                    'both indices (0..255, -3..252) are below it',
-    'optim_apply.cuh:111:rel:7b4c2f91': 'the state pointer loop runs once more: state has S + 1 '
+    'optim_apply.cuh:113:rel:7b4c2f91': 'the state pointer loop runs once more: state has S + 1 '
                                         'slots and state[S] gets addresses[N - 1] (the model '
                                         'copy\'s list, in bounds) but is never read: every use '
                                         'loops k < S',
-    'optim_apply.cuh:149:rel:2c61dc71': 'the guarded path\'s strided loop runs once more when n '
+    'optim_apply.cuh:151:rel:2c61dc71': 'the guarded path\'s strided loop runs once more when n '
                                         'is a multiple of its stride, with every i >= n: '
                                         'load_one returns 0 (no load), store_one stores nothing, '
                                         'and the ops\' update is a pure function of its lanes '
@@ -133,9 +133,9 @@ EQUIVALENT: Dict[str, str] = {
     # compute(): s and rs have S + 1 slots (no zero-length array for S == 0); the ops read and
     # write s[0..S-1] only (adam s[0], s[1]; lamb s[0], s[1]; adagrad, novograd and SGD with
     # momentum s[0]; SGD without momentum none), and rs[S] is never loaded or stored.
-    'optim_apply.cuh:181:rel:54bb612e': 'the copy into the op\'s slots runs once more: s[S] = '
+    'optim_apply.cuh:183:rel:54bb612e': 'the copy into the op\'s slots runs once more: s[S] = '
                                         'rs[S][j], both in bounds, and no op reads s[S]',
-    'optim_apply.cuh:184:rel:f1188f09': 'the copy back runs once more: rs[S][j] = s[S], both in '
+    'optim_apply.cuh:186:rel:f1188f09': 'the copy back runs once more: rs[S][j] = s[S], both in '
                                         'bounds, and rs[S] is never stored (every store loops '
                                         'k < S)',
     'multi_tensor_apply.cuh:59:rel:05503f0f': 'a chunk\'s size min(left, kChunk): with left == '
@@ -166,14 +166,14 @@ EQUIVALENT: Dict[str, str] = {
                                                'memory, which the host build does not count). '
                                                'A one-warp block (no such launch reduces) would '
                                                'keep its first stage, equal but for -0 + 0',
-    'multi_tensor_sgd8bit.cu:113:rel:1b33dbf7': 'the lane at i == n of a short block loaded p = g = 0 '
+    'multi_tensor_sgd8bit.cu:115:rel:1b33dbf7': 'the lane at i == n of a short block loaded p = g = 0 '
                                                 'and no code (code value 0): its new buffer '
                                                 'value is 0 (d = 0 on the first update, else '
                                                 'fma(0, fac, (1 - dampening) * 0) with a finite '
                                                 'fac; unscaled, 0 stays 0 for every grad_scale '
                                                 'but 0, which no scaler holds) and does not '
                                                 'raise a max that starts at 0',
-    'multi_tensor_sgd8bit.cu:190:rel:e942c60d': 'with size - b0 == 256 both branches give 256',
+    'multi_tensor_sgd8bit.cu:192:rel:e942c60d': 'with size - b0 == 256 both branches give 256',
     'multi_tensor_adam8bit.cu:326:rel:61e25f20': 'with size - b0 == 256 both branches give 256',
     'multi_tensor_adam8bit.cu:207:rel:75579f15': 'the scalar encode loop runs once more per half: '
                                                  'element (h * kILP + kILP) * 32 + lane of h == 0 '
