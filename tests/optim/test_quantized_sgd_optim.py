@@ -5,6 +5,7 @@ kernels), and the wrappers (ApexOptimWrapper O2, FP16OptimWrapper's overflow ski
 Runner (our tools/train.py and a toolbox's own train script, EMAHook, accumulation, resume)
 training with it."""
 import copy
+import math
 
 import pytest
 import torch
@@ -280,11 +281,29 @@ def test_fp16_overflow_skip_leaves_the_8bit_buffer_bitwise():
 
 # ---- mmengine's Runner -----------------------------------------------------------------------------
 
-def _runner_kw(states):
+def _runner_kw(states, lr=0.05):
     return dict(wrapper='O2', dtype='bfloat16', iters=6, accumulative_counts=2,
                 custom_hooks=[dict(type='EMAHook', momentum=0.1)],
-                optimizer=dict(type='mp_wrappers.FusedSGD', lr=0.05, momentum=0.9,
+                optimizer=dict(type='mp_wrappers.FusedSGD', lr=lr, momentum=0.9,
                                weight_decay=1e-4, state_dtype=states, min_8bit_size=0))
+
+
+# the same training with mmengine's OptimWrapper over torch's SGD in fp32 (a float32 buffer)
+_PLAIN_FP32 = dict(wrapper='fp32', iters=6, accumulative_counts=2,
+                   optimizer=dict(type='SGD', lr=0.05, momentum=0.9, weight_decay=1e-4))
+
+
+def _assert_8bit_buffers(opt):
+    """Every momentum buffer of ``opt`` (min_8bit_size=0) is 8-bit: uint8 codes laid out like its
+    param and a float32 absmax per block of 256."""
+    assert isinstance(opt, FusedSGD) and opt.int8_states
+    made = [(p, st) for p, st in opt.state.items() if 'momentum_buffer' in st]
+    assert made
+    for p, st in made:
+        assert st['momentum_buffer'].dtype == torch.uint8
+        assert st['momentum_buffer'].shape == p.shape
+        absmax = st['momentum_buffer_absmax']
+        assert absmax.dtype == torch.float32 and absmax.numel() == -(-p.numel() // 256)
 
 
 def test_runner_trains_and_resumes_bitwise(tmp_path, launcher):
@@ -296,9 +315,7 @@ def test_runner_trains_and_resumes_bitwise(tmp_path, launcher):
     from _workflow import latest_checkpoint, losses, make_runner, train
     full = train(make_runner(str(tmp_path / 'full'), ckpt_interval=4, **_runner_kw('int8')))
     opt = full.optim_wrapper.optimizer
-    assert isinstance(opt, FusedSGD) and opt.int8_states
-    buffers = [st['momentum_buffer'] for st in opt.state.values() if 'momentum_buffer' in st]
-    assert buffers and all(b.dtype == torch.uint8 for b in buffers)
+    _assert_8bit_buffers(opt)
     ckpt = next((tmp_path / 'full').rglob('iter_4.pth'))
     resumed = train(make_runner(str(tmp_path / 'resumed'), load_from=str(ckpt), resume=True,
                                 **_runner_kw('int8')))
@@ -306,11 +323,48 @@ def test_runner_trains_and_resumes_bitwise(tmp_path, launcher):
         assert torch.equal(p, q)
     _assert_states_equal(_states(opt), _states(resumed.optim_wrapper.optimizer))
     fp32_buffer = train(make_runner(str(tmp_path / 'fp32buf'), **_runner_kw('float32')))
-    plain = train(make_runner(str(tmp_path / 'plain'), wrapper='fp32', iters=6,
-                              accumulative_counts=2,
-                              optimizer=dict(type='SGD', lr=0.05, momentum=0.9, weight_decay=1e-4)))
+    plain = train(make_runner(str(tmp_path / 'plain'), **_PLAIN_FP32))
     ours, ref, torch_fp32 = losses(full), losses(fp32_buffer), losses(plain)
     assert len(ours) == len(ref) == len(torch_fp32) == 6
     for a, b, c in zip(ours, ref, torch_fp32):
         assert abs(a - b) <= 0.02 * b and abs(a - c) <= 0.05 * c
     assert latest_checkpoint(str(tmp_path / 'full'))
+
+
+@pytest.mark.parametrize('source', ['int8', 'float32', 'fp32'],
+                         ids=['O2-int8', 'O2-float32', 'OptimWrapper-fp32'])
+def test_finetune_with_load_from_starts_at_the_pretrained_weights(tmp_path, launcher, source):
+    """``load_from`` without ``resume`` (a fine-tune) into ApexOptimWrapper O2 bf16 over
+    FusedSGD(state_dtype='int8'), under our tools/train.py and a toolbox's own train script, of a
+    checkpoint saved by a run of the test above with an 8-bit or a float32 buffer (EMAHook: its
+    weights are the average of the fp32 masters) or by mmengine's OptimWrapper over torch's SGD in
+    fp32. At lr=0 the run ends with the checkpoint's weights bit for bit: its fp32 masters are the
+    checkpoint's fp32 values (not their bf16 rounding), its bf16 weights their rounding; its
+    buffers are new (one step counted, none of the saved run's). At lr=0.05 it trains: finite
+    losses within 2% of the same fine-tune with a float32 buffer, its momentum buffers 8-bit."""
+    from _workflow import latest_checkpoint, load, losses, make_runner, masters_by_name, train
+    source_kw = _PLAIN_FP32 if source == 'fp32' else _runner_kw(source)
+    train(make_runner(str(tmp_path / 'pretrained'), ckpt_interval=6, **source_kw))
+    pretrained = latest_checkpoint(tmp_path / 'pretrained')
+    saved = load(pretrained)['state_dict']
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in saved.values())
+
+    def finetune(name, states, lr=0.05, iters=6):
+        return train(make_runner(str(tmp_path / name), load_from=pretrained, resume=False,
+                                 **dict(_runner_kw(states, lr), iters=iters)))
+    still = finetune('lr0', 'int8', lr=0.0, iters=2)
+    masters = masters_by_name(still)
+    half = [n for n, p in still.model.named_parameters() if p.dtype == torch.bfloat16]
+    assert half and sorted(masters) == sorted(half)
+    for name, p in still.model.named_parameters():
+        assert torch.equal(p.detach(), saved[name].to(p.dtype)), name
+        if name in masters:
+            assert torch.equal(masters[name], saved[name]), name
+    assert {float(st['step']) for st in still.optim_wrapper.optimizer.state.values()} == {1.0}
+    ours, ref = finetune('int8', 'int8'), finetune('fp32buf', 'float32')
+    _assert_8bit_buffers(ours.optim_wrapper.optimizer)
+    ours, ref = losses(ours), losses(ref)
+    assert len(ours) == len(ref) == 6 and all(math.isfinite(a) for a in ours)
+    for a, b in zip(ours, ref):
+        assert abs(a - b) <= 0.02 * b
+

@@ -13,26 +13,32 @@ or the whole model; both must train the same, bit for bit:
   run sees the same dtype as in an uninterrupted run. The wrappers are built either by the Runner
   from a config (through a multi-optimizer constructor, as mmagic's configs do) or by hand and
   handed to it (then they meet the runner at their first forward).
+* 8-bit optimizer states (FusedSGD's momentum buffer, FusedAdam's moments) are made for each
+  wrapper's own params only and resume bitwise, the config run by our tools/train.py and by a
+  toolbox's train script.
 """
 import itertools
+from typing import Optional
 
 import pytest
 import torch
 import torch.nn.functional as F
 from mmengine.model import BaseModel
 from mmengine.optim import DefaultOptimWrapperConstructor, OptimWrapperDict
-from mmengine.registry import OPTIM_WRAPPER_CONSTRUCTORS
+from mmengine.registry import DATASETS, MODELS, OPTIM_WRAPPER_CONSTRUCTORS
 from mmengine.runner import Runner
 from torch import nn
 from torch.utils.data import Dataset
 
 import mp_wrappers
 from _workflow import load as secure_torch_load  # the weights_only loader where torch has it
+from _workflow import runner_from_cfg
 
 LEVELS = ('O0', 'O1', 'O2', 'O3')
 HALF = (torch.float16, torch.bfloat16)
 
 
+@DATASETS.register_module(force=True)
 class _GANData(Dataset):
     """Real samples and the noise used with them (fixed per index, so a resumed run replays it)."""
 
@@ -53,6 +59,7 @@ def _set_requires_grad(module: nn.Module, flag: bool) -> None:
         p.requires_grad_(flag)
 
 
+@MODELS.register_module(force=True)
 class _TinyGAN(BaseModel):
     def __init__(self, whole_model: bool) -> None:
         super().__init__()
@@ -109,27 +116,33 @@ class _GANOptimWrapperConstructor:
             for name, cfg in self.cfgs.items()})
 
 
-def _wrapper_cfg(level: str, dtype: str) -> dict:
+def _wrapper_cfg(level: str, dtype: str, optimizer: Optional[dict] = None) -> dict:
     return dict(type='mp_wrappers.ApexOptimWrapper', opt_level=level, dtype=dtype, verbosity=0,
-                optimizer=dict(type='Adam', lr=1e-2, betas=(0.5, 0.9)))
+                optimizer=optimizer or dict(type='Adam', lr=1e-2, betas=(0.5, 0.9)))
 
 
 def _runner(work_dir, g_level, d_level, dtype='bfloat16', whole_model=False, max_iters=4,
-            resume_from=None, built_by='runner', hooks=()):
-    """``built_by='runner'``: a config's wrappers (a toolbox's way); ``'hand'``: wrapper objects."""
-    model = _TinyGAN(whole_model)
+            resume_from=None, built_by='runner', hooks=(), optimizers=None, launcher=None):
+    """``built_by='runner'``: a config's wrappers (a toolbox's way), their optimizers torch's Adam
+    or ``optimizers[name]``; ``'hand'``: wrapper objects. ``launcher``: the Runner built from the
+    config as that launcher does (Note [two launchers] in tests/_workflow.py); by default
+    ``Runner(...)`` itself."""
     if built_by == 'hand':
+        model = _TinyGAN(whole_model)
         optim_wrapper = OptimWrapperDict(
             generator=_wrapper(model.generator, g_level, dtype),
             discriminator=_wrapper(model.discriminator, d_level, dtype))
     else:
-        optim_wrapper = dict(constructor='_GANOptimWrapperConstructor',
-                             generator=_wrapper_cfg(g_level, dtype),
-                             discriminator=_wrapper_cfg(d_level, dtype))
+        model = dict(type='_TinyGAN', whole_model=whole_model)
+        optimizers = optimizers or {}
+        optim_wrapper = dict(
+            constructor='_GANOptimWrapperConstructor',
+            generator=_wrapper_cfg(g_level, dtype, optimizers.get('generator')),
+            discriminator=_wrapper_cfg(d_level, dtype, optimizers.get('discriminator')))
     _RUNS[0] += 1
-    return Runner(
+    cfg = dict(
         model=model, work_dir=str(work_dir), experiment_name=f'test_gan_{_RUNS[0]}',
-        train_dataloader=dict(dataset=_GANData(), batch_size=4, num_workers=0,
+        train_dataloader=dict(dataset=dict(type='_GANData'), batch_size=4, num_workers=0,
                               sampler=dict(type='DefaultSampler', shuffle=False),
                               collate_fn=dict(type='default_collate')),
         train_cfg=dict(by_epoch=False, max_iters=max_iters, val_interval=1000),
@@ -140,6 +153,7 @@ def _runner(work_dir, g_level, d_level, dtype='bfloat16', whole_model=False, max
         randomness=dict(seed=0, deterministic=True),
         load_from=resume_from, resume=resume_from is not None,
         default_scope='mmengine', log_level='WARNING')
+    return Runner(**cfg) if launcher is None else runner_from_cfg(cfg, launcher)
 
 
 def _train(runner):
@@ -207,13 +221,18 @@ def test_each_wrapper_casts_only_its_own_modules_however_the_model_is_passed(
         assert torch.equal(runs[True][k], runs[False][k]), k
 
 
-def _resume_differences(tmp_path, g_level, d_level, **kwargs):
-    _train(_runner(tmp_path / 'full', g_level, d_level, **kwargs))
+def _resume(tmp_path, g_level, d_level, **kwargs):
+    """An uninterrupted 4-iteration run, its last checkpoint, and that of the same run resumed
+    from its iteration-2 checkpoint."""
+    full = _train(_runner(tmp_path / 'full', g_level, d_level, **kwargs))
     _train(_runner(tmp_path / 'resumed', g_level, d_level,
                    resume_from=str(tmp_path / 'full' / 'iter_2.pth'), **kwargs))
-    full = secure_torch_load(str(tmp_path / 'full' / 'iter_4.pth'))
-    resumed = secure_torch_load(str(tmp_path / 'resumed' / 'iter_4.pth'))
-    return _differences(full, resumed)
+    return (full, secure_torch_load(str(tmp_path / 'full' / 'iter_4.pth')),
+            secure_torch_load(str(tmp_path / 'resumed' / 'iter_4.pth')))
+
+
+def _resume_differences(tmp_path, g_level, d_level, **kwargs):
+    return _differences(*_resume(tmp_path, g_level, d_level, **kwargs)[1:])
 
 
 @pytest.mark.parametrize('g_level,d_level', list(itertools.product(LEVELS, LEVELS)))
@@ -240,6 +259,56 @@ def test_gan_resume_is_bitwise_with_fp16_loss_scaling(tmp_path):
     assert _differences(full, resumed) == []
     scalers = full['optimizer']['generator']['mp_wrappers']['loss_scalers']
     assert scalers[0]['dynamic'] and scalers[0]['steps'] == 4
+
+
+# 8-bit optimizer states (docs/quantized_states.md) in a GAN's wrappers: FusedSGD's momentum buffer
+# for the generator, FusedAdam's moments or torch's float32 Adam for the discriminator. The
+# modules are small: min_8bit_size=0 makes every param's state 8-bit.
+_SGD_8BIT = dict(type='mp_wrappers.FusedSGD', lr=1e-2, momentum=0.9, weight_decay=1e-4,
+                 state_dtype='int8', min_8bit_size=0)
+_ADAM_8BIT = dict(type='mp_wrappers.FusedAdam', lr=1e-2, betas=(0.5, 0.9), state_dtype='int8',
+                  min_8bit_size=0)
+_8BIT_KEYS = {'mp_wrappers.FusedSGD': ('momentum_buffer',),
+              'mp_wrappers.FusedAdam': ('exp_avg', 'exp_avg_sq')}
+
+
+def _stepped(wrapper, module: nn.Module):
+    """What ``wrapper``'s optimizer steps for ``module``'s params: their fp32 masters where it
+    keeps them, the params themselves otherwise."""
+    masters = wrapper.full_precision_weights()
+    return [masters.get(id(p), p) for p in module.parameters()]
+
+
+@pytest.mark.parametrize('d_level,d_optimizer', [('O1', _ADAM_8BIT), ('O0', None)],
+                         ids=['FusedAdam-int8', 'Adam-float32'])
+def test_gan_with_8bit_states_keeps_them_apart_and_resumes_bitwise(tmp_path, launcher, d_level,
+                                                                   d_optimizer):
+    """The generator's ApexOptimWrapper O2 bf16 over FusedSGD(state_dtype='int8') and the
+    discriminator's over FusedAdam(state_dtype='int8') at O1, or torch's Adam at O0, under our
+    tools/train.py and a toolbox's own train script. Each optimizer holds state for exactly the
+    tensors it steps for its own submodule (the generator's fp32 masters and BatchNorm params, the
+    discriminator's params): 8-bit codes laid out like them with a float32 absmax per block of
+    256, or no 8-bit state at all for torch's Adam. A run resumed from its iteration-2 checkpoint
+    saves at iteration 4 what the uninterrupted run saves, bit for bit: weights, masters, loss
+    scales and both optimizers' states, the codes and absmaxes included."""
+    optimizers = dict(generator=_SGD_8BIT, discriminator=d_optimizer)
+    full, saved, resumed = _resume(tmp_path, 'O2', d_level, launcher=launcher,
+                                   optimizers=optimizers)
+    for name, optimizer in optimizers.items():
+        wrapper = full.optim_wrapper[name]
+        own = _stepped(wrapper, getattr(full.model, name))
+        state = wrapper.optimizer.state
+        assert {id(t) for t in state} == {id(t) for t in own}, name
+        keys = _8BIT_KEYS[optimizer['type']] if optimizer else ()
+        for t in own:
+            for key in keys:
+                assert state[t][key].dtype == torch.uint8 and state[t][key].shape == t.shape
+                absmax = state[t][key + '_absmax']
+                assert absmax.dtype == torch.float32 and absmax.numel() == -(-t.numel() // 256)
+        codes = [v for st in saved['optimizer'][name]['state'].values() for v in st.values()
+                 if isinstance(v, torch.Tensor) and v.dtype == torch.uint8]
+        assert len(codes) == len(own) * len(keys), name
+    assert _differences(saved, resumed) == []
 
 
 def test_a_wrapper_owning_no_whole_module_warns_that_nothing_is_cast():
