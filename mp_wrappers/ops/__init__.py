@@ -11,10 +11,11 @@ from .lean import multi_tensor_adam_lean, multi_tensor_sgd_lean
 from .optimizers import (multi_tensor_adagrad, multi_tensor_adam, multi_tensor_lamb,
                          multi_tensor_novograd, multi_tensor_sgd)
 from .quantized_states import (multi_tensor_adam8bit, multi_tensor_adam8bit_lean,
-                               multi_tensor_sgd8bit)
+                               multi_tensor_sgd8bit, multi_tensor_sgd8bit_lean)
 
 __all__ = ['backend', 'multi_tensor_scale', 'multi_tensor_l2norm', 'multi_tensor_unscale_l2norm',
            'multi_tensor_axpby', 'update_scale_hysteresis_', 'new_found_inf',
            'multi_tensor_adam', 'multi_tensor_sgd', 'multi_tensor_lamb', 'multi_tensor_adagrad',
            'multi_tensor_novograd', 'multi_tensor_adam_lean', 'multi_tensor_sgd_lean',
-           'multi_tensor_adam8bit', 'multi_tensor_adam8bit_lean', 'multi_tensor_sgd8bit']
+           'multi_tensor_adam8bit', 'multi_tensor_adam8bit_lean', 'multi_tensor_sgd8bit',
+           'multi_tensor_sgd8bit_lean']

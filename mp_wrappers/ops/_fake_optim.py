@@ -148,3 +148,14 @@ def _multi_tensor_sgd8bit_fake(params: List[Tensor], grads: List[Tensor],
                                lr_tensor: Optional[Tensor] = None) -> None:
     check_tensor_lists('multi_tensor_sgd8bit_', ('params', 'grads', 'model_params'),
                        (params, grads, model_params), allow_empty=('model_params',))
+
+
+@torch.library.register_fake('mp_wrappers::multi_tensor_sgd8bit_lean_')
+def _multi_tensor_sgd8bit_lean_fake(params: List[Tensor], aux: List[Tensor], grads: List[Tensor],
+                                    momentum_buffers: List[Tensor],
+                                    momentum_buffer_absmaxes: List[Tensor], step: Tensor,
+                                    lr: float, momentum: float, dampening: float,
+                                    weight_decay: float, nesterov: bool, wd_after_momentum: bool,
+                                    storage: str, seed: int, grad_scale: Optional[Tensor],
+                                    found_inf: Optional[Tensor]) -> None:
+    check_tensor_lists('multi_tensor_sgd8bit_lean_', ('params', 'grads'), (params, grads))

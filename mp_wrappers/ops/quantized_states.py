@@ -6,48 +6,51 @@ per-block absmax. :func:`multi_tensor_adam8bit` validates its arguments the way
 :mod:`mp_wrappers.ops.optimizers` does and calls the implementation chosen by
 :func:`~mp_wrappers.ops._dispatch.implementation`: on the CPU the CPU kernel (or the reference when
 the extension is not built), on CUDA the CUDA kernel (``csrc/cuda/multi_tensor_adam8bit.cu`` and
-``multi_tensor_sgd8bit.cu``, one warp per quantization block). CUDA tensors are accepted only where the loaded build has that CUDA
-kernel; elsewhere (a CPU-only build, any other device type) :func:`check_quantized_device` refuses
-them before any work, naming the fix, rather than running the pure-PyTorch reference on the GPU.
+``multi_tensor_sgd8bit.cu``, one warp per quantization block). CUDA tensors are accepted only where
+the loaded build has that CUDA kernel; elsewhere (a CPU-only build, any other device type)
+:func:`check_quantized_device` refuses them before any work, naming the fix, rather than running
+the pure-PyTorch reference on the GPU.
 The argument order follows the op schema in ``csrc/bindings.cpp``.
 :class:`mp_wrappers.optim.FusedAdam` and :class:`mp_wrappers.optim.FusedSGD` with
-``state_dtype='int8'`` build these lists for you. The SGD op has no lean bf16 variant:
-:func:`check_quantized_device` refuses bf16 params with a lean storage on every device.
+``state_dtype='int8'`` build these lists for you. The SGD op's lean bf16 variant
+(:func:`multi_tensor_sgd8bit_lean`) has a CPU kernel only: :func:`check_quantized_device` refuses
+lean bf16 params on CUDA with an 8-bit momentum buffer before any work.
 """
 from typing import List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
-from ._checks import (_check_adam_scalars, _check_lists, _check_sgd_hyper,
+from ._checks import (_check_adam_scalars, _check_lists, _check_lr, _check_sgd_hyper,
                       _check_step_scalars)
 from ._dispatch import _op_has_kernel, run
-from .lean import _check_lean
+from .lean import _check_lean, _check_seed
 from .optimizers import _split_lr
 from .reference.quant import BLOCK_SIZE, num_blocks
 
 __all__ = ['multi_tensor_adam8bit', 'multi_tensor_adam8bit_lean', 'multi_tensor_sgd8bit',
+           'multi_tensor_sgd8bit_lean',
            'BLOCK_SIZE', 'num_blocks', 'check_quantized_device', 'has_quantized_kernel']
 
-# The 8-bit op of each optimizer, and its lean bf16 variant (None: there is none). Each has a CUDA
-# kernel in a build with CUDA kernels.
+# The 8-bit op of each optimizer, and its lean bf16 variant.
 _LEAN_OPS = {'multi_tensor_adam8bit_': 'multi_tensor_adam8bit_lean_',
-             'multi_tensor_sgd8bit_': None}
+             'multi_tensor_sgd8bit_': 'multi_tensor_sgd8bit_lean_'}
+# The ops with a CUDA kernel (csrc/cuda/), in a build with CUDA kernels; the others run on the CPU.
+_CUDA_OPS = frozenset({'multi_tensor_adam8bit_', 'multi_tensor_adam8bit_lean_',
+                       'multi_tensor_sgd8bit_'})
 
 
 def has_quantized_kernel(device_type: str, lean: bool = False,
                          op: str = 'multi_tensor_adam8bit_') -> bool:
     """Whether the 8-bit update ``op`` runs on ``device_type``: on the CPU always (the kernel,
     or the reference without the extension); on CUDA when the loaded build has its CUDA kernel.
-    ``lean``: its variant for bf16 params with lean storage (``multi_tensor_adam8bit_lean_``;
-    ``multi_tensor_sgd8bit_`` has none, on any device)."""
+    ``lean``: its variant for bf16 params with lean storage (``multi_tensor_adam8bit_lean_``,
+    ``multi_tensor_sgd8bit_lean_``: the SGD one has no CUDA kernel yet)."""
     if op not in _LEAN_OPS:
         raise ValueError(f'has_quantized_kernel: op={op!r} is not an 8-bit update; expected one '
                          f'of {sorted(_LEAN_OPS)}')
     if lean:
         op = _LEAN_OPS[op]
-        if op is None:
-            return False
     if device_type == 'cpu':
         return True
     return device_type == 'cuda' and _op_has_kernel(op, 'cuda')
@@ -57,21 +60,21 @@ def check_quantized_device(owner: str, device: torch.device, bf16_storage: Optio
                            op: str = 'multi_tensor_adam8bit_') -> None:
     """Refuse a device without the 8-bit update ``op`` (:func:`has_quantized_kernel`); with a
     ``bf16_storage`` (lean bf16 params), a device without its lean variant."""
-    if has_quantized_kernel(device.type, lean=bf16_storage is not None, op=op):
+    lean = bf16_storage is not None
+    if has_quantized_kernel(device.type, lean=lean, op=op):
         return
-    if bf16_storage is not None and _LEAN_OPS.get(op) is None:
-        raise NotImplementedError(
-            f"{owner}: an 8-bit momentum buffer (state_dtype='int8') with bf16_storage="
-            f"{bf16_storage!r} (a wrapper's master_weights={bf16_storage!r}) has no kernel on any "
-            f"device. Use state_dtype='int8' with fp32 masters (ApexOptimWrapper "
-            f"opt_level='O2', or bf16_storage=None), or state_dtype='float32' / 'bfloat16' with "
-            f'bf16_storage={bf16_storage!r}')
-    why = ('this mp_wrappers build has no CUDA kernels (rebuild it with MP_WRAPPERS_CUDA=1 '
-           'against a CUDA torch, docs/cuda.md)' if device.type == 'cuda' else
-           f'there is no {device.type} kernel')
-    where = (f'run on CPU tensors, and on CUDA tensors with a build that has CUDA kernels; got '
-             f'tensors on {device} and {why}')
-    if bf16_storage is not None:
+    kernel = _LEAN_OPS[op] if lean else op
+    if device.type != 'cuda':
+        why = f'there is no {device.type} kernel'
+    elif kernel not in _CUDA_OPS:
+        why = f'{kernel} has no CUDA kernel yet'
+    else:
+        why = ('this mp_wrappers build has no CUDA kernels (rebuild it with MP_WRAPPERS_CUDA=1 '
+               'against a CUDA torch, docs/cuda.md)')
+    runs = ('run on CPU tensors, and on CUDA tensors with a build that has CUDA kernels'
+            if kernel in _CUDA_OPS else 'run on CPU tensors only')
+    where = f'{runs}; got tensors on {device} and {why}'
+    if lean:
         raise NotImplementedError(
             f"{owner}: 8-bit optimizer states (state_dtype='int8') with bf16_storage="
             f"{bf16_storage!r} (a wrapper's master_weights={bf16_storage!r}) {where}. Allowed on "
@@ -216,10 +219,7 @@ def multi_tensor_sgd8bit(params: Sequence[Tensor], grads: Sequence[Tensor],
     """
     op = 'multi_tensor_sgd8bit'
     params, grads, model_params = list(params), list(grads), list(model_params)
-    _check_sgd_hyper(op, momentum, dampening, weight_decay, nesterov)
-    if momentum == 0:
-        raise ValueError(f'{op}: momentum=0 keeps no momentum buffer to quantize; use '
-                         'multi_tensor_sgd (FusedSGD with momentum=0 keeps no state)')
+    _check_sgd8bit_hyper(op, momentum, dampening, weight_decay, nesterov, 'multi_tensor_sgd')
     device = _check_lists(op, ('params', 'grads', 'model_params'), [params, grads, model_params],
                           allow_empty=('model_params',))
     check_quantized_device(op, device, op='multi_tensor_sgd8bit_')
@@ -231,3 +231,47 @@ def multi_tensor_sgd8bit(params: Sequence[Tensor], grads: Sequence[Tensor],
         run('multi_tensor_sgd8bit_', device, params, grads, *lists, model_params, step, float(lr),
             float(momentum), float(dampening), float(weight_decay), bool(nesterov),
             bool(wd_after_momentum), grad_scale, found_inf, lr_tensor)
+
+
+def multi_tensor_sgd8bit_lean(params: Sequence[Tensor], aux: Sequence[Tensor],
+                              grads: Sequence[Tensor], momentum_buffers: Sequence[Tensor],
+                              momentum_buffer_absmaxes: Sequence[Tensor], step: Tensor,
+                              lr: float, momentum: float, dampening: float, weight_decay: float,
+                              nesterov: bool, wd_after_momentum: bool, storage: str,
+                              seed: int = 0, grad_scale: Optional[Tensor] = None,
+                              found_inf: Optional[Tensor] = None) -> None:
+    """:func:`multi_tensor_sgd8bit` on bfloat16 ``params`` stored the ``storage`` way, in one pass
+    (no fp32 master: ``aux``, ``storage`` and ``seed`` as in
+    :func:`~mp_wrappers.ops.multi_tensor_sgd_lean`). CPU tensors only: there is no CUDA kernel
+    yet, and CUDA tensors are refused before any work.
+
+    Examples:
+        >>> comps = [torch.zeros_like(p) for p in params]          # 'kahan': bf16 compensation
+        >>> multi_tensor_sgd8bit_lean(params, comps, grads, codes, absmax, torch.zeros(1), 0.1,
+        ...                           0.9, 0.0, 1e-4, True, False, 'kahan')
+    """
+    op = 'multi_tensor_sgd8bit_lean'
+    params, aux, grads = list(params), list(aux), list(grads)
+    _check_sgd8bit_hyper(op, momentum, dampening, weight_decay, nesterov,
+                         'multi_tensor_sgd_lean')
+    device = _check_lean(op, storage, params, aux, grads, [])
+    check_quantized_device(op, device, storage, op='multi_tensor_sgd8bit_')
+    lists = _checked_states(op, params, device, momentum_buffers, momentum_buffer_absmaxes,
+                            names=('momentum_buffers',))
+    _check_lr(op, lr)
+    _check_seed(op, seed)
+    _check_step_scalars(op, step, grad_scale, found_inf, device)
+    if params:
+        run('multi_tensor_sgd8bit_lean_', device, params, aux, grads, *lists, step, float(lr),
+            float(momentum), float(dampening), float(weight_decay), bool(nesterov),
+            bool(wd_after_momentum), storage, int(seed), grad_scale, found_inf)
+
+
+def _check_sgd8bit_hyper(op: str, momentum: float, dampening: float, weight_decay: float,
+                         nesterov: bool, without_buffer: str) -> None:
+    """SGD's hyperparameters, and a momentum: without one there is no buffer to quantize (the op
+    ``without_buffer`` steps such groups)."""
+    _check_sgd_hyper(op, momentum, dampening, weight_decay, nesterov)
+    if momentum == 0:
+        raise ValueError(f'{op}: momentum=0 keeps no momentum buffer to quantize; use '
+                         f'{without_buffer} (FusedSGD with momentum=0 keeps no state)')

@@ -7,7 +7,7 @@ from ..ops._checks import _check_flag, _check_lr, _check_nonnegative
 from ..registry import OPTIMIZERS
 from .base import FusedOptimizer, ParamsT
 from .buckets import _Bucket
-from .lean import LeanStorageMixin
+from .lean import AUX_STATE_KEYS, LeanStorageMixin
 from .quantized_state import DEFAULT_MIN_8BIT_SIZE, SGD_CODES, QuantizedStateMixin
 
 __all__ = ['FusedSGD']
@@ -118,9 +118,19 @@ class FusedSGD(QuantizedStateMixin, LeanStorageMixin, FusedOptimizer):
     def _call_8bit_op(self, bucket: _Bucket, pick: Callable[[List[Tensor]], List[Tensor]],
                       states: List[List[Tensor]], step: Tensor, grad_scale: Optional[Tensor],
                       found_inf: Optional[Tensor], lr: float, lr_tensor: Optional[Tensor]) -> None:
+        # multi_tensor_sgd8bit_, or its lean form for bf16 params with a bf16_storage (the aux
+        # state in the same pass; a float lr: a tensor lr was refused before any launch).
         g = bucket.group
+        params, grads = pick(bucket.params), pick(bucket.grads)
+        hyper = (float(g['momentum']), float(g['dampening']), float(g['weight_decay']),
+                 bool(g['nesterov']), bool(g['wd_after_momentum']))
+        if self._lean_8bit(bucket.params[0]):
+            key = AUX_STATE_KEYS.get(self.bf16_storage)
+            aux = pick(bucket.states[key]) if key else []
+            self._call_op(bucket, params, aux, grads, *states, step, lr, *hyper,
+                          self.bf16_storage, int(self.seed), grad_scale, found_inf,
+                          op='multi_tensor_sgd8bit_lean_')
+            return
         models = pick(bucket.model_params) if bucket.model_params else []
-        self._call_op(bucket, pick(bucket.params), pick(bucket.grads), *states, models, step, lr,
-                      float(g['momentum']), float(g['dampening']), float(g['weight_decay']),
-                      bool(g['nesterov']), bool(g['wd_after_momentum']), grad_scale, found_inf,
-                      lr_tensor, op='multi_tensor_sgd8bit_')
+        self._call_op(bucket, params, grads, *states, models, step, lr, *hyper, grad_scale,
+                      found_inf, lr_tensor, op='multi_tensor_sgd8bit_')

@@ -10,13 +10,19 @@ states]): the CPU kernel against its reference, the reference against a float64 
 * A found_inf step leaves codes, absmax, params, model copies and step bit-identical.
 * AVX-512, AVX2 and baseline (the ``cpu_isa`` fixture), one thread and two, give the same bits.
 * The reference against SGD computed in float64 from the same dequantized buffer.
+* ``multi_tensor_sgd8bit_lean_`` (bf16 params stored 'split', 'kahan' or 'stochastic', a CPU kernel
+  only) against its reference, the 8-bit direction plus the lean master update, the same way.
 """
 import pytest
 import torch
 
+from _compat import needs_opcheck, opcheck
 from _guards import checked, flat, guarded
-from mp_wrappers.ops import backend, multi_tensor_sgd8bit, reference
+from _lean_storage import LEAN_STORAGES, lean_stored
+from mp_wrappers.ops import backend, multi_tensor_sgd8bit, multi_tensor_sgd8bit_lean, reference
 from mp_wrappers.ops._dispatch import _op_has_kernel
+from mp_wrappers.ops.reference import quant as quant_ref
+from mp_wrappers.ops.reference.lean import bf16_join
 from mp_wrappers.ops.reference.quant import (BLOCK_SIZE, EXP_AVG_CODE, dequantize_blockwise,
                                              num_blocks, quantize_blockwise)
 
@@ -120,12 +126,15 @@ def _assert_equal(got, want, what=''):
             f'{what} tensor {i}'
 
 
-def _steps_agree(k, hp, steps, what):
+def _steps_agree(k, hp, steps, what, kernel=None, ref=reference.multi_tensor_sgd8bit_):
+    """``steps`` updates of ``k`` by the kernel (default the fp32-master op's) and of its clone by
+    the reference ``ref``, compared bit for bit after each."""
+    kernel = kernel or _kernel()
     r = k.clone()
     for step in range(steps):
         grads = k.grads()
-        k.run(_kernel(), grads, hp)
-        r.run(reference.multi_tensor_sgd8bit_, grads, hp)
+        k.run(kernel, grads, hp)
+        r.run(ref, grads, hp)
         _assert_equal(k.tensors(), r.tensors(), f'{what} step {step}')
 
 
@@ -341,3 +350,201 @@ def test_kernel_refuses_bad_arguments():
     with pytest.raises(RuntimeError, match=r'momentum_buffer_absmaxes\[0\] must be a contiguous '
                                            r'float32 tensor on cpu with 2 elements'):
         torch.ops.mp_wrappers.multi_tensor_sgd8bit_(*kw.values(), None, None)
+
+
+# ---- lean bf16 params: multi_tensor_sgd8bit_lean_ --------------------------------------------------
+# The 8-bit buffer of multi_tensor_sgd8bit_ with the master step of the lean storages (Note [lean
+# bf16 storage]): bf16 params with uint16 low halves ('split'), a bf16 compensation ('kahan') or
+# stochastic rounding; the kernel against the reference (the 8-bit direction plus the lean master
+# update), bit for bit, in every flavour and thread count. A CPU kernel only: CUDA is refused.
+
+class LeanCase(Case):
+    """A Case (or EdgeCase) whose params are bf16 stored the ``storage`` way (no model copies)."""
+
+    def __init__(self, storage, sizes=SIZES, seed=0, grad_dtype=torch.bfloat16, scale=None,
+                 edge=False):
+        base = EdgeCase('fp32', seed=seed) if edge else Case('fp32', sizes=sizes, seed=seed)
+        base.gdt, base.scale = grad_dtype, None if scale is None else torch.full((1,), scale)
+        self.__dict__.update(base.__dict__)
+        self._base, self.storage = base, storage  # grads from base (the same generator)
+        self.params, self.aux = lean_stored([p.clone() for p in self.params], storage)
+
+    def grads(self):
+        return self._base.grads()
+
+    def tensors(self):
+        return self.params + self.aux + self.codes + self.absmax + [self.step]
+
+    def clone(self, as_flat=False, shift=0):
+        c = Case.clone(self, as_flat, shift)
+        c.aux = (flat(self.aux, shift) if as_flat else [guarded(t) for t in self.aux]) \
+            if self.aux else []
+        return c
+
+    def run(self, fn, grads, hp, found_inf=None):
+        fn(self.params, self.aux, grads, self.codes, self.absmax, self.step, **hp,
+           storage=self.storage, seed=11, grad_scale=self.scale, found_inf=found_inf)
+
+
+def _lean_kernel():
+    return checked(torch.ops.mp_wrappers).multi_tensor_sgd8bit_lean_
+
+
+LEAN_SETUPS = {'bf16-grads': (torch.bfloat16, None), 'fp32-grads-scaled': (torch.float32, 1024.0),
+               'bf16-grads-odd-scale': (torch.bfloat16, 3.0)}
+
+
+@needs_kernel
+@pytest.mark.parametrize('edge', [False, True], ids=['random', 'edge-blocks'])
+@pytest.mark.parametrize('hp', list(HYPERS))
+@pytest.mark.parametrize('setup', list(LEAN_SETUPS))
+@pytest.mark.parametrize('storage', LEAN_STORAGES)
+def test_lean_kernel_matches_reference_bitwise(storage, setup, hp, edge, cpu_isa):
+    """From the first applied update (random cases start at step 0) or a later one (edge blocks),
+    three steps, bit for bit, in the cpu_isa fixture's flavour."""
+    gdt, scale = LEAN_SETUPS[setup]
+    k = LeanCase(storage, grad_dtype=gdt, scale=scale, edge=edge)
+    start = k.step.item()
+    _steps_agree(k, HYPERS[hp], 3, f'{storage} {setup} {hp} {cpu_isa}', _lean_kernel(),
+                 reference.multi_tensor_sgd8bit_lean_)
+    assert k.step.item() == start + 3
+
+
+@pytest.mark.parametrize('storage', LEAN_STORAGES)
+def test_lean_reference_is_the_8bit_buffer_plus_the_lean_master_update(storage):
+    """The reference composes the two references: its codes are multi_tensor_sgd8bit_'s on the
+    fp32 value the storage holds, and 'split' writes that value plus the lean step
+    ``-(lr * d)`` exactly, ``d`` the 8-bit SGD direction (the fp32-master op writes
+    ``fma(-lr, d, p)``)."""
+    c = LeanCase(storage, sizes=[4096 + 7])
+    c.step.fill_(2.0)  # a later update: the codes are read
+    for codes in c.codes:
+        codes.copy_(torch.randint(0, 256, codes.shape, generator=c.gen, dtype=torch.uint8))
+    for absmax in c.absmax:
+        absmax.fill_(0.5)
+    master = [bf16_join(p, a) if storage == 'split' else p.float()
+              for p, a in zip(c.params, c.aux or [None] * len(c.params))]
+    plain = Case.clone(c)
+    plain.__class__ = Case
+    plain.params, plain.model = [guarded(m) for m in master], []
+    before = Case.clone(plain)
+    grads = c.grads()
+    c.run(reference.multi_tensor_sgd8bit_lean_, grads, NESTEROV)
+    plain.run(reference.multi_tensor_sgd8bit_, grads, NESTEROV)
+    _assert_equal(c.codes + c.absmax + [c.step], plain.codes + plain.absmax + [plain.step])
+    if storage == 'split':
+        (m,), (g,) = master, grads
+        d = quant_ref._sgd8bit_direction(g, m, before.codes[0].clone(), before.absmax[0].clone(),
+                                         before.step, NESTEROV['momentum'], 0.0,
+                                         NESTEROV['weight_decay'], True, False, None, None)
+        _assert_equal([bf16_join(p, a) for p, a in zip(c.params, c.aux)],
+                      [m + (-(NESTEROV['lr'] * d))])
+
+
+@pytest.mark.parametrize('use_kernel', [pytest.param(True, marks=needs_kernel), False],
+                         ids=['kernel', 'reference'])
+@pytest.mark.parametrize('storage', LEAN_STORAGES)
+def test_lean_found_inf_leaves_everything_bit_identical(storage, use_kernel):
+    c = LeanCase(storage, scale=1024.0, edge=True)
+    before = [t.clone() for t in c.tensors()]
+    fn = _lean_kernel() if use_kernel else reference.multi_tensor_sgd8bit_lean_
+    c.run(fn, c.grads(), MOMENTUM, found_inf=torch.ones(1))
+    _assert_equal(c.tensors(), before)
+
+
+@needs_kernel
+@pytest.mark.parametrize('storage', LEAN_STORAGES)
+def test_lean_flat_buffers_and_thread_counts_agree(storage):
+    """Flat buffers (the tensors adjacent views of one allocation) and one or two threads give the
+    separate tensors' bits."""
+    before = torch.get_num_threads()
+    out = []
+    try:
+        for threads, as_flat in ((1, False), (2, False), (2, True)):
+            torch.set_num_threads(threads)
+            c = LeanCase(storage, sizes=[65537 * 2 + 33, 4096 + 7], seed=5, scale=3.0)
+            c = c.clone(as_flat=as_flat, shift=1) if as_flat else c
+            for _ in range(2):
+                c.run(_lean_kernel(), c.grads(), DAMPENED)
+            out.append([t.clone() for t in c.tensors()])
+    finally:
+        torch.set_num_threads(before)
+    _assert_equal(out[1], out[0], f'{storage} two threads')
+    _assert_equal(out[2], out[0], f'{storage} flat buffers')
+
+
+def _lean_args(storage='kahan', **change):
+    c = LeanCase(storage, sizes=[300])
+    kw = dict(params=c.params, aux=c.aux, grads=c.grads(), momentum_buffers=c.codes,
+              momentum_buffer_absmaxes=c.absmax, step=c.step, **MOMENTUM, storage=storage)
+    kw.update(change)
+    return kw
+
+
+@pytest.mark.parametrize('change,err,match', [
+    (dict(storage='fp8'), ValueError, r"storage='fp8' is not allowed; expected one of"),
+    (dict(aux=[]), ValueError, r"aux has 0 tensors but params has 1; storage='kahan' needs"),
+    (dict(momentum=0.0), ValueError, r'momentum=0 keeps no momentum buffer to quantize; use '
+                                     'multi_tensor_sgd_lean'),
+    (dict(momentum_buffers=[torch.zeros(300)]), ValueError,
+     r'momentum_buffers\[0\] must be a contiguous torch.uint8 tensor'),
+    (dict(momentum_buffer_absmaxes=[torch.zeros(1)]), ValueError,
+     r'momentum_buffer_absmaxes\[0\].*2 elements'),
+    (dict(lr=-1.0), ValueError, r'Invalid learning rate: -1.0'),
+    (dict(seed=1.5), TypeError, 'seed must be an int'),
+])
+def test_lean_errors_name_the_argument(change, err, match):
+    with pytest.raises(err, match=match):
+        multi_tensor_sgd8bit_lean(**_lean_args(**change))
+
+
+def test_lean_params_must_be_bf16_and_on_the_cpu():
+    kw = _lean_args()
+    kw['params'] = [p.float() for p in kw['params']]
+    with pytest.raises(TypeError, match=r"params\[0\] has dtype torch.float32; storage='kahan' "
+                                        'holds bfloat16 params'):
+        multi_tensor_sgd8bit_lean(**kw)
+    meta = {k: ([t.to('meta') for t in v] if isinstance(v, list) else
+                v.to('meta') if isinstance(v, torch.Tensor) else v)
+            for k, v in _lean_args().items()}
+    with pytest.raises(NotImplementedError, match=r"bf16_storage='kahan'.*run on CPU tensors "
+                                                  r"only; got tensors on meta and there is no "
+                                                  r"meta kernel"):
+        multi_tensor_sgd8bit_lean(**meta)
+
+
+def test_lean_cuda_params_are_refused_naming_the_missing_kernel(monkeypatch):
+    """A build with CUDA kernels has no CUDA kernel of this op: the refusal says so (not that the
+    build lacks CUDA kernels) and names what runs on CUDA instead."""
+    from mp_wrappers.ops import quantized_states
+    monkeypatch.setattr(quantized_states, '_op_has_kernel', lambda name, device_type: False)
+    with pytest.raises(NotImplementedError,
+                       match=r"FusedSGD: 8-bit optimizer states \(state_dtype='int8'\) with "
+                             r"bf16_storage='kahan' .* run on CPU tensors only; got tensors on "
+                             r"cuda:0 and multi_tensor_sgd8bit_lean_ has no CUDA kernel yet\. "
+                             r"Allowed on cuda: state_dtype='int8' with fp32 masters"):
+        quantized_states.check_quantized_device('FusedSGD', torch.device('cuda:0'), 'kahan',
+                                                op='multi_tensor_sgd8bit_')
+    assert not quantized_states.has_quantized_kernel('cuda', lean=True,
+                                                     op='multi_tensor_sgd8bit_')
+
+
+@needs_kernel
+def test_lean_kernel_checks_direct_calls():
+    kw = _lean_args(seed=0, grad_scale=None, found_inf=None)
+    kw['momentum_buffer_absmaxes'] = [torch.zeros(5)]
+    with pytest.raises(RuntimeError, match=r'multi_tensor_sgd8bit_lean_: '
+                                           r'momentum_buffer_absmaxes\[0\] must be a contiguous '
+                                           'float32 tensor'):
+        torch.ops.mp_wrappers.multi_tensor_sgd8bit_lean_(**kw)
+    kw = _lean_args(seed=0, grad_scale=None, found_inf=None, momentum=0.0)
+    with pytest.raises(RuntimeError, match='momentum=0 keeps no momentum buffer'):
+        torch.ops.mp_wrappers.multi_tensor_sgd8bit_lean_(**kw)
+
+
+@needs_opcheck
+@needs_kernel
+def test_lean_opcheck():
+    """The schema's mutation marks, the fake kernel and the dispatcher registration."""
+    kw = _lean_args(seed=0, grad_scale=None, found_inf=None)
+    opcheck(torch.ops.mp_wrappers.multi_tensor_sgd8bit_lean_, tuple(kw.values()))

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from _guards import checked, flat, guarded
+from _lean_storage import LEAN_STORAGES, lean_stored
 from mp_wrappers.ops import backend, multi_tensor_adam8bit, multi_tensor_adam8bit_lean, reference
 from mp_wrappers.ops._dispatch import _op_has_kernel
 from mp_wrappers.ops.reference import quant as quant_ref
@@ -542,9 +543,6 @@ def test_kernel_checks_direct_calls():
 # stochastic rounding; the kernel against the reference (8-bit reference moments + lean reference
 # master update), bit for bit, in every flavour and thread count.
 
-LEAN_STORAGES = ['split', 'kahan', 'stochastic']
-
-
 class LeanCase(Case):
     """A Case whose params are bf16 stored the ``storage`` way (no model copies)."""
 
@@ -554,14 +552,7 @@ class LeanCase(Case):
         base.gdt, base.scale = grad_dtype, None if scale is None else torch.full((1,), scale)
         self.__dict__.update(base.__dict__)
         self._base, self.storage = base, storage  # grads from base (the same generator)
-        masters = [p.clone() for p in self.params]
-        if storage == 'split':
-            halves = [bf16_split(m) for m in masters]
-            self.params, self.aux = [guarded(h) for h, _ in halves], [guarded(lo) for _, lo in halves]
-        else:
-            self.params = [guarded(m.bfloat16()) for m in masters]
-            self.aux = ([guarded((m - p.float()).bfloat16()) for m, p in zip(masters, self.params)]
-                        if storage == 'kahan' else [])
+        self.params, self.aux = lean_stored([p.clone() for p in self.params], storage)
 
     def grads(self):
         return self._base.grads()

@@ -54,6 +54,7 @@
 #include "mp_wrappers/cpu_multi_tensor.h"
 #include "mp_wrappers/cpu_optim.h"
 #include "mp_wrappers/cpu_quant.h"
+#include "mp_wrappers/cpu_quant_param.h"
 #include "mp_wrappers/cpu_vec.h"
 #include "mp_wrappers/minifloat.h"
 #include "mp_wrappers/op_args.h"
@@ -81,30 +82,6 @@ struct Adam8bitConsts : AdamHyper {
   optim::Unscale unscale;
 };
 
-// The param's update from the Adam direction q (m / den), as vectors.
-template <class V>
-struct ParamStep {
-  typename V::F lr, neg_lr, weight_decay, neg_lr_wd;
-  bool decoupled;
-  explicit ParamStep(const Adam8bitConsts& c)
-      : lr(V::set1(c.lr)), neg_lr(V::set1(-c.lr)), weight_decay(V::set1(c.weight_decay)),
-        neg_lr_wd(V::set1(-(c.lr * c.weight_decay))), decoupled(c.decoupled) {}
-};
-
-// In whole blocks, a prefetch at every 64 bytes of a stream, kPrefetchAhead elements ahead
-// (cpu_optim.h), without prefetch_*_line's test at every vector: the element offsets are fixed
-// (whatever the alignment, consecutive 64-byte steps reach consecutive lines).
-template <class T>
-inline void prefetch_every_line(T* p, int64_t i, int write) {
-  if constexpr (!std::is_same<std::remove_cv_t<T>, optim::NoOut>::value) {
-    constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(T));
-    if (i % kLine == 0) {
-      if (write) __builtin_prefetch(optim::ahead(p + i), 1);
-      else __builtin_prefetch(optim::ahead(p + i), 0);
-    }
-  }
-}
-
 template <class V>
 constexpr bool kPrefetchWholeBlocks = V::kWidth == 16;
 
@@ -112,51 +89,6 @@ constexpr bool kPrefetchWholeBlocks = V::kWidth == 16;
 struct alignas(64) BlockBuffer {
   float m[kBlock];
   float v[kBlock];
-};
-
-// The param of the fp32-master update: fp32 (or half) params and the optional half model copy.
-template <class V, class P, class O>
-struct MasterParam {
-  using F = typename V::F;
-  P* p;
-  O* out;
-  inline MasterParam at(int64_t i) const { return {p + i, optim::at_offset(out, i)}; }
-  inline F load(int64_t i, int64_t k) const { return load_n<V>(p + i, k); }
-  // p = fma(-lr, q, fma(-fl(lr * weight_decay), p, p)): AdamW's decay applied to the param
-  inline void store_update(int64_t i, int64_t k, F p32, F q, const ParamStep<V>& s) const {
-    const F p_new = V::fmadd(s.neg_lr, q, s.decoupled ? V::fmadd(s.neg_lr_wd, p32, p32) : p32);
-    store_n<V>(p + i, p_new, k);
-    optim::store_out<V>(optim::at_offset(out, i), p_new, k);
-  }
-  inline void prefetch_lines(int64_t i) const {
-    optim::prefetch_write_line<V>(p, i);
-    optim::prefetch_write_line<V>(out, i);
-  }
-  inline void prefetch_every_line(int64_t i) const {
-    cpu::prefetch_every_line(p, i, 1);
-    cpu::prefetch_every_line(out, i, 1);
-  }
-};
-
-// A lean bf16 param (cpu_lean_param.h): the master step composed as the lean kernels compose it.
-template <class V, LeanStorage S>
-struct LeanMasterParam {
-  using F = typename V::F;
-  LeanParam<V, S> lp;
-  inline LeanMasterParam at(int64_t i) const { return {lp.at(i)}; }
-  inline F load(int64_t i, int64_t k) const { return lp.load(i, k); }
-  // The lean step is lr * update, the decay in the update: fma(weight_decay, p, q).
-  inline void store_update(int64_t i, int64_t k, F p32, F q, const ParamStep<V>& s) const {
-    lp.store(i, k, p32, V::mul(s.lr, s.decoupled ? V::fmadd(s.weight_decay, p32, q) : q));
-  }
-  inline void prefetch_lines(int64_t i) const {
-    optim::prefetch_write_line<V>(lp.p, i);
-    if constexpr (S != LeanStorage::kStochastic) optim::prefetch_write_line<V>(lp.lo(), i);
-  }
-  inline void prefetch_every_line(int64_t i) const {
-    cpu::prefetch_every_line(lp.p, i, 1);
-    if constexpr (S != LeanStorage::kStochastic) cpu::prefetch_every_line(lp.lo(), i, 1);
-  }
 };
 
 // One block of n <= kBlock elements; the param `pm`, `g`, the codes and the absmax pointers are at
@@ -169,7 +101,7 @@ inline void adam8bit_block(const PM& pm, const G* g, uint8_t* mc, float* ma, uin
   const F omb1 = V::set1(c.one_minus_beta1), omb2 = V::set1(c.one_minus_beta2);
   const F wd = V::set1(c.weight_decay), us = V::set1(c.unscale.factor);
   const F sqrt_scale = V::set1(c.sqrt_scale), eps_scaled = V::set1(c.eps_scaled);
-  const ParamStep<V> param_step(c);
+  const ParamStep<V> param_step(c.lr, c.weight_decay, c.decoupled);
   // Note [the folded decode factor]: a moment's decay times its block's decode factor, one
   // rounding per block, multiplies the code values in the update's fused multiply-add.
   const float m_fac = c.beta1 * (*ma / ExpAvgCode::kMax);

@@ -1,6 +1,8 @@
 // CPU kernel of multi_tensor_sgd8bit_: SGD with a block-wise 8-bit momentum buffer (Note [8-bit
 // optimizer states] in mp_wrappers/ops/reference/quant.py, the executable definition, and its
-// multi_tensor_sgd8bit_), on fp32 / half params with an optional half model copy.
+// multi_tensor_sgd8bit_), on fp32 / half params with an optional half model copy, and of
+// multi_tensor_sgd8bit_lean_, on bf16 params with a lean storage (cpu_quant_param.h: the same block
+// update, the param read and written as the lean kernels do).
 //
 // One pass per block of kBlock elements, as the 8-bit Adam kernel (cpu/multi_tensor_adam8bit.cpp):
 // read the buffer's codes, apply the SGD update (the reference's operations in its order, its fused
@@ -23,7 +25,9 @@
 #include "mp_wrappers/cpu_features.h"
 #include "mp_wrappers/cpu_multi_tensor.h"
 #include "mp_wrappers/cpu_optim.h"
+#include "mp_wrappers/cpu_lean_param.h"
 #include "mp_wrappers/cpu_quant.h"
+#include "mp_wrappers/cpu_quant_param.h"
 #include "mp_wrappers/cpu_vec.h"
 #include "mp_wrappers/minifloat.h"
 #include "mp_wrappers/op_args.h"
@@ -46,14 +50,16 @@ struct Sgd8bitConsts : SgdHyper {
   optim::Unscale unscale;
 };
 
-// One block of n <= kBlock elements; every pointer is at the block's start.
-template <class V, class P, class G, class O>
-inline void sgd8bit_block(P* p, const G* g, O* out, uint8_t* bc, float* ba, int64_t n,
+// One block of n <= kBlock elements; the param `pm` (cpu_quant_param.h) and every pointer are at
+// the block's start.
+template <class V, class PM, class G>
+inline void sgd8bit_block(const PM& pm, const G* g, uint8_t* bc, float* ba, int64_t n,
                           const Sgd8bitConsts& c, float* buf) {
   using F = typename V::F;
   using Q = Quant<V>;
   const F mom = V::set1(c.momentum), omd = V::set1(c.one_minus_dampening);
-  const F wd = V::set1(c.weight_decay), us = V::set1(c.unscale.factor), neg_lr = V::set1(-c.lr);
+  const F wd = V::set1(c.weight_decay), us = V::set1(c.unscale.factor);
+  const ParamStep<V> param_step(c.lr, 0.f, false);  // the decay is in the direction
   // Note [the folded decode factor] (cpu/multi_tensor_adam8bit.cpp): the buffer's decay times its
   // block's decode factor, one rounding per block.
   const float fac = c.momentum * (*ba / ExpAvgCode::kMax);
@@ -69,11 +75,10 @@ inline void sgd8bit_block(P* p, const G* g, O* out, uint8_t* bc, float* ba, int6
     constexpr bool kNormal = decltype(normal_codes)::value;
     for (int64_t i = 0; i < n; i += V::kWidth) {
       const int64_t k = kNormal ? V::kWidth : n - i;  // < kWidth only in a tail: loads pad with 0
-      optim::prefetch_write_line<V>(p, i);
+      pm.prefetch_lines(i);
       optim::prefetch_read_line<V>(g, i);
       optim::prefetch_write_line<V>(bc, i);
-      optim::prefetch_write_line<V>(out, i);
-      const F p32 = load_n<V>(p + i, k);
+      const F p32 = pm.load(i, k);
       F d = load_n<V>(g + i, k);
       if (scaled) d = c.unscale.template apply<V>(d, us);
       if (c.wd_before) d = V::fmadd(wd, p32, d);
@@ -85,9 +90,7 @@ inline void sgd8bit_block(P* p, const G* g, O* out, uint8_t* bc, float* ba, int6
       }
       d = c.nesterov ? V::fmadd(mom, b, d) : b;
       if (c.wd_after) d = V::fmadd(wd, p32, d);
-      const F p_new = V::fmadd(neg_lr, d, p32);
-      store_n<V>(p + i, p_new, k);
-      optim::store_out<V>(optim::at_offset(out, i), p_new, k);
+      pm.store_update(i, k, p32, d, param_step);  // fma(-lr, d, p), or p32 - lr * d (lean)
       // Padded lanes hold 0 (zero grad, param and codes), so they never raise the absmax.
       V::store(buf + i, b);
       b_max = Q::max_abs(b_max, b);
@@ -112,6 +115,18 @@ inline void sgd8bit_block(P* p, const G* g, O* out, uint8_t* bc, float* ba, int6
   *ba = b_abs;
 }
 
+// The chunk's blocks, `pm` at the chunk's first element, `g`, the codes and the absmax at the
+// tensor's.
+template <class V, class PM, class G>
+inline void sgd8bit_chunk(const PM& pm, const G* g, uint8_t* codes, float* absmax,
+                          const TensorChunk& ch, const Sgd8bitConsts& c) {
+  alignas(64) float buf[kBlock];
+  for (int64_t b = ch.begin; b < ch.end; b += kBlock) {
+    sgd8bit_block<V>(pm.at(b - ch.begin), g + b, codes + b, absmax + b / kBlock,
+                     std::min(kBlock, ch.end - b), c, buf);
+  }
+}
+
 struct Sgd8bitArgs {
   const RawTensor& p;
   const RawTensor& g;
@@ -126,11 +141,8 @@ struct Sgd8bitChunk {
   template <class V, class P, class G, class O>
   static void run(P* p, const G* g, const Sgd8bitArgs& a, O* out, const TensorChunk& ch,
                   const Sgd8bitConsts& c) {
-    alignas(64) float buf[kBlock];
-    for (int64_t b = ch.begin; b < ch.end; b += kBlock) {
-      sgd8bit_block<V>(p + b, g + b, optim::at_offset(out, b), a.codes + b, a.absmax + b / kBlock,
-                       std::min(kBlock, ch.end - b), c, buf);
-    }
+    sgd8bit_chunk<V>(MasterParam<V, P, O>{p + ch.begin, optim::at_offset(out, ch.begin)}, g,
+                     a.codes, a.absmax, ch, c);
   }
 };
 
@@ -177,10 +189,61 @@ void multi_tensor_sgd8bit_cpu(at::TensorList params, at::TensorList grads,
   optim::commit_count(step, step_value + 1.f);
 }
 
+// ---- lean bf16 params (Note [lean bf16 storage] in reference/lean.py) ----------------------------
+// The 8-bit update of bf16 params stored 'split', 'kahan' or 'stochastic': the same blocks, with
+// the param read and written as the lean kernels do (reference/quant.py multi_tensor_sgd8bit_lean_).
+
+template <LeanStorage S>
+struct Sgd8bitLeanChunk {
+  template <class V, class G>
+  static void run(const G* g, const LeanChunkArgs& a, uint8_t* codes, float* absmax,
+                  const TensorChunk& ch, const Sgd8bitConsts& c) {
+    sgd8bit_chunk<V>(LeanMasterParam<V, S>{lean_param<V, S>(a, ch)}, g, codes, absmax, ch, c);
+  }
+};
+
+void multi_tensor_sgd8bit_lean_cpu(at::TensorList params, at::TensorList aux,
+                                   at::TensorList grads, at::TensorList momentum_buffers,
+                                   at::TensorList momentum_buffer_absmaxes,
+                                   const at::Tensor& step, double lr, double momentum,
+                                   double dampening, double weight_decay, bool nesterov,
+                                   bool wd_after_momentum, c10::string_view storage_name,
+                                   int64_t seed, const c10::optional<at::Tensor>& grad_scale,
+                                   const c10::optional<at::Tensor>& found_inf) {
+  const LeanArgs<SgdHyper> set_up = multi_tensor_sgd8bit_lean_args(
+      Backend::kCpu, params, aux, grads, momentum_buffers, momentum_buffer_absmaxes, step, lr,
+      momentum, dampening, weight_decay, nesterov, wd_after_momentum, storage_name, grad_scale,
+      found_inf);
+  // A skipped step returns before touching anything: codes, absmax and aux keep their bits.
+  if (optim::should_skip(set_up.scalars.found_inf)) return;
+
+  const float count = optim::read_count(step);
+  const Sgd8bitConsts c{set_up.hyper, set_up.scalars.lr, *step.data_ptr<float>() == 0.f,
+                        optim::Unscale::from(set_up.scalars.grad_scale)};
+  const std::vector<RawTensor> ps = raw_tensors(params), as = raw_tensors(aux),
+                               gs = raw_tensors(grads);
+  const std::vector<uint32_t> keys = tensor_keys(set_up.storage, seed, count, params.size());
+  const ChunkPlan plan(params);
+  const CpuIsa isa = cpu_isa();
+  plan.parallel_for_each([&](int64_t, const TensorChunk& ch) {
+    const int64_t t = ch.tensor;
+    const LeanChunkArgs a{set_up.storage, &ps[t], optim::raw_at(as, t), &gs[t], keys[t]};
+    uint8_t* codes = momentum_buffers[t].data_ptr<uint8_t>();
+    float* absmax = momentum_buffer_absmaxes[t].data_ptr<float>();
+    with_lean_storage(a.storage, [&](auto s) {
+      optim::with_typed(gs[t], [&](auto* g) {
+        run_cpu_kernel<Sgd8bitLeanChunk<decltype(s)::value>>(isa, g, a, codes, absmax, ch, c);
+      });
+    });
+  });
+  optim::commit_count(step, count);
+}
+
 }  // namespace
 }  // namespace cpu
 }  // namespace mp_wrappers
 
 TORCH_LIBRARY_IMPL(mp_wrappers, CPU, m) {
   m.impl("multi_tensor_sgd8bit_", &mp_wrappers::cpu::multi_tensor_sgd8bit_cpu);
+  m.impl("multi_tensor_sgd8bit_lean_", &mp_wrappers::cpu::multi_tensor_sgd8bit_lean_cpu);
 }

@@ -15,7 +15,8 @@ from .multi_tensor import (multi_tensor_axpby_, multi_tensor_l2norm, multi_tenso
 from .optimizers import (multi_tensor_adagrad_, multi_tensor_adam_, multi_tensor_lamb_,
                          multi_tensor_novograd_, multi_tensor_sgd_)
 from . import slots
-from .quant import multi_tensor_adam8bit_, multi_tensor_adam8bit_lean_, multi_tensor_sgd8bit_
+from .quant import (multi_tensor_adam8bit_, multi_tensor_adam8bit_lean_, multi_tensor_sgd8bit_,
+                    multi_tensor_sgd8bit_lean_)
 
 __all__ = [
     'multi_tensor_scale_', 'multi_tensor_l2norm', 'multi_tensor_unscale_l2norm',
@@ -28,4 +29,5 @@ __all__ = [
     'stochastic_bits', 'round_stochastic',
     # block-wise 8-bit optimizer states (Note [8-bit optimizer states] in .quant)
     'multi_tensor_adam8bit_', 'multi_tensor_adam8bit_lean_', 'multi_tensor_sgd8bit_',
+    'multi_tensor_sgd8bit_lean_',
 ]

@@ -85,7 +85,8 @@ from .lean import _check_storage, _read_param, _write_param
 
 __all__ = ['BLOCK_SIZE', 'Minifloat', 'EXP_AVG_CODE', 'EXP_AVG_SQ_CODE', 'num_blocks',
            'quantize_blockwise', 'dequantize_blockwise', 'dequantize_invertibly', 'code_table',
-           'multi_tensor_adam8bit_', 'multi_tensor_adam8bit_lean_', 'multi_tensor_sgd8bit_']
+           'multi_tensor_adam8bit_', 'multi_tensor_adam8bit_lean_', 'multi_tensor_sgd8bit_',
+           'multi_tensor_sgd8bit_lean_']
 
 #: Elements per absmax block (the kernels' constant too; docs/quantized_states.md says why 256).
 BLOCK_SIZE = 256
@@ -395,27 +396,63 @@ def multi_tensor_sgd8bit_(params: List[Tensor], grads: List[Tensor],
     """
     lr = _lr(lr, lr_tensor)
     skip = _skip_mask(found_inf)
-    first = step.reshape(()) == 0
-    device = step.device
-    omd = torch.tensor(1.0 - dampening, dtype=torch.float32, device=device)  # fl(1 - dampening)
-    lr32 = torch.as_tensor(lr, dtype=torch.float32, device=device)
+    lr32 = torch.as_tensor(lr, dtype=torch.float32, device=step.device)
     for i, (p, g) in enumerate(zip(params, grads)):
         p32 = p.to(torch.float32).reshape(-1)
-        d = _unscaled(g, grad_scale).reshape(-1)
-        if weight_decay != 0.0 and not wd_after_momentum:
-            d = _fma_rn(_f32(weight_decay, p32), p32, d)
-        codes, absmax = momentum_buffers[i], momentum_buffer_absmaxes[i]
-        fac = _decayed_decode_factor(absmax, momentum, EXP_AVG_CODE, d.numel())
-        later = _fma_rn(_code_values(codes, EXP_AVG_CODE), fac, omd * d)
-        b = torch.where(first, d, later)
-        d = _fma_rn(_f32(momentum, b), b, d) if nesterov else b
-        if weight_decay != 0.0 and wd_after_momentum:
-            d = _fma_rn(_f32(weight_decay, p32), p32, d)
+        d = _sgd8bit_direction(g, p32, momentum_buffers[i], momentum_buffer_absmaxes[i], step,
+                               momentum, dampening, weight_decay, nesterov, wd_after_momentum,
+                               grad_scale, skip)
         p_new = _fma_rn(-_f32(lr32, p32), d, p32)
-        new_codes, new_absmax = quantize_blockwise(b, EXP_AVG_CODE, signed_zeros=True)
-        _commit_(codes, new_codes.view(codes.shape), skip)
-        _commit_(absmax, new_absmax, skip)
         _commit_(p, p_new.view(p.shape), skip)
         if model_params:
             _commit_(model_params[i], p_new.view(model_params[i].shape), skip)
     _commit_(step, step + 1, skip)
+
+
+def multi_tensor_sgd8bit_lean_(params: List[Tensor], aux: List[Tensor], grads: List[Tensor],
+                               momentum_buffers: List[Tensor],
+                               momentum_buffer_absmaxes: List[Tensor], step: Tensor, lr: float,
+                               momentum: float, dampening: float, weight_decay: float,
+                               nesterov: bool, wd_after_momentum: bool, storage: str, seed: int,
+                               grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+    """:func:`multi_tensor_sgd8bit_` on bfloat16 params stored the ``storage`` way (Note [lean
+    bf16 storage] in :mod:`.lean`): the 8-bit buffer and direction of the fp32 value the storage
+    holds, then the lean master update ``p32 + (-(lr * direction))``, as
+    :func:`multi_tensor_adam8bit_lean_` composes it. ``aux`` and ``seed`` as in
+    ``multi_tensor_sgd_lean_``; no model copies.
+    """
+    _check_storage(storage)
+    skip = _skip_mask(found_inf)
+    count = step + 1
+    for i, (p, g) in enumerate(zip(params, grads)):
+        a = aux[i] if aux else None
+        p32 = _read_param(p, a, storage)
+        d = _sgd8bit_direction(g, p32.reshape(-1), momentum_buffers[i],
+                               momentum_buffer_absmaxes[i], step, momentum, dampening,
+                               weight_decay, nesterov, wd_after_momentum, grad_scale, skip)
+        _write_param(p, a, p32, -(lr * d).view(p.shape), storage, skip, seed, count, i)
+    _commit_(step, count, skip)
+
+
+def _sgd8bit_direction(g: Tensor, p32: Tensor, codes: Tensor, absmax: Tensor, step: Tensor,
+                       momentum: float, dampening: float, weight_decay: float, nesterov: bool,
+                       wd_after_momentum: bool, grad_scale: Optional[Tensor],
+                       skip: Optional[Tensor]) -> Tensor:
+    """The SGD direction of the flat fp32 ``p32``; the new buffer's codes and absmax committed
+    (unless ``skip``). The first applied update (``step == 0``) sets the buffer to the direction
+    without reading the codes."""
+    first = step.reshape(()) == 0
+    omd = torch.tensor(1.0 - dampening, dtype=torch.float32, device=step.device)  # fl(1 - damp.)
+    d = _unscaled(g, grad_scale).reshape(-1)
+    if weight_decay != 0.0 and not wd_after_momentum:
+        d = _fma_rn(_f32(weight_decay, p32), p32, d)
+    fac = _decayed_decode_factor(absmax, momentum, EXP_AVG_CODE, d.numel())
+    later = _fma_rn(_code_values(codes, EXP_AVG_CODE), fac, omd * d)
+    b = torch.where(first, d, later)
+    d = _fma_rn(_f32(momentum, b), b, d) if nesterov else b
+    if weight_decay != 0.0 and wd_after_momentum:
+        d = _fma_rn(_f32(weight_decay, p32), p32, d)
+    new_codes, new_absmax = quantize_blockwise(b, EXP_AVG_CODE, signed_zeros=True)
+    _commit_(codes, new_codes.view(codes.shape), skip)
+    _commit_(absmax, new_absmax, skip)
+    return d

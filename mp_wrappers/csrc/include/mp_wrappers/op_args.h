@@ -581,6 +581,30 @@ void multi_tensor_adam8bit_lean_entry(
        seed);
 }
 
+// multi_tensor_sgd8bit_lean_: bf16 params, aux as the storage needs it, the 8-bit buffer lists as
+// multi_tensor_sgd8bit_'s (momentum must be nonzero).
+inline LeanArgs<SgdHyper> multi_tensor_sgd8bit_lean_args(
+    Backend backend, at::TensorList params, at::TensorList aux, at::TensorList grads,
+    at::TensorList momentum_buffers, at::TensorList momentum_buffer_absmaxes,
+    const at::Tensor& step, double lr, double momentum, double dampening, double weight_decay,
+    bool nesterov, bool wd_after_momentum, c10::string_view storage_name,
+    const c10::optional<at::Tensor>& grad_scale, const c10::optional<at::Tensor>& found_inf) {
+  constexpr const char* op = "multi_tensor_sgd8bit_lean_";
+  const LeanStorage storage = parse_lean_storage(op, storage_name);
+  const SgdHyper hyper = sgd_hyper(momentum, dampening, weight_decay, nesterov, wd_after_momentum);
+  TORCH_CHECK(hyper.has_momentum, op, ": momentum=0 keeps no momentum buffer to quantize; use "
+              "multi_tensor_sgd_lean_ (FusedSGD with momentum=0 keeps no state)");
+  const at::Device device = call_device(
+      check_tensor_lists(op, {{"params", params}, {"grads", grads}}), params.empty(), step);
+  check_lean_lists(op, storage, params, aux, device, {});
+  check_codes(op, "momentum_buffers", momentum_buffers, params, device);
+  check_absmax(op, "momentum_buffer_absmaxes", momentum_buffer_absmaxes, params, device);
+  check_one_dtype(backend, op, {{"grads", grads}});
+  check_step(op, step, device);
+  return {device, storage, update_scalars(op, device, lr, grad_scale, found_inf, c10::nullopt),
+          hyper};
+}
+
 inline LeanArgs<SgdHyper> multi_tensor_sgd_lean_args(
     Backend backend, at::TensorList params, at::TensorList aux, at::TensorList grads,
     at::TensorList momentum_buffers, const at::Tensor& step, double lr, double momentum,
