@@ -75,11 +75,14 @@ def check_quantized_device(owner: str, device: torch.device, bf16_storage: Optio
             if kernel in _CUDA_OPS else 'run on CPU tensors only')
     where = f'{runs}; got tensors on {device} and {why}'
     if lean:
+        # fp32 masters are a way out only where the op itself runs
+        masters = (f"state_dtype='int8' with fp32 masters (master_weights=True / "
+                   f"opt_level='O2', bf16_storage=None), or "
+                   if has_quantized_kernel(device.type, op=op) else '')
         raise NotImplementedError(
             f"{owner}: 8-bit optimizer states (state_dtype='int8') with bf16_storage="
             f"{bf16_storage!r} (a wrapper's master_weights={bf16_storage!r}) {where}. Allowed on "
-            f"{device.type}: state_dtype='int8' with fp32 masters (master_weights=True / "
-            f"opt_level='O2', bf16_storage=None), or state_dtype='float32' with "
+            f"{device.type}: {masters}state_dtype='float32' or 'bfloat16' with "
             f'bf16_storage={bf16_storage!r}')
     raise NotImplementedError(
         f"{owner}: 8-bit optimizer states (state_dtype='int8') {where}. Use "

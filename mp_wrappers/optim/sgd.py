@@ -42,7 +42,8 @@ class FusedSGD(QuantizedStateMixin, LeanStorageMixin, FusedOptimizer):
             momentum buffer (~1 B/param instead of 4) for params of at least ``min_8bit_size``
             elements (:mod:`mp_wrappers.optim.quantized_state`; fp32 or half params on the CPU,
             and on CUDA with a build that has CUDA kernels, e.g. behind a wrapper's fp32 masters;
-            not with a ``bf16_storage``).
+            bf16 params with a ``bf16_storage`` on the CPU only: there is no CUDA kernel of the
+            lean variant yet).
         min_8bit_size: Params with fewer elements keep a float32 buffer under ``'int8'``.
         seed: Key of the stochastic-rounding hash (``bf16_storage='stochastic'``).
         capturable: Make every group's lr a 1-element float32 tensor on the params' device at its
@@ -119,7 +120,8 @@ class FusedSGD(QuantizedStateMixin, LeanStorageMixin, FusedOptimizer):
                       states: List[List[Tensor]], step: Tensor, grad_scale: Optional[Tensor],
                       found_inf: Optional[Tensor], lr: float, lr_tensor: Optional[Tensor]) -> None:
         # multi_tensor_sgd8bit_, or its lean form for bf16 params with a bf16_storage (the aux
-        # state in the same pass; a float lr: a tensor lr was refused before any launch).
+        # state in the same pass; a float lr: a tensor lr is refused before any launch, and
+        # _lean_lr refuses it here again rather than step by the 0.0 that stands in for it).
         g = bucket.group
         params, grads = pick(bucket.params), pick(bucket.grads)
         hyper = (float(g['momentum']), float(g['dampening']), float(g['weight_decay']),
@@ -127,8 +129,8 @@ class FusedSGD(QuantizedStateMixin, LeanStorageMixin, FusedOptimizer):
         if self._lean_8bit(bucket.params[0]):
             key = AUX_STATE_KEYS.get(self.bf16_storage)
             aux = pick(bucket.states[key]) if key else []
-            self._call_op(bucket, params, aux, grads, *states, step, lr, *hyper,
-                          self.bf16_storage, int(self.seed), grad_scale, found_inf,
+            self._call_op(bucket, params, aux, grads, *states, step, self._lean_lr(lr, lr_tensor),
+                          *hyper, self.bf16_storage, int(self.seed), grad_scale, found_inf,
                           op='multi_tensor_sgd8bit_lean_')
             return
         models = pick(bucket.model_params) if bucket.model_params else []

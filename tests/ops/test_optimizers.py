@@ -315,7 +315,9 @@ def test_reference_signatures_match_schema():
     import pathlib
     src = (pathlib.Path(reference.__file__).parents[2] / 'csrc' / 'bindings.cpp').read_text()
     for name in ('multi_tensor_adam_', 'multi_tensor_sgd_', 'multi_tensor_lamb_',
-                 'multi_tensor_adagrad_', 'multi_tensor_novograd_'):
+                 'multi_tensor_adagrad_', 'multi_tensor_novograd_', 'multi_tensor_adam8bit_',
+                 'multi_tensor_adam8bit_lean_', 'multi_tensor_sgd8bit_',
+                 'multi_tensor_sgd8bit_lean_'):
         start = src.index(f'"{name}(')
         schema = src[start:src.index('-> ()', start)]
         args = [a.strip().split()[-1].split('=')[0] for a in

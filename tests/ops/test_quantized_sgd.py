@@ -513,20 +513,38 @@ def test_lean_params_must_be_bf16_and_on_the_cpu():
         multi_tensor_sgd8bit_lean(**meta)
 
 
-def test_lean_cuda_params_are_refused_naming_the_missing_kernel(monkeypatch):
-    """A build with CUDA kernels has no CUDA kernel of this op: the refusal says so (not that the
-    build lacks CUDA kernels) and names what runs on CUDA instead."""
+@pytest.mark.parametrize('cuda_build', [True, False], ids=['cuda-build', 'cpu-only-build'])
+def test_lean_cuda_params_are_refused_naming_the_missing_kernel(monkeypatch, cuda_build):
+    """A build with CUDA kernels (every 8-bit op but this one has a CUDA kernel there) or without:
+    the lean op's CUDA params are refused, saying that this op has no CUDA kernel (not that the
+    build lacks CUDA kernels), and fp32 masters are named as a way out only where the fp32-master
+    op runs. The fp32-master op itself is allowed on CUDA in the CUDA build."""
     from mp_wrappers.ops import quantized_states
-    monkeypatch.setattr(quantized_states, '_op_has_kernel', lambda name, device_type: False)
+    monkeypatch.setattr(quantized_states, '_op_has_kernel', lambda name, device_type: (
+        device_type == 'cpu' or (cuda_build and name != 'multi_tensor_sgd8bit_lean_')))
+    masters = r"state_dtype='int8' with fp32 masters .*, or " if cuda_build else ''
     with pytest.raises(NotImplementedError,
                        match=r"FusedSGD: 8-bit optimizer states \(state_dtype='int8'\) with "
                              r"bf16_storage='kahan' .* run on CPU tensors only; got tensors on "
                              r"cuda:0 and multi_tensor_sgd8bit_lean_ has no CUDA kernel yet\. "
-                             r"Allowed on cuda: state_dtype='int8' with fp32 masters"):
+                             rf"Allowed on cuda: {masters}state_dtype='float32' or 'bfloat16' "
+                             r"with bf16_storage='kahan'$"):
         quantized_states.check_quantized_device('FusedSGD', torch.device('cuda:0'), 'kahan',
                                                 op='multi_tensor_sgd8bit_')
+    assert quantized_states.has_quantized_kernel('cuda', op='multi_tensor_sgd8bit_') == cuda_build
     assert not quantized_states.has_quantized_kernel('cuda', lean=True,
                                                      op='multi_tensor_sgd8bit_')
+    assert quantized_states.has_quantized_kernel('cpu', lean=True, op='multi_tensor_sgd8bit_')
+
+
+@pytest.mark.parametrize('device', ['cuda'])
+def test_lean_bf16_cuda_params_are_refused_by_the_optimizer(device):
+    """On a GPU with a build that has CUDA kernels (skipped otherwise): FusedSGD int8 over lean
+    bf16 CUDA params is refused when it is built, before any step, naming the missing kernel."""
+    from mp_wrappers import FusedSGD
+    p = torch.nn.Parameter(torch.zeros(64, 128, device=device, dtype=torch.bfloat16))
+    with pytest.raises(NotImplementedError, match='multi_tensor_sgd8bit_lean_ has no CUDA kernel'):
+        FusedSGD([p], lr=0.1, momentum=0.9, state_dtype='int8', bf16_storage='kahan')
 
 
 @needs_kernel

@@ -25,7 +25,7 @@ from _lean_storage import LEAN_STORAGES, lean_stored
 from mp_wrappers.ops import backend, multi_tensor_adam8bit, multi_tensor_adam8bit_lean, reference
 from mp_wrappers.ops._dispatch import _op_has_kernel
 from mp_wrappers.ops.reference import quant as quant_ref
-from mp_wrappers.ops.reference.lean import bf16_join, bf16_split
+from mp_wrappers.ops.reference.lean import bf16_join
 from mp_wrappers.ops.reference.quant import (BLOCK_SIZE, EXP_AVG_CODE, EXP_AVG_SQ_CODE,
                                              code_table, dequantize_blockwise,
                                              dequantize_invertibly, num_blocks, quantize_blockwise)

@@ -169,7 +169,7 @@ def test_lean_bf16_params_off_the_cpu_are_refused_before_any_step():
                        match=r"FusedSGD: 8-bit optimizer states \(state_dtype='int8'\) with "
                              r"bf16_storage='kahan' .* run on CPU tensors only; got tensors on "
                              r"meta and there is no meta kernel. Allowed on meta: "
-                             r"state_dtype='int8' with fp32 masters"):
+                             r"state_dtype='float32' or 'bfloat16' with bf16_storage='kahan'$"):
         FusedSGD([p], state_dtype='int8', bf16_storage='kahan', **SGD)
     opt = FusedSGD([p], state_dtype='int8', **SGD)  # the wrapper sets the storage later
     with pytest.raises(NotImplementedError, match="bf16_storage='stochastic'"):
@@ -240,10 +240,80 @@ def test_lean_storage_converts_between_int8_and_float32_buffers(mode):
                        dequantize_invertibly(w8['momentum_buffer'], w8['momentum_buffer_absmax'],
                                              EXP_AVG_CODE).view_as(w32['momentum_buffer']))
     assert torch.equal(w32[AUX_KEY[mode]], w8[AUX_KEY[mode]])  # the aux state travels as it is
-    back = FusedSGD(_lean_mlp().parameters(), state_dtype='int8', bf16_storage=mode, **SGD)
+    twin = _lean_mlp(seed=5)
+    twin.load_state_dict(model.state_dict())
+    back = FusedSGD(twin.parameters(), state_dtype='int8', bf16_storage=mode, **SGD)
     back.load_state_dict(_roundtrip(opt32.state_dict())[0])
     _assert_states_equal(_states(opt8), _states(back))
-    _lean_train(_lean_mlp(), back, _batches(1))
+    # ... and steps on as the optimizer it came from, bit for bit
+    batch = _batches(1, seed=6)
+    _lean_train(model, opt8, batch)
+    _lean_train(twin, back, batch)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+    _assert_states_equal(_states(opt8), _states(back))
+
+
+@pytest.mark.parametrize('hyper', [dict(lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True),
+                                   dict(lr=0.1, momentum=0.8, dampening=0.25, weight_decay=5e-2,
+                                        wd_after_momentum=True)], ids=['nesterov', 'dampened'])
+@pytest.mark.parametrize('mode', LEAN_MODES)
+def test_lean_step_is_the_reference_op_on_the_8bit_slots(mode, hyper):
+    """FusedSGD hands multi_tensor_sgd8bit_lean_ every hyper-parameter, the storage, the seed, the
+    aux state and the step of its 8-bit slots: one later step (codes read) of a bucket that also
+    holds float32-buffer params (the biases, under min_8bit_size) equals the reference op called
+    by hand on copies of the 8-bit slots, bit for bit."""
+    from mp_wrappers.ops import reference
+    model = _lean_mlp()
+    opt = FusedSGD(model.parameters(), state_dtype='int8', bf16_storage=mode, seed=7,
+                   min_8bit_size=100, **hyper)
+    _lean_train(model, opt, _batches(2))
+    (x, y), = _batches(1, seed=3)
+    F.mse_loss(model(x.bfloat16()), y.bfloat16()).backward()
+    eight = [p for p in model.parameters() if opt.state[p]['momentum_buffer'].dtype == torch.uint8]
+    assert 0 < len(eight) < len(list(model.parameters()))
+    key = AUX_KEY[mode]
+    copies = dict(params=[p.detach().clone() for p in eight],
+                  aux=[opt.state[p][key].clone() for p in eight] if key else [],
+                  codes=[opt.state[p]['momentum_buffer'].clone() for p in eight],
+                  absmax=[opt.state[p]['momentum_buffer_absmax'].clone() for p in eight])
+    step = opt.state[eight[0]]['step'].clone()
+    assert step.item() == 2
+    grads = [p.grad.clone() for p in eight]
+    opt.step()
+    hp = dict(dict(dampening=0.0, weight_decay=0.0, nesterov=False, wd_after_momentum=False),
+              **hyper)
+    reference.multi_tensor_sgd8bit_lean_(
+        copies['params'], copies['aux'], grads, copies['codes'], copies['absmax'], step,
+        hp['lr'], hp['momentum'], hp['dampening'], hp['weight_decay'], hp['nesterov'],
+        hp['wd_after_momentum'], mode, 7, None, None)
+    for i, p in enumerate(eight):
+        st = opt.state[p]
+        assert torch.equal(p.detach().view(torch.int16), copies['params'][i].view(torch.int16))
+        assert torch.equal(st['momentum_buffer'], copies['codes'][i])
+        assert torch.equal(st['momentum_buffer_absmax'], copies['absmax'][i])
+        if key:
+            assert torch.equal(st[key].view(torch.int16), copies['aux'][i].view(torch.int16))
+
+
+def test_lean_8bit_buffer_refuses_a_tensor_lr_before_any_launch():
+    """The lean kernels take lr as a number: a tensor lr is refused at the step, before any bucket
+    launches (nothing changes), and capturable=True with a bf16_storage when it is built."""
+    with pytest.raises(ValueError, match="capturable=True.*not supported with bf16_storage='kahan'"):
+        FusedSGD(_lean_mlp().parameters(), state_dtype='int8', bf16_storage='kahan',
+                 capturable=True, **SGD)
+    model = _lean_mlp()
+    opt = FusedSGD(model.parameters(), state_dtype='int8', bf16_storage='kahan',
+                   min_8bit_size=0, **SGD)
+    _lean_train(model, opt, _batches(1))
+    opt.param_groups[0]['lr'] = torch.tensor([1e-2])
+    (x, y), = _batches(1, seed=2)
+    F.mse_loss(model(x.bfloat16()), y.bfloat16()).backward()
+    params, states = [p.detach().clone() for p in model.parameters()], _states(opt)
+    with pytest.raises(ValueError, match="tensor lr .capturable=True. is not supported with "
+                                         "bf16_storage='kahan'"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    _assert_states_equal(_states(opt), states)
 
 
 @pytest.mark.parametrize('mode', LEAN_MODES)

@@ -57,7 +57,8 @@ Note [8-bit optimizer states]
       ``b = fma(code_b, fl(momentum * fl(absmax_b / MAX)), fl(fl(1 - dampening) * d))``;
     * ``d = fma(momentum, b, d)`` with Nesterov, else ``d = b``; then
       ``d = fma(weight_decay, p, d)`` with ``wd_after_momentum``;
-    * ``p = fma(-lr, d, p)``, and ``b`` is requantized with its block's new absmax.
+    * ``p = fma(-lr, d, p)``, and ``b`` is requantized with its block's new absmax. The lean
+      variant (:func:`multi_tensor_sgd8bit_lean_`) steps its bf16 storage by ``-(lr * d)``.
 
     Square roots and fused multiply-adds are correctly rounded here (:func:`_sqrt_rn`,
     :func:`_fma_rn`), as the C++ and CUDA kernels' are, so every output matches the kernels bit for
