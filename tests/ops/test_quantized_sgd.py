@@ -566,3 +566,18 @@ def test_lean_opcheck():
     """The schema's mutation marks, the fake kernel and the dispatcher registration."""
     kw = _lean_args(seed=0, grad_scale=None, found_inf=None)
     opcheck(torch.ops.mp_wrappers.multi_tensor_sgd8bit_lean_, tuple(kw.values()))
+
+
+def test_the_ops_named_to_have_cuda_kernels_are_those_csrc_cuda_registers():
+    """``_CUDA_OPS`` (which 8-bit ops a refusal says run on CUDA) is the set of 8-bit ops that the
+    CUDA sources register kernels for: a new CUDA kernel, or a removed one, must update it."""
+    import pathlib
+    import re
+
+    from mp_wrappers.ops import quantized_states
+    cuda = pathlib.Path(quantized_states.__file__).resolve().parents[1] / 'csrc' / 'cuda'
+    registered = {name for source in cuda.glob('*.cu')
+                  for name in re.findall(r'm\.impl\(\s*"(\w+)"', source.read_text())}
+    assert 'multi_tensor_adam_' in registered  # the pattern finds the registrations
+    eight_bit = set(quantized_states._LEAN_OPS) | set(quantized_states._LEAN_OPS.values())
+    assert quantized_states._CUDA_OPS == registered & eight_bit
