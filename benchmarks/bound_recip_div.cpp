@@ -2,10 +2,11 @@
 // by the rounded reciprocal plus one correcting FMA pair, q = x * y, q += (x - q * c) * y with
 // y = fl(1 / c), against the divisions, on data in L1 (no memory traffic), one thread, AVX2; a
 // vector with any |x| outside [2^-97, 2^100) takes the divisions instead. Both loops end with the
-// square root and the division every exact Adam step keeps. A measurement of the bound only: the
-// correction equals fl(x / c) for every x in that range for the divisors checked exhaustively so
-// far (docs/quantized_states.md, "Two ways to cut fp32 Adam's divisions"), not proven for every c
-// an Adam step uses. Run, from the repository root:
+// square root and the division every exact Adam step keeps. A measurement of the bound only. The
+// correction is fl(x / c) while nothing underflows or overflows (Markstein's theorem: a division by
+// a precomputed reciprocal rounded to nearest, in one multiply and two fused multiply-adds, is
+// correctly rounded; docs/quantized_states.md, "Two ways to cut fp32 Adam's divisions", checked it
+// exhaustively for 36 divisors). Run, from the repository root:
 //   g++ -O2 -mavx2 -mfma benchmarks/bound_recip_div.cpp -o /tmp/recip && /tmp/recip
 #include <immintrin.h>
 
