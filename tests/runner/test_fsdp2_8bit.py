@@ -23,6 +23,11 @@ sharded optimizer is compared with one process bit for bit, codes and absmax inc
   bitwise equal.
 * A plain (unsharded) optimizer state dict loaded straight into the sharded optimizer is refused,
   naming the sharded loader.
+* bf16 params stored the lean way ('split', 'kahan': no fp32 master anywhere) with 8-bit moments
+  (``multi_tensor_adam8bit_lean_`` on each rank's rows): 2 ranks equal one process bit for bit,
+  the aux state (low halves, compensations) sharded like the param. 'stochastic' hashes an
+  element's index in the tensor the kernel sees, a shard's rows under FSDP2: its roundings are not
+  one process's, by design.
 """
 import logging
 import os
@@ -44,6 +49,7 @@ pytestmark = requires('fsdp2_cpu')  # every case shards with fully_shard on CPU
 STEPS = 4  # a checkpoint after 2
 EIGHT_BIT = ('l2.weight', 'l3.weight', 'l4.weight')
 FP32_UNDER_FSDP2 = ('l1.weight', 'l2.bias')  # rows of 12 elements; 1-D (both >= 512 elements)
+LEAN_MODES = ('split', 'kahan')
 
 
 class _Net(nn.Module):
@@ -66,10 +72,10 @@ def _shard(model, mesh=None, policy=None):
     return fully_shard(model, **kw)
 
 
-def _adam(model, state_dtype='int8'):
+def _adam(model, state_dtype='int8', bf16_storage=None):
     from mp_wrappers import FusedAdam
     return FusedAdam(model.parameters(), lr=0.01, weight_decay=0.01, state_dtype=state_dtype,
-                     min_8bit_size=512)
+                     min_8bit_size=512, bf16_storage=bf16_storage)
 
 
 def _grads(step):
@@ -84,15 +90,24 @@ def _steps(model, opt, first, last):
     for step in range(first, last):
         grads = _grads(step)
         for name, p in model.named_parameters():
-            g = grads[name]
+            g = grads[name].to(p.dtype)  # bf16 grads for a bf16 model
             p.grad = distribute_tensor(g, p.device_mesh, p.placements) if is_dtensor(p) else g
         opt.step()
         opt.zero_grad()
 
 
 def _full(t):
+    from torch.distributed.tensor import DTensor
     from mp_wrappers.sharding import is_dtensor
-    return (t.full_tensor() if is_dtensor(t) else t).detach().clone()
+    if not is_dtensor(t):
+        return t.detach().clone()
+    # gloo gathers no 16-bit dtype: widened exactly (bf16 -> fp32, uint16 -> int32) and back
+    wide = {torch.bfloat16: torch.float32, torch.uint16: torch.int32}.get(t.dtype)
+    if wide is None:
+        return t.full_tensor().detach().clone()
+    local = DTensor.from_local(t.to_local().to(wide), t.device_mesh, t.placements,
+                               shape=t.shape, stride=t.stride())
+    return local.full_tensor().to(t.dtype)
 
 
 def _record(model, opt):
@@ -178,6 +193,17 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+def _lean_case(mode, sharded, optimizer=_adam):
+    """A bf16 model (sharded as it is: no param_dtype) stepped with 8-bit states and the
+    ``mode`` storage by ``optimizer(model, bf16_storage=mode)``."""
+    model = _Net().to(torch.bfloat16)
+    if sharded:
+        _shard(model)
+    opt = optimizer(model, bf16_storage=mode)
+    _steps(model, opt, 0, STEPS)
+    return _record(model, opt)
+
+
 def _sharded_cases(rank, tmp):
     ckpt = os.path.join(tmp, 'ckpt')
     model = _shard(_Net())
@@ -200,6 +226,7 @@ def _sharded_cases(rank, tmp):
     model = _shard(_Net())
     out['conversion'] = _conversion_case(model, _adam(model))
     out['wrapper'] = _wrapper_case(rank)
+    out['lean'] = {mode: _lean_case(mode, True) for mode in LEAN_MODES}
     return out
 
 
@@ -208,7 +235,8 @@ def _one_process_cases(tmp):
     model = _Net()
     opt = _adam(model)
     _steps(model, opt, 0, STEPS)
-    out = dict(reference=_record(model, opt))
+    out = dict(reference=_record(model, opt),
+               lean_reference={mode: _lean_case(mode, False) for mode in LEAN_MODES})
     model = _shard(_Net())
     opt = _adam(model)
     _ckpt(os.path.join(tmp, 'ckpt'), model, opt, load=True)
@@ -251,6 +279,24 @@ def _assert_equal(a, b, names=None):
             if key.endswith('absmax'):  # one row per param row under FSDP2; flat in one process
                 x, y = x.reshape(-1), y.reshape(-1)
             assert x.dtype == y.dtype and torch.equal(x, y), (name, key)
+
+
+@pytest.mark.parametrize('mode', LEAN_MODES)
+def test_lean_bf16_shards_with_8bit_moments_match_one_process_bitwise(runs, mode):
+    """The params whose blocks fit their shards: params, codes, absmaxes and the aux state bit for
+    bit on both ranks, the codes beside the aux; those whose blocks would straddle shards keep
+    float32 moments beside their aux (8-bit in one process: not comparable)."""
+    ref = runs[1][0]['lean_reference'][mode]
+    aux = {'split': 'master_low', 'kahan': 'kahan_comp'}[mode]
+    for r in runs[2]:
+        got = r['lean'][mode]
+        for name in EIGHT_BIT:
+            assert got[name]['param'].dtype == torch.bfloat16
+            assert got[name]['exp_avg'].dtype == got[name]['exp_avg_sq'].dtype == torch.uint8
+            assert aux in got[name]
+        for name in FP32_UNDER_FSDP2:
+            assert got[name]['exp_avg'].dtype == torch.float32 and aux in got[name], name
+        _assert_equal(got, ref, EIGHT_BIT)
 
 
 def test_shards_split_rows_unevenly_and_a_rank_may_hold_none(runs):

@@ -7,6 +7,8 @@ gradients and records this module reuses), checked for the buffer.
   shards keep a float32 buffer.
 * A DCP checkpoint written by 2 ranks resumes bitwise on 2 ranks.
 * A skipped step (``found_inf``) leaves codes, absmax, params and step counters unchanged.
+* bf16 params stored 'split' or 'kahan' with an 8-bit buffer (``multi_tensor_sgd8bit_lean_`` on
+  each rank's rows): 2 ranks equal one process bit for bit, the aux state included.
 """
 import os
 
@@ -16,16 +18,16 @@ import torch
 import torchrun
 from _compat import requires
 from test_fsdp import _free_port
-from test_fsdp2_8bit import (EIGHT_BIT, FP32_UNDER_FSDP2, STEPS, _assert_equal, _ckpt, _Net,
-                             _record, _shard, _skip_case, _steps)
+from test_fsdp2_8bit import (EIGHT_BIT, FP32_UNDER_FSDP2, LEAN_MODES, STEPS, _assert_equal, _ckpt,
+                             _lean_case, _Net, _record, _shard, _skip_case, _steps)
 
 pytestmark = requires('fsdp2_cpu')
 
 
-def _sgd(model):
+def _sgd(model, bf16_storage=None):
     from mp_wrappers import FusedSGD
     return FusedSGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True,
-                    state_dtype='int8', min_8bit_size=512)
+                    state_dtype='int8', min_8bit_size=512, bf16_storage=bf16_storage)
 
 
 def _worker(rank, world, port, out_dir):
@@ -50,6 +52,7 @@ def _worker(rank, world, port, out_dir):
             out['resumed'] = _record(model, opt)
             model = _shard(_Net())
             out['skip_unchanged'] = _skip_case(model, _sgd(model))
+        out['lean'] = {mode: _lean_case(mode, world == 2, _sgd) for mode in LEAN_MODES}
         torch.save(out, os.path.join(out_dir, f'world{world}_rank{rank}.pt'))
 
 
@@ -73,6 +76,16 @@ def test_eight_bit_buffers_match_one_process_bitwise(runs):
         for name in FP32_UNDER_FSDP2:
             assert straight[name]['momentum_buffer'].dtype == torch.float32, name
         _assert_equal(straight, reference, EIGHT_BIT)
+
+
+@pytest.mark.parametrize('mode', LEAN_MODES)
+def test_lean_bf16_shards_with_an_8bit_buffer_match_one_process_bitwise(mode, runs):
+    aux = {'split': 'master_low', 'kahan': 'kahan_comp'}[mode]
+    for rank in runs[2]:
+        got = rank['lean'][mode]
+        for name in EIGHT_BIT:
+            assert got[name]['momentum_buffer'].dtype == torch.uint8 and aux in got[name], name
+        _assert_equal(got, runs[1][0]['lean'][mode], EIGHT_BIT)
 
 
 def test_checkpoint_of_2_ranks_resumes_bitwise(runs):
