@@ -80,12 +80,14 @@ TESTS = ['tests/kernels/test_cuda_host.py', 'tests/kernels/test_cuda_host_lean.p
          'tests/kernels/test_cuda_host_param_limit.py',
          'tests/kernels/test_cuda_host_nonfinite.py',
          'tests/kernels/test_cuda_host_partials.py',
-         'tests/kernels/test_cuda_host_sgd8bit.py']
+         'tests/kernels/test_cuda_host_sgd8bit.py',
+         'tests/kernels/test_cuda_host_sgd8bit_lean.py']
 # The host tests that exercise a file's code, run first (most of its mutants die there); a file not
 # named here starts with test_cuda_host.py, which calls every other kernel.
 PRIMARY_TESTS = {'multi_tensor_adam8bit.cu': 'tests/kernels/test_cuda_host_adam8bit.py',
                  'multi_tensor_sgd8bit.cu': 'tests/kernels/test_cuda_host_sgd8bit.py',
                  'quant_block.cuh': 'tests/kernels/test_cuda_host_adam8bit.py',
+                 'quant_lean_param.cuh': 'tests/kernels/test_cuda_host_adam8bit_lean.py',
                  'multi_tensor_lean.cu': 'tests/kernels/test_cuda_host_lean.py',
                  'lean_param.cuh': 'tests/kernels/test_cuda_host_lean.py',
                  'multi_tensor_apply.cuh': 'tests/kernels/test_cuda_host_planner.py',
@@ -166,15 +168,15 @@ EQUIVALENT: Dict[str, str] = {
                                                'memory, which the host build does not count). '
                                                'A one-warp block (no such launch reduces) would '
                                                'keep its first stage, equal but for -0 + 0',
-    'multi_tensor_sgd8bit.cu:115:rel:1b33dbf7': 'the lane at i == n of a short block loaded p = g = 0 '
+    'multi_tensor_sgd8bit.cu:147:rel:1b33dbf7': 'the lane at i == n of a short block loaded p = g = 0 '
                                                 'and no code (code value 0): its new buffer '
                                                 'value is 0 (d = 0 on the first update, else '
                                                 'fma(0, fac, (1 - dampening) * 0) with a finite '
                                                 'fac; unscaled, 0 stays 0 for every grad_scale '
                                                 'but 0, which no scaler holds) and does not '
                                                 'raise a max that starts at 0',
-    'multi_tensor_sgd8bit.cu:192:rel:e942c60d': 'with size - b0 == 256 both branches give 256',
-    'multi_tensor_adam8bit.cu:326:rel:61e25f20': 'with size - b0 == 256 both branches give 256',
+    'multi_tensor_sgd8bit.cu:223:rel:e942c60d': 'with size - b0 == 256 both branches give 256',
+    'multi_tensor_adam8bit.cu:270:rel:61e25f20': 'with size - b0 == 256 both branches give 256',
     'multi_tensor_adam8bit.cu:207:rel:75579f15': 'the scalar encode loop runs once more per half: '
                                                  'element (h * kILP + kILP) * 32 + lane of h == 0 '
                                                  'is element (1 * kILP + 0) * 32 + lane, so it '

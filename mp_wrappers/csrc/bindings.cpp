@@ -116,8 +116,7 @@ TORCH_LIBRARY(mp_wrappers, m) {
         "float eps, float weight_decay, bool adam_w_mode, bool bias_correction, str storage, "
         "int seed, Tensor? grad_scale, Tensor? found_inf) -> ()");
   // multi_tensor_sgd8bit_ on bfloat16 params stored the lean way (storage, aux and seed as in
-  // multi_tensor_sgd_lean_); reference/quant.py multi_tensor_sgd8bit_lean_. A CPU kernel only:
-  // on CUDA the optimizers refuse it before any step (ops/quantized_states.py).
+  // multi_tensor_sgd_lean_); reference/quant.py multi_tensor_sgd8bit_lean_.
   m.def("multi_tensor_sgd8bit_lean_(Tensor(a!)[] params, Tensor(b!)[] aux, Tensor[] grads, "
         "Tensor(c!)[] momentum_buffers, Tensor(d!)[] momentum_buffer_absmaxes, Tensor(e!) step, "
         "float lr, float momentum, float dampening, float weight_decay, bool nesterov, "

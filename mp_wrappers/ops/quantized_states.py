@@ -12,9 +12,7 @@ the loaded build has that CUDA kernel; elsewhere (a CPU-only build, any other de
 the pure-PyTorch reference on the GPU.
 The argument order follows the op schema in ``csrc/bindings.cpp``.
 :class:`mp_wrappers.optim.FusedAdam` and :class:`mp_wrappers.optim.FusedSGD` with
-``state_dtype='int8'`` build these lists for you. The SGD op's lean bf16 variant
-(:func:`multi_tensor_sgd8bit_lean`) has a CPU kernel only: :func:`check_quantized_device` refuses
-lean bf16 params on CUDA with an 8-bit momentum buffer before any work.
+``state_dtype='int8'`` build these lists for you.
 """
 from typing import List, Optional, Sequence, Union
 
@@ -37,7 +35,7 @@ _LEAN_OPS = {'multi_tensor_adam8bit_': 'multi_tensor_adam8bit_lean_',
              'multi_tensor_sgd8bit_': 'multi_tensor_sgd8bit_lean_'}
 # The ops with a CUDA kernel (csrc/cuda/), in a build with CUDA kernels; the others run on the CPU.
 _CUDA_OPS = frozenset({'multi_tensor_adam8bit_', 'multi_tensor_adam8bit_lean_',
-                       'multi_tensor_sgd8bit_'})
+                       'multi_tensor_sgd8bit_', 'multi_tensor_sgd8bit_lean_'})
 
 
 def has_quantized_kernel(device_type: str, lean: bool = False,
@@ -45,7 +43,7 @@ def has_quantized_kernel(device_type: str, lean: bool = False,
     """Whether the 8-bit update ``op`` runs on ``device_type``: on the CPU always (the kernel,
     or the reference without the extension); on CUDA when the loaded build has its CUDA kernel.
     ``lean``: its variant for bf16 params with lean storage (``multi_tensor_adam8bit_lean_``,
-    ``multi_tensor_sgd8bit_lean_``: the SGD one has no CUDA kernel yet)."""
+    ``multi_tensor_sgd8bit_lean_``)."""
     if op not in _LEAN_OPS:
         raise ValueError(f'has_quantized_kernel: op={op!r} is not an 8-bit update; expected one '
                          f'of {sorted(_LEAN_OPS)}')
@@ -245,8 +243,8 @@ def multi_tensor_sgd8bit_lean(params: Sequence[Tensor], aux: Sequence[Tensor],
                               found_inf: Optional[Tensor] = None) -> None:
     """:func:`multi_tensor_sgd8bit` on bfloat16 ``params`` stored the ``storage`` way, in one pass
     (no fp32 master: ``aux``, ``storage`` and ``seed`` as in
-    :func:`~mp_wrappers.ops.multi_tensor_sgd_lean`). CPU tensors only: there is no CUDA kernel
-    yet, and CUDA tensors are refused before any work.
+    :func:`~mp_wrappers.ops.multi_tensor_sgd_lean`). On CUDA tensors where the loaded build has
+    the CUDA kernel (``csrc/cuda/multi_tensor_sgd8bit.cu``), as :func:`multi_tensor_sgd8bit`.
 
     Examples:
         >>> comps = [torch.zeros_like(p) for p in params]          # 'kahan': bf16 compensation

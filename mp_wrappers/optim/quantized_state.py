@@ -17,10 +17,10 @@ optimizer (or a param that now wants float32 moments) is dequantized.
 
 With a ``bf16_storage`` (the lean bf16 masters, a wrapper's ``master_weights='split'|'kahan'|
 'stochastic'``) the bf16 params' 8-bit moments are stepped by the lean form of the optimizer's
-8-bit op, the storage's aux state in the same pass: FusedAdam's ``multi_tensor_adam8bit_lean_`` on
-the CPU, and on CUDA with a build that has CUDA kernels; FusedSGD's ``multi_tensor_sgd8bit_lean_``
-on the CPU only (no CUDA kernel yet). Lean bf16 params with 8-bit moments on a device without the
-kernel are refused when the storage is set or the group added, before any step.
+8-bit op, the storage's aux state in the same pass: FusedAdam's ``multi_tensor_adam8bit_lean_``,
+FusedSGD's ``multi_tensor_sgd8bit_lean_``, on the CPU, and on CUDA with a build that has CUDA
+kernels. Lean bf16 params with 8-bit moments on a device without the kernel are refused when the
+storage is set or the group added, before any step.
 
 FSDP2 params (DTensors) keep 8-bit moments where their blocks never straddle shards, as DTensors
 placed like the param (:mod:`.quantized_shards`, Note [8-bit blocks on FSDP2 shards]); the others

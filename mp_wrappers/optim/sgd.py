@@ -41,9 +41,8 @@ class FusedSGD(QuantizedStateMixin, LeanStorageMixin, FusedOptimizer):
             the bf16 params stepped with ``bf16_storage``; or ``'int8'``: a block-wise 8-bit
             momentum buffer (~1 B/param instead of 4) for params of at least ``min_8bit_size``
             elements (:mod:`mp_wrappers.optim.quantized_state`; fp32 or half params on the CPU,
-            and on CUDA with a build that has CUDA kernels, e.g. behind a wrapper's fp32 masters;
-            bf16 params with a ``bf16_storage`` on the CPU only: there is no CUDA kernel of the
-            lean variant yet).
+            and on CUDA with a build that has CUDA kernels, e.g. behind a wrapper's fp32 masters,
+            and bf16 params with a ``bf16_storage``, where the same holds).
         min_8bit_size: Params with fewer elements keep a float32 buffer under ``'int8'``.
         seed: Key of the stochastic-rounding hash (``bf16_storage='stochastic'``).
         capturable: Make every group's lr a 1-element float32 tensor on the params' device at its

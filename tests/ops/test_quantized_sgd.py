@@ -356,7 +356,7 @@ def test_kernel_refuses_bad_arguments():
 # The 8-bit buffer of multi_tensor_sgd8bit_ with the master step of the lean storages (Note [lean
 # bf16 storage]): bf16 params with uint16 low halves ('split'), a bf16 compensation ('kahan') or
 # stochastic rounding; the kernel against the reference (the 8-bit direction plus the lean master
-# update), bit for bit, in every flavour and thread count. A CPU kernel only: CUDA is refused.
+# update), bit for bit, in every flavour and thread count; the CUDA kernel against the CPU one.
 
 class LeanCase(Case):
     """A Case (or EdgeCase) whose params are bf16 stored the ``storage`` way (no model copies)."""
@@ -454,6 +454,31 @@ def test_lean_found_inf_leaves_everything_bit_identical(storage, use_kernel):
 
 @needs_kernel
 @pytest.mark.parametrize('storage', LEAN_STORAGES)
+@pytest.mark.parametrize('device', ['cuda'])
+def test_lean_cuda_kernel_matches_the_cpu_kernel(device, storage):
+    """The lean CUDA kernel (csrc/cuda/multi_tensor_sgd8bit.cu) through the public op, on a GPU with
+    a build that has CUDA kernels (skipped otherwise), bit for bit against the CPU kernel: from the
+    first applied update over junk codes and absmaxes through each hyper-parameter set, bf16
+    grads with a grad_scale; then a found_inf step changes nothing."""
+    case = LeanCase(storage, scale=3.0)
+    for c, a in zip(case.codes, case.absmax):
+        c.fill_(0x7F)
+        a.fill_(1e3)
+    twin = case.clone()
+    for k in ('params', 'aux', 'codes', 'absmax'):
+        setattr(twin, k, [t.to(device) for t in getattr(case, k)])
+    twin.step, twin.scale = case.step.to(device), case.scale.to(device)
+    for name, hp in list(HYPERS.items()) + [('skipped', MOMENTUM)]:
+        grads = case.grads()
+        found_inf = torch.ones(1) if name == 'skipped' else None
+        case.run(_lean_kernel(), grads, hp, found_inf)
+        twin.run(multi_tensor_sgd8bit_lean, [g.to(device) for g in grads], hp,
+                 None if found_inf is None else found_inf.to(device))
+        _assert_equal([t.cpu() for t in twin.tensors()], case.tensors(), f'{storage} {name}')
+
+
+@needs_kernel
+@pytest.mark.parametrize('storage', LEAN_STORAGES)
 def test_lean_flat_buffers_and_thread_counts_agree(storage):
     """Flat buffers (the tensors adjacent views of one allocation) and one or two threads give the
     separate tensors' bits."""
@@ -498,7 +523,7 @@ def test_lean_errors_name_the_argument(change, err, match):
         multi_tensor_sgd8bit_lean(**_lean_args(**change))
 
 
-def test_lean_params_must_be_bf16_and_on_the_cpu():
+def test_lean_params_must_be_bf16_and_on_a_device_with_the_kernel():
     kw = _lean_args()
     kw['params'] = [p.float() for p in kw['params']]
     with pytest.raises(TypeError, match=r"params\[0\] has dtype torch.float32; storage='kahan' "
@@ -507,44 +532,56 @@ def test_lean_params_must_be_bf16_and_on_the_cpu():
     meta = {k: ([t.to('meta') for t in v] if isinstance(v, list) else
                 v.to('meta') if isinstance(v, torch.Tensor) else v)
             for k, v in _lean_args().items()}
-    with pytest.raises(NotImplementedError, match=r"bf16_storage='kahan'.*run on CPU tensors "
-                                                  r"only; got tensors on meta and there is no "
-                                                  r"meta kernel"):
+    with pytest.raises(NotImplementedError, match=r"bf16_storage='kahan'.*run on CPU tensors, "
+                                                  r"and on CUDA .*; got tensors on meta and there "
+                                                  r"is no meta kernel"):
         multi_tensor_sgd8bit_lean(**meta)
 
 
 @pytest.mark.parametrize('cuda_build', [True, False], ids=['cuda-build', 'cpu-only-build'])
-def test_lean_cuda_params_are_refused_naming_the_missing_kernel(monkeypatch, cuda_build):
-    """A build with CUDA kernels (every 8-bit op but this one has a CUDA kernel there) or without:
-    the lean op's CUDA params are refused, saying that this op has no CUDA kernel (not that the
-    build lacks CUDA kernels), and fp32 masters are named as a way out only where the fp32-master
-    op runs. The fp32-master op itself is allowed on CUDA in the CUDA build."""
+def test_lean_cuda_params_run_where_the_build_has_cuda_kernels(monkeypatch, cuda_build):
+    """A build with CUDA kernels steps the lean op's CUDA params (csrc/cuda/
+    multi_tensor_sgd8bit.cu); a CPU-only build refuses them saying how to get the kernel, and
+    offers no fp32 masters (the fp32-master op does not run on CUDA there either)."""
     from mp_wrappers.ops import quantized_states
-    monkeypatch.setattr(quantized_states, '_op_has_kernel', lambda name, device_type: (
-        device_type == 'cpu' or (cuda_build and name != 'multi_tensor_sgd8bit_lean_')))
-    masters = r"state_dtype='int8' with fp32 masters .*, or " if cuda_build else ''
-    with pytest.raises(NotImplementedError,
-                       match=r"FusedSGD: 8-bit optimizer states \(state_dtype='int8'\) with "
-                             r"bf16_storage='kahan' .* run on CPU tensors only; got tensors on "
-                             r"cuda:0 and multi_tensor_sgd8bit_lean_ has no CUDA kernel yet\. "
-                             rf"Allowed on cuda: {masters}state_dtype='float32' or 'bfloat16' "
-                             r"with bf16_storage='kahan'$"):
-        quantized_states.check_quantized_device('FusedSGD', torch.device('cuda:0'), 'kahan',
-                                                op='multi_tensor_sgd8bit_')
-    assert quantized_states.has_quantized_kernel('cuda', op='multi_tensor_sgd8bit_') == cuda_build
-    assert not quantized_states.has_quantized_kernel('cuda', lean=True,
-                                                     op='multi_tensor_sgd8bit_')
+    monkeypatch.setattr(quantized_states, '_op_has_kernel',
+                        lambda name, device_type: device_type == 'cpu' or cuda_build)
+    assert quantized_states.has_quantized_kernel('cuda', lean=True,
+                                                 op='multi_tensor_sgd8bit_') == cuda_build
     assert quantized_states.has_quantized_kernel('cpu', lean=True, op='multi_tensor_sgd8bit_')
 
+    def check():
+        quantized_states.check_quantized_device('FusedSGD', torch.device('cuda:0'), 'kahan',
+                                                op='multi_tensor_sgd8bit_')
+    if cuda_build:
+        check()
+        return
+    with pytest.raises(NotImplementedError,
+                       match=r"FusedSGD: 8-bit optimizer states \(state_dtype='int8'\) with "
+                             r"bf16_storage='kahan' .* run on CPU tensors, and on CUDA tensors "
+                             r"with a build that has CUDA kernels; got tensors on cuda:0 and this "
+                             r"mp_wrappers build has no CUDA kernels \(rebuild it with "
+                             r"MP_WRAPPERS_CUDA=1 .*\)\. Allowed on cuda: state_dtype='float32' "
+                             r"or 'bfloat16' with bf16_storage='kahan'$"):
+        check()
 
-@pytest.mark.parametrize('device', ['cuda'])
-def test_lean_bf16_cuda_params_are_refused_by_the_optimizer(device):
-    """On a GPU with a build that has CUDA kernels (skipped otherwise): FusedSGD int8 over lean
-    bf16 CUDA params is refused when it is built, before any step, naming the missing kernel."""
-    from mp_wrappers import FusedSGD
-    p = torch.nn.Parameter(torch.zeros(64, 128, device=device, dtype=torch.bfloat16))
-    with pytest.raises(NotImplementedError, match='multi_tensor_sgd8bit_lean_ has no CUDA kernel'):
-        FusedSGD([p], lr=0.1, momentum=0.9, state_dtype='int8', bf16_storage='kahan')
+
+def test_an_op_without_a_cuda_kernel_is_named_in_the_refusal(monkeypatch):
+    """An 8-bit op that a build with CUDA kernels lacks (one added with its CPU kernel first: not in
+    ``_CUDA_OPS``) is refused on CUDA naming that op, not the build, and fp32 masters are offered:
+    the fp32-master op runs there."""
+    from mp_wrappers.ops import quantized_states
+    monkeypatch.setattr(quantized_states, '_CUDA_OPS',
+                        quantized_states._CUDA_OPS - {'multi_tensor_sgd8bit_lean_'})
+    monkeypatch.setattr(quantized_states, '_op_has_kernel', lambda name, device_type: (
+        device_type == 'cpu' or name in quantized_states._CUDA_OPS))
+    with pytest.raises(NotImplementedError,
+                       match=r"with bf16_storage='kahan' .* run on CPU tensors only; got tensors "
+                             r"on cuda:0 and multi_tensor_sgd8bit_lean_ has no CUDA kernel yet\. "
+                             r"Allowed on cuda: state_dtype='int8' with fp32 masters .*, or "
+                             r"state_dtype='float32' or 'bfloat16' with bf16_storage='kahan'$"):
+        quantized_states.check_quantized_device('FusedSGD', torch.device('cuda:0'), 'kahan',
+                                                op='multi_tensor_sgd8bit_')
 
 
 @needs_kernel

@@ -161,14 +161,15 @@ def test_an_8bit_state_without_its_absmax_is_refused_on_load():
 # ---- refused combinations --------------------------------------------------------------------------
 
 def test_lean_bf16_params_off_the_cpu_are_refused_before_any_step():
-    """The lean 8-bit kernel (multi_tensor_sgd8bit_lean_) is a CPU kernel: lean bf16 params on
-    another device are refused when the optimizer is built, or when the wrapper's master_weights
-    sets the storage, naming what runs there instead."""
+    """The lean 8-bit kernel (multi_tensor_sgd8bit_lean_) runs on the CPU and on CUDA: lean bf16
+    params on another device are refused when the optimizer is built, or when the wrapper's
+    master_weights sets the storage, naming what runs there instead."""
     p = torch.nn.Parameter(torch.zeros(64, 128, device='meta', dtype=torch.bfloat16))
     with pytest.raises(NotImplementedError,
                        match=r"FusedSGD: 8-bit optimizer states \(state_dtype='int8'\) with "
-                             r"bf16_storage='kahan' .* run on CPU tensors only; got tensors on "
-                             r"meta and there is no meta kernel. Allowed on meta: "
+                             r"bf16_storage='kahan' .* run on CPU tensors, and on CUDA tensors "
+                             r"with a build that has CUDA kernels; got tensors on meta and there "
+                             r"is no meta kernel. Allowed on meta: "
                              r"state_dtype='float32' or 'bfloat16' with bf16_storage='kahan'$"):
         FusedSGD([p], state_dtype='int8', bf16_storage='kahan', **SGD)
     opt = FusedSGD([p], state_dtype='int8', **SGD)  # the wrapper sets the storage later
@@ -333,16 +334,21 @@ def test_lean_storage_with_an_8bit_buffer_trains_close_to_a_float32_buffer(mode)
     assert abs(losses['int8'][-1] - torch_fp32) < 0.02 * torch_fp32
 
 
+@pytest.mark.parametrize('storage', [None] + LEAN_MODES)
 @pytest.mark.parametrize('device', ['cuda'])
-def test_cuda_params_step_like_the_cpu(device):
-    """The CUDA kernel (a build with CUDA kernels, on a GPU; skipped otherwise): FusedSGD's int8
+def test_cuda_params_step_like_the_cpu(device, storage):
+    """The CUDA kernels (a build with CUDA kernels, on a GPU; skipped otherwise): FusedSGD's int8
     steps on CUDA params give the CPU's buffers (codes, absmaxes, the small params' float32
-    buffers) and params bit for bit (no float64 pow on either side). The grads are the CPU
-    model's."""
-    models = [_mlp(), _mlp().to(device)]
-    opts = [FusedSGD(m.parameters(), state_dtype='int8', **SGD) for m in models]
+    buffers) and params bit for bit (no float64 pow on either side), on fp32 params and on bf16
+    params stored the lean way (multi_tensor_sgd8bit_lean_: the aux state too). The grads are the
+    CPU model's."""
+    make = _mlp if storage is None else _lean_mlp
+    models = [make(), make().to(device)]
+    opts = [FusedSGD(m.parameters(), state_dtype='int8', bf16_storage=storage, **SGD)
+            for m in models]
     for x, y in _batches(3):
-        F.mse_loss(models[0](x), y).backward()  # the same grads for both (CPU matmuls)
+        x = x if storage is None else x.bfloat16()
+        F.mse_loss(models[0](x).float(), y).backward()  # the same grads for both (CPU matmuls)
         for a, b in zip(models[0].parameters(), models[1].parameters()):
             b.grad = a.grad.to(device, copy=True)
         for o in opts:

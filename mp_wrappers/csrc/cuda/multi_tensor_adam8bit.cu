@@ -32,9 +32,9 @@
 #include <optional>
 #include <type_traits>
 
-#include "mp_wrappers/cuda/lean_param.cuh"
 #include "mp_wrappers/cuda/optim_apply.cuh"
 #include "mp_wrappers/cuda/quant_block.cuh"
+#include "mp_wrappers/cuda/quant_lean_param.cuh"
 #include "mp_wrappers/minifloat.h"
 #include "mp_wrappers/op_args.h"
 
@@ -237,64 +237,8 @@ __device__ __forceinline__ void prefetch_qblock(const QBlock<PM, G>& b, int b0, 
   }
 }
 
-// The param of the block update beside MasterParam (cuda/quant_block.cuh): store* step p32 by the
-// Adam direction q (Adam8bitOp::master_param, lean_step).
-//
-// bf16 params stored the lean way (cuda/lean_param.cuh), at the tensor's first element: the
-// stochastic hash takes the element's index in the tensor. Element by element in either layout.
-struct LeanParam {
-  uint16_t* p;
-  uint16_t* aux;  // nullptr for 'stochastic'
-  int64_t begin;  // the chunk's first element
-  int storage;
-  uint32_t key;
-
-  __device__ __forceinline__ static LeanParam at_chunk(const Adam8bitLeanOp& op,
-                                                       const Adam8bitLeanOp::Ctx& ctx, void* p,
-                                                       void* aux, int64_t begin) {
-    return {static_cast<uint16_t*>(p), static_cast<uint16_t*>(aux), begin, op.storage, ctx.key};
-  }
-  __device__ __forceinline__ bool aligned() const { return true; }
-  __device__ __forceinline__ void load_pack(float (&r)[kILP], int i0) const {
-#pragma unroll
-    for (int j = 0; j < kILP; ++j) r[j] = lean_load(storage, p, aux, begin + i0 + j);
-  }
-  __device__ __forceinline__ float load_one(int i, int n) const {
-    return i < n ? lean_load(storage, p, aux, begin + i) : 0.f;
-  }
-  // Not asked for: any prefetch in the lean kernels spilled registers (nvcc 13.0, sm_80, sm_90).
-  static constexpr bool kPrefetch = false;
-  __device__ __forceinline__ void prefetch(int, int) const {}
-  template <class Op>
-  __device__ __forceinline__ void store_pack(const Op& op, const typename Op::Ctx& ctx, int i0,
-                                             const float (&p32)[kILP],
-                                             const float (&q)[kILP]) const {
-#pragma unroll
-    for (int j = 0; j < kILP; ++j)
-      lean_store(storage, p, aux, begin + i0 + j, p32[j], op.lean_step(ctx, p32[j], q[j]), key);
-  }
-  template <class Op>
-  __device__ __forceinline__ void store_one(const Op& op, const typename Op::Ctx& ctx, int i,
-                                            int n, float p32, float q) const {
-    if (i < n) lean_store(storage, p, aux, begin + i, p32, op.lean_step(ctx, p32, q), key);
-  }
-};
-
-// The kernel's launch bound: kMinBlocksPerSm (cuda/quant_block.cuh) for fp32 / half params; for
-// lean bf16 params two,
-// except with fp32 grads, which no wrapper makes (autograd gives bf16 params bf16 grads): they
-// spilled 4 bytes within 64 registers (nvcc 13.0, sm_90): one block, no spill.
-template <class PM, class G>
-struct MinBlocksPerSm;
-template <class P, class M, class G>
-struct MinBlocksPerSm<MasterParam<P, M>, G> {
-  static constexpr int value = kMinBlocksPerSm<P, M>;
-};
-template <class G>
-struct MinBlocksPerSm<LeanParam, G> {
-  static constexpr int value = std::is_same<G, float>::value ? 1 : 2;
-};
-
+// PM: MasterParam (cuda/quant_block.cuh) or LeanParam, with its launch bound
+// (cuda/quant_lean_param.cuh).
 template <class Op, class PM, class G>
 __global__ void __launch_bounds__(kBlockSize, MinBlocksPerSm<PM, G>::value)
     adam8bit_kernel(Meta meta, Op op) {

@@ -1,7 +1,10 @@
-// CUDA kernel of multi_tensor_sgd8bit_: SGD with a block-wise 8-bit momentum buffer (Note [8-bit
-// optimizer states] in mp_wrappers/ops/reference/quant.py, the executable definition, and its
-// multi_tensor_sgd8bit_; the CPU twin is cpu/multi_tensor_sgd8bit.cpp), on fp32 / half params with
-// an optional model copy. The 8-bit Adam kernel's structure with one state (cuda/quant_block.cuh:
+// CUDA kernels of multi_tensor_sgd8bit_ and multi_tensor_sgd8bit_lean_: SGD with a block-wise
+// 8-bit momentum buffer (Note [8-bit optimizer states] in mp_wrappers/ops/reference/quant.py, the
+// executable definition, and its multi_tensor_sgd8bit_; the CPU twin is
+// cpu/multi_tensor_sgd8bit.cpp), on fp32 / half params with an optional model copy, or on bf16
+// params with a lean storage (cuda/quant_lean_param.cuh: the same block update, each param element
+// read and written as the lean kernels do). The 8-bit Adam kernel's structure with one state
+// (cuda/quant_block.cuh:
 // one warp per quantization block of 256 elements, the codes, the lanes' layout, the launches):
 // each lane dequantizes 8 elements of the buffer, applies the SGD update (the CPU kernel's
 // operations in its order, its fused multiply-adds as FMAs, so the same bits; only a NaN's code, a
@@ -14,7 +17,10 @@
 // read from step on the device by thread 0 of each block, as multi_tensor_sgd_ does: no host sync.
 //
 // 14 bytes of traffic per fp32 parameter (p read and written, g read, one code read and written)
-// plus 8 bytes of absmax per block, against fp32 momentum SGD's 20.
+// plus 8 bytes of absmax per block, against fp32 momentum SGD's 20. Lean bf16 params with bf16
+// grads: 12 bytes per parameter (the bf16 param and its split low half or kahan compensation read
+// and written, 2 + 2 bytes each, a bf16 grad read, a code read and written), 8 with stochastic
+// rounding (no aux), against 18 and 14 with a float32 buffer.
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>  // Note [optional arguments] in bindings.cpp
 
@@ -24,6 +30,7 @@
 
 #include "mp_wrappers/cuda/optim_apply.cuh"
 #include "mp_wrappers/cuda/quant_block.cuh"
+#include "mp_wrappers/cuda/quant_lean_param.cuh"
 #include "mp_wrappers/minifloat.h"
 #include "mp_wrappers/op_args.h"
 
@@ -45,7 +52,11 @@ struct Sgd8bitOp : SgdHyper {
     DeviceUnscale unscale;
   };
   __device__ __forceinline__ Ctx begin(int32_t /*tensor_index*/) const {
-    return Ctx{ld(step) == 0.f, lr.get(), make_unscale(grad_scale)};
+    return begin_at(ld(step));
+  }
+  // `s` the step counter's value.
+  __device__ __forceinline__ Ctx begin_at(float s) const {
+    return Ctx{s == 0.f, lr.get(), make_unscale(grad_scale)};
   }
   // One element: g unscaled; b the code value in, the new buffer out; fac the block's momentum
   // times its decode factor (Note [the folded decode factor] in cpu/multi_tensor_adam8bit.cpp)
@@ -66,7 +77,28 @@ struct Sgd8bitOp : SgdHyper {
 };
 static_assert(std::is_trivial<Sgd8bitOp::Ctx>::value, "Ctx lives in shared memory");
 
-// params, grads, momentum_buffers, their absmaxes, model_params.
+// Lean bf16 params: the storage, and the stochastic rounding's per-tensor key in the constants
+// (keyed by the count of this update, step + 1, as the reference keys it; step read once).
+struct Sgd8bitLeanOp : Sgd8bitOp {
+  int storage;
+  uint32_t seed;
+
+  struct Ctx : Sgd8bitOp::Ctx {
+    uint32_t key;
+  };
+  __device__ __forceinline__ Ctx begin(int32_t tensor_index) const {
+    const float s = ld(step);
+    return Ctx{{begin_at(s)}, lean_key(seed, fadd(s, 1.f), tensor_index)};
+  }
+  // The lean step (LeanParam's store): lr * d, the decay already in the direction.
+  __device__ __forceinline__ float lean_step(const Ctx& c, float /*p*/, float d) const {
+    return fmul(c.lr, d);
+  }
+};
+static_assert(std::is_trivial<Sgd8bitLeanOp::Ctx>::value, "Ctx lives in shared memory");
+
+// params, grads, momentum_buffers, their absmaxes, then the param's second list: the model copy
+// (fp32 / half params) or aux (lean bf16 params).
 constexpr int kLists = 5;
 using Meta = TensorListMeta<kLists, kQuantChunkSize>;
 
@@ -81,8 +113,8 @@ struct SgdQBlock {
   int b0, n;
 };
 
-template <class PM, class G>
-__device__ __forceinline__ void sgd8bit_block(const Sgd8bitOp& op, const Sgd8bitOp::Ctx& ctx,
+template <class Op, class PM, class G>
+__device__ __forceinline__ void sgd8bit_block(const Op& op, const typename Op::Ctx& ctx,
                                               const SgdQBlock<PM, G>& b, bool vector, int lane) {
   const float fac =
       fmul(op.momentum, fdiv(ld_warp_uniform(b.ba + b.b0 / kQBlock), ExpAvgCode::kMax));
@@ -159,14 +191,14 @@ __device__ __forceinline__ void prefetch_qblock(const SgdQBlock<PM, G>& b, bool 
   if (lane == 0) prefetch_l2(b.ba + b0 / kQBlock);
 }
 
-// The launch bound of the 8-bit kernels (kMinBlocksPerSm, cuda/quant_block.cuh);
-// tools/check_cuda_compile.sh --fail-on-spill holds every param x grad x model-copy combination to
-// it.
-template <class P, class G, class M>
-__global__ void __launch_bounds__(kBlockSize, kMinBlocksPerSm<P, M>)
-    sgd8bit_kernel(Meta meta, Sgd8bitOp op) {
+// PM: MasterParam (cuda/quant_block.cuh) or LeanParam, with its launch bound
+// (cuda/quant_lean_param.cuh); tools/check_cuda_compile.sh --fail-on-spill holds every param x
+// grad x model-copy combination to it.
+template <class Op, class PM, class G>
+__global__ void __launch_bounds__(kBlockSize, MinBlocksPerSm<PM, G>::value)
+    sgd8bit_kernel(Meta meta, Op op) {
   const auto ch = meta.chunk_of_block();
-  __shared__ Sgd8bitOp::Ctx shared_ctx;
+  __shared__ typename Op::Ctx shared_ctx;
   __shared__ bool shared_skip;
   if (threadIdx.x == 0) {
     shared_skip = skip_update(op.found_inf);
@@ -174,9 +206,8 @@ __global__ void __launch_bounds__(kBlockSize, kMinBlocksPerSm<P, M>)
   }
   __syncthreads();
   if (shared_skip) return;
-  const Sgd8bitOp::Ctx ctx = shared_ctx;
+  const typename Op::Ctx ctx = shared_ctx;
   const int slot = ch.slot;
-  using PM = MasterParam<P, M>;
   const PM pm = PM::at_chunk(op, ctx, meta.addresses[0][slot], meta.addresses[4][slot], ch.begin);
   const G* g = offset_ptr<G>(meta.addresses[1][slot], ch.begin);
   uint8_t* bc = offset_ptr<uint8_t>(meta.addresses[2][slot], ch.begin);
@@ -191,7 +222,7 @@ __global__ void __launch_bounds__(kBlockSize, kMinBlocksPerSm<P, M>)
     b.b0 = q * static_cast<int>(kQBlock);
     b.n = size - b.b0 < kQBlock ? size - b.b0 : static_cast<int>(kQBlock);
     const int next = b.b0 + warps * static_cast<int>(kQBlock);
-    if (next <= size - kQBlock) prefetch_qblock(b, ctx.first, next, lane);
+    if (PM::kPrefetch && next <= size - kQBlock) prefetch_qblock(b, ctx.first, next, lane);
     sgd8bit_block(op, ctx, b, aligned && b.n == kQBlock, lane);
   }
 }
@@ -219,7 +250,7 @@ void multi_tensor_sgd8bit_cuda(at::TensorList params, at::TensorList grads,
           using P = std::remove_pointer_t<decltype(p_tag)>;
           using G = std::remove_pointer_t<decltype(g_tag)>;
           using M = std::remove_pointer_t<decltype(m_tag)>;
-          launch_quantized<&sgd8bit_kernel<P, G, M>, kLists>(
+          launch_quantized<&sgd8bit_kernel<Sgd8bitOp, MasterParam<P, M>, G>, kLists>(
               "sgd8bit", {params, grads, momentum_buffers, momentum_buffer_absmaxes, model_params},
               s);
         });
@@ -230,10 +261,40 @@ void multi_tensor_sgd8bit_cuda(at::TensorList params, at::TensorList grads,
   launch_increment_step(step, s.found_inf);
 }
 
+// bf16 params stored the lean way: aux takes the model copy's place in the lists.
+void multi_tensor_sgd8bit_lean_cuda(at::TensorList params, at::TensorList aux,
+                                    at::TensorList grads, at::TensorList momentum_buffers,
+                                    at::TensorList momentum_buffer_absmaxes,
+                                    const at::Tensor& step, double lr, double momentum,
+                                    double dampening, double weight_decay, bool nesterov,
+                                    bool wd_after_momentum, c10::string_view storage_name,
+                                    int64_t seed, const c10::optional<at::Tensor>& grad_scale,
+                                    const c10::optional<at::Tensor>& found_inf) {
+  const LeanArgs<SgdHyper> args = multi_tensor_sgd8bit_lean_args(
+      Backend::kCuda, params, aux, grads, momentum_buffers, momentum_buffer_absmaxes, step, lr,
+      momentum, dampening, weight_decay, nesterov, wd_after_momentum, storage_name, grad_scale,
+      found_inf);
+  const DeviceGuard guard(step.device());
+  const Sgd8bitLeanOp s{{{args.hyper}, args.scalars.found_inf, args.scalars.grad_scale,
+                         step.data_ptr<float>(), device_lr(args.scalars)},
+                        static_cast<int>(args.storage),
+                        static_cast<uint32_t>(seed)};
+  if (!params.empty()) {
+    dispatch_dtype(grads, [&](auto* g_tag) {
+      using G = std::remove_pointer_t<decltype(g_tag)>;
+      launch_quantized<&sgd8bit_kernel<Sgd8bitLeanOp, LeanParam, G>, kLists>(
+          "sgd8bit_lean", {params, grads, momentum_buffers, momentum_buffer_absmaxes, aux}, s);
+    });
+  }
+  // After the update kernels: they read step for the first update and the stochastic key.
+  launch_increment_step(step, s.found_inf);
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace mp_wrappers
 
 MP_WRAPPERS_CUDA_OPS(m) {
   m.impl("multi_tensor_sgd8bit_", &mp_wrappers::cuda::multi_tensor_sgd8bit_cuda);
+  m.impl("multi_tensor_sgd8bit_lean_", &mp_wrappers::cuda::multi_tensor_sgd8bit_lean_cuda);
 }
