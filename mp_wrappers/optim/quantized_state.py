@@ -63,6 +63,7 @@ from torch import Tensor
 from ..casting import parse_dtype
 from ..sharding import dtensor_type, is_dtensor
 from ..ops.quantized_states import check_quantized_device
+from ..ops.reference.lean import LEAN_STORAGES
 from ..ops.reference.quant import (EXP_AVG_CODE, EXP_AVG_SQ_CODE, Minifloat,
                                    dequantize_invertibly, quantize_blockwise)
 from . import layout
@@ -144,9 +145,11 @@ class QuantizedStateMixin:
         return 'float32'
 
     def set_bf16_storage(self, bf16_storage: Optional[str]) -> None:
+        # Refused before anything changes: the storage and the params' aux state stay as they were.
+        if bf16_storage in LEAN_STORAGES:
+            for group in getattr(self, 'param_groups', ()):
+                self._check_lean_devices(group, bf16_storage)
         super().set_bf16_storage(bf16_storage)  # type: ignore[misc]
-        for group in getattr(self, 'param_groups', ()):
-            self._check_lean_devices(group)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         value = param_group.get('state_dtype')
@@ -158,16 +161,28 @@ class QuantizedStateMixin:
             raise ValueError(f"{type(self).__name__}: a param group's state_dtype='int8' is not "
                              "supported with master_weights=True; set the group's "
                              "state_dtype='float32', or master_weights=False")
+        # Checked before the group is added: a refused group leaves the optimizer as it was. An
+        # iterator of params is made a list first (torch would; the check must not consume it);
+        # a set is left for torch to refuse.
+        params = param_group.get('params')
+        if not isinstance(params, (Tensor, set)) and params is not None:
+            param_group['params'] = list(params)
+        merged = dict(getattr(self, 'defaults', {}), **param_group)  # the group as it will be
+        self._check_lean_devices(merged, getattr(self, 'bf16_storage', None))
         super().add_param_group(param_group)  # type: ignore[misc]
-        self._check_lean_devices(self.param_groups[-1])  # type: ignore[attr-defined]
 
-    def _check_lean_devices(self, group: Dict[str, Any]) -> None:
-        """Refuse, before any step, lean bf16 params with 8-bit moments where no kernel runs them
-        (CUDA with a build that has no CUDA kernels, any other device)."""
-        storage = getattr(self, 'bf16_storage', None)
+    def _check_lean_devices(self, group: Dict[str, Any], storage: Optional[str]) -> None:
+        """Refuse, before any step, lean bf16 params stored the ``storage`` way with 8-bit moments
+        where no kernel runs them (CUDA with a build that has no CUDA kernels, any other
+        device)."""
         if storage is None:
             return
-        for param in group['params']:
+        params = group.get('params')
+        if isinstance(params, Tensor):
+            params = [params]
+        elif not isinstance(params, list):
+            return  # torch refuses it (a set) when the group is added
+        for param in params:
             if param.dtype == torch.bfloat16 and self._wants_8bit(param, group):
                 check_quantized_device(type(self).__name__, param.device, storage,
                                        op=self._quantized_op)

@@ -175,6 +175,15 @@ def test_lean_bf16_params_off_the_cpu_are_refused_before_any_step():
     opt = FusedSGD([p], state_dtype='int8', **SGD)  # the wrapper sets the storage later
     with pytest.raises(NotImplementedError, match="bf16_storage='stochastic'"):
         opt.set_bf16_storage('stochastic')
+    assert opt.bf16_storage is None  # refused before anything changed
+    # a group refused when added is not added; a generator of params is not consumed by the check
+    cpu = torch.nn.Parameter(torch.zeros(64, 128, dtype=torch.bfloat16))
+    opt = FusedSGD([cpu], state_dtype='int8', bf16_storage='kahan', **SGD)
+    with pytest.raises(NotImplementedError, match='got tensors on meta'):
+        opt.add_param_group(dict(params=(q for q in [p])))
+    assert len(opt.param_groups) == 1
+    opt.add_param_group(dict(params=(q for q in [torch.nn.Parameter(cpu.detach().clone())])))
+    assert [len(g['params']) for g in opt.param_groups] == [1, 1]
     # a bf16 buffer with a lean storage stays allowed, and params under min_8bit_size
     FusedSGD([p], state_dtype='bfloat16', bf16_storage='kahan', **SGD)
     FusedSGD([p], state_dtype='int8', bf16_storage='kahan', min_8bit_size=10 ** 6, **SGD)
