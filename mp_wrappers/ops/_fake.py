@@ -7,7 +7,8 @@ calls (the Meta key also serves calls that mix meta and real tensors) validate t
 the way the public API does and fail with the same message as in eager mode.
 
 Imported by :mod:`mp_wrappers.ops._extension` right after ``mp_wrappers._C`` has registered the op
-schemas; it must not be imported when the extension is missing (the ops would not exist).
+schemas; it must not be imported when the extension is missing. An op an older build does not
+declare gets no fake kernel (its reference serves it).
 """
 from typing import List, Tuple
 
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_tensor_lists
+from ._registration import register_fake_if_declared
 
 __all__: List[str] = []
 
@@ -26,32 +28,32 @@ def _l2norm_outputs(tensors: List[Tensor], per_tensor: bool) -> Tuple[Tensor, Te
     return total, norms
 
 
-@torch.library.register_fake('mp_wrappers::multi_tensor_l2norm')
+@register_fake_if_declared('multi_tensor_l2norm')
 def _multi_tensor_l2norm_fake(tensors: List[Tensor], per_tensor: bool) -> Tuple[Tensor, Tensor]:
     check_tensor_lists('multi_tensor_l2norm', ('tensors',), (tensors,))
     return _l2norm_outputs(tensors, per_tensor)
 
 
-@torch.library.register_fake('mp_wrappers::multi_tensor_unscale_l2norm')
+@register_fake_if_declared('multi_tensor_unscale_l2norm')
 def _multi_tensor_unscale_l2norm_fake(tensors: List[Tensor], inv_scale: Tensor, found_inf: Tensor,
                                       per_tensor: bool) -> Tuple[Tensor, Tensor]:
     check_tensor_lists('multi_tensor_unscale_l2norm', ('tensors',), (tensors,))
     return _l2norm_outputs(tensors, per_tensor)
 
 
-@torch.library.register_fake('mp_wrappers::multi_tensor_scale_')
+@register_fake_if_declared('multi_tensor_scale_')
 def _multi_tensor_scale_fake(inputs: List[Tensor], outputs: List[Tensor], scale: Tensor,
                              found_inf: Tensor) -> None:
     check_tensor_lists('multi_tensor_scale_', ('inputs', 'outputs'), (inputs, outputs))
 
 
-@torch.library.register_fake('mp_wrappers::multi_tensor_axpby_')
+@register_fake_if_declared('multi_tensor_axpby_')
 def _multi_tensor_axpby_fake(x: List[Tensor], y: List[Tensor], out: List[Tensor], a: float,
                              b: float, arg_to_check: int, found_inf: Tensor) -> None:
     check_tensor_lists('multi_tensor_axpby_', ('x', 'y', 'out'), (x, y, out))
 
 
-@torch.library.register_fake('mp_wrappers::update_scale_hysteresis_')
+@register_fake_if_declared('update_scale_hysteresis_')
 def _update_scale_hysteresis_fake(scale: Tensor, growth_tracker: Tensor,
                                   hysteresis_tracker: Tensor, found_inf: Tensor,
                                   growth_factor: float, backoff_factor: float,

@@ -8,7 +8,8 @@ kernel registered" error. Registering one lets traces run and validates the tens
 public API does, failing with the same message as in eager mode (see also :mod:`._fake`).
 
 Imported by :mod:`mp_wrappers.ops._extension` right after ``mp_wrappers._C`` has registered the op
-schemas; it must not be imported when the extension is missing (the ops would not exist).
+schemas; it must not be imported when the extension is missing. An op an older build does not
+declare gets no fake kernel (its reference serves it).
 """
 from typing import List, Optional
 
@@ -16,11 +17,12 @@ import torch
 from torch import Tensor
 
 from ._checks import check_tensor_lists
+from ._registration import register_fake_if_declared
 
 __all__: List[str] = []
 
 
-@torch.library.register_fake('mp_wrappers::multi_tensor_adam_')
+@register_fake_if_declared('multi_tensor_adam_')
 def _multi_tensor_adam_fake(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
                             exp_avg_sqs: List[Tensor], model_params: List[Tensor], step: Tensor,
                             lr: float, beta1: float, beta2: float, eps: float,
@@ -33,7 +35,7 @@ def _multi_tensor_adam_fake(params: List[Tensor], grads: List[Tensor], exp_avgs:
                        allow_empty=('model_params',))
 
 
-@torch.library.register_fake('mp_wrappers::multi_tensor_sgd_')
+@register_fake_if_declared('multi_tensor_sgd_')
 def _multi_tensor_sgd_fake(params: List[Tensor], grads: List[Tensor],
                            momentum_buffers: List[Tensor], model_params: List[Tensor],
                            step: Tensor, lr: float, momentum: float, dampening: float,
@@ -45,7 +47,7 @@ def _multi_tensor_sgd_fake(params: List[Tensor], grads: List[Tensor],
                        (params, grads, momentum_buffers, model_params), allow_empty=allow_empty)
 
 
-@torch.library.register_fake('mp_wrappers::multi_tensor_lamb_')
+@register_fake_if_declared('multi_tensor_lamb_')
 def _multi_tensor_lamb_fake(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
                             exp_avg_sqs: List[Tensor], model_params: List[Tensor], step: Tensor,
                             lr: float, beta1: float, beta2: float, eps: float,
@@ -60,7 +62,7 @@ def _multi_tensor_lamb_fake(params: List[Tensor], grads: List[Tensor], exp_avgs:
                        allow_empty=('model_params',))
 
 
-@torch.library.register_fake('mp_wrappers::multi_tensor_adagrad_')
+@register_fake_if_declared('multi_tensor_adagrad_')
 def _multi_tensor_adagrad_fake(params: List[Tensor], grads: List[Tensor],
                                state_sums: List[Tensor], model_params: List[Tensor],
                                step: Tensor, lr: float, eps: float, weight_decay: float,
@@ -71,7 +73,7 @@ def _multi_tensor_adagrad_fake(params: List[Tensor], grads: List[Tensor],
                        (params, grads, state_sums, model_params), allow_empty=('model_params',))
 
 
-@torch.library.register_fake('mp_wrappers::multi_tensor_novograd_')
+@register_fake_if_declared('multi_tensor_novograd_')
 def _multi_tensor_novograd_fake(params: List[Tensor], grads: List[Tensor],
                                 exp_avgs: List[Tensor], exp_avg_sq_norms: Tensor,
                                 model_params: List[Tensor], step: Tensor, lr: float,
@@ -88,7 +90,7 @@ def _multi_tensor_novograd_fake(params: List[Tensor], grads: List[Tensor],
 # aux holds uint16 or bf16 tensors (or nothing), which check_tensor_lists would refuse as
 # non-float; it is validated by the public entry points in mp_wrappers/ops/lean.py.
 
-@torch.library.register_fake('mp_wrappers::multi_tensor_adam_lean_')
+@register_fake_if_declared('multi_tensor_adam_lean_')
 def _multi_tensor_adam_lean_fake(params: List[Tensor], aux: List[Tensor], grads: List[Tensor],
                                  exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor], step: Tensor,
                                  lr: float, beta1: float, beta2: float, eps: float,
@@ -99,7 +101,7 @@ def _multi_tensor_adam_lean_fake(params: List[Tensor], aux: List[Tensor], grads:
                        (params, grads, exp_avgs, exp_avg_sqs))
 
 
-@torch.library.register_fake('mp_wrappers::multi_tensor_sgd_lean_')
+@register_fake_if_declared('multi_tensor_sgd_lean_')
 def _multi_tensor_sgd_lean_fake(params: List[Tensor], aux: List[Tensor], grads: List[Tensor],
                                 momentum_buffers: List[Tensor], step: Tensor, lr: float,
                                 momentum: float, dampening: float, weight_decay: float,
@@ -114,7 +116,7 @@ def _multi_tensor_sgd_lean_fake(params: List[Tensor], aux: List[Tensor], grads: 
 # The uint8 codes and their float32 absmax lists have their own element counts (one code per element,
 # one absmax per block): validated by the public entry point in mp_wrappers/ops/quantized_states.py.
 
-@torch.library.register_fake('mp_wrappers::multi_tensor_adam8bit_')
+@register_fake_if_declared('multi_tensor_adam8bit_')
 def _multi_tensor_adam8bit_fake(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
                                 exp_avg_absmaxes: List[Tensor], exp_avg_sqs: List[Tensor],
                                 exp_avg_sq_absmaxes: List[Tensor], model_params: List[Tensor],
@@ -126,7 +128,7 @@ def _multi_tensor_adam8bit_fake(params: List[Tensor], grads: List[Tensor], exp_a
                        (params, grads, model_params), allow_empty=('model_params',))
 
 
-@torch.library.register_fake('mp_wrappers::multi_tensor_adam8bit_lean_')
+@register_fake_if_declared('multi_tensor_adam8bit_lean_')
 def _multi_tensor_adam8bit_lean_fake(params: List[Tensor], aux: List[Tensor], grads: List[Tensor],
                                      exp_avgs: List[Tensor], exp_avg_absmaxes: List[Tensor],
                                      exp_avg_sqs: List[Tensor], exp_avg_sq_absmaxes: List[Tensor],
@@ -138,7 +140,7 @@ def _multi_tensor_adam8bit_lean_fake(params: List[Tensor], aux: List[Tensor], gr
     check_tensor_lists('multi_tensor_adam8bit_lean_', ('params', 'grads'), (params, grads))
 
 
-@torch.library.register_fake('mp_wrappers::multi_tensor_sgd8bit_')
+@register_fake_if_declared('multi_tensor_sgd8bit_')
 def _multi_tensor_sgd8bit_fake(params: List[Tensor], grads: List[Tensor],
                                momentum_buffers: List[Tensor],
                                momentum_buffer_absmaxes: List[Tensor], model_params: List[Tensor],
@@ -150,7 +152,7 @@ def _multi_tensor_sgd8bit_fake(params: List[Tensor], grads: List[Tensor],
                        (params, grads, model_params), allow_empty=('model_params',))
 
 
-@torch.library.register_fake('mp_wrappers::multi_tensor_sgd8bit_lean_')
+@register_fake_if_declared('multi_tensor_sgd8bit_lean_')
 def _multi_tensor_sgd8bit_lean_fake(params: List[Tensor], aux: List[Tensor], grads: List[Tensor],
                                     momentum_buffers: List[Tensor],
                                     momentum_buffer_absmaxes: List[Tensor], step: Tensor,

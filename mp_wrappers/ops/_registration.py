@@ -29,7 +29,8 @@ import torch
 
 from . import reference
 
-__all__ = ['register', 'register_references', 'implementations', 'has_compiled_kernel', 'declared']
+__all__ = ['register', 'register_references', 'implementations', 'has_compiled_kernel', 'declared',
+           'register_fake_if_declared']
 
 # Dispatch keys of the device types the extension may build kernels for.
 DISPATCH_KEYS = {'cpu': 'CPU', 'cuda': 'CUDA'}
@@ -49,6 +50,19 @@ def declared(names: Iterable[str], namespace: str = NAMESPACE) -> FrozenSet[str]
     """Those of ``names`` declared as ops under ``torch.ops.<namespace>``."""
     ops = getattr(torch.ops, namespace)
     return frozenset(name for name in names if hasattr(ops, name))
+
+
+def register_fake_if_declared(name: str,
+                              namespace: str = NAMESPACE) -> Callable[[Callable], Callable]:
+    """``torch.library.register_fake`` of ``<namespace>::<name>`` where the loaded extension
+    declares that op; a no-op for an op an older build lacks. Registering a fake kernel of an
+    undeclared op raises, which would drop the whole extension at import (:mod:`._extension`)
+    instead of leaving that one op to its reference (Note [dispatch decided at registration])."""
+    def decorate(fn: Callable) -> Callable:
+        if declared([name], namespace):
+            torch.library.register_fake(f'{namespace}::{name}')(fn)
+        return fn
+    return decorate
 
 
 def _has_kernel(qualified: str, key: str) -> bool:

@@ -112,3 +112,19 @@ def test_public_ops_trace_whole():
     assert counter.frame_count == 1
     assert all(torch.equal(a, b) for a, b in zip(ts, want)) and flag.item() == 0
     assert torch.equal(total, multi_tensor_l2norm(want)[0])
+
+
+@pytest.mark.skipif(not compat.has('fake_kernels'), reason='fake kernels need torch >= 2.4')
+def test_a_fake_kernel_is_registered_only_for_a_declared_op():
+    """An older build lacks the newest ops: their fake kernels are skipped, not an error that
+    would drop the whole extension at import (its other ops' compiled kernels with it)."""
+    def fake(x, value):
+        return None
+
+    # torch.library.register_fake itself refuses an op nobody declared
+    with pytest.raises(Exception):
+        torch.library.register_fake(f'{PROBES}::never_declared_')(fake)
+    assert _registration.register_fake_if_declared('never_declared_', PROBES)(fake) is fake
+    qualified = _probe_op('faked_')
+    assert _registration.register_fake_if_declared('faked_', PROBES)(fake) is fake
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(qualified, 'Meta')
