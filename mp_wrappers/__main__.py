@@ -77,8 +77,8 @@ def _quantized_lines(info: dict) -> List[str]:
              "optim_wrapper.optimizer.state_dtype='float32' there",
              f"sgd          FusedSGD(state_dtype='int8'): {info['sgd_cpu']} on cpu, "
              + ('cuda kernel' if info['sgd_cuda'] else 'no CUDA kernel (CUDA params refused)')
-             + "; fp32 / half params only: bf16 params with a lean master_weights ('split', "
-             "'kahan', 'stochastic') are refused (NotImplementedError) before any update"]
+             + "; fp32 / half params, and bf16 params with a lean master_weights ('split', "
+             "'kahan', 'stochastic'), the storage stepped in the same pass"]
     lines.append(f'bytes/param  (fp32 moments -> int8 moments, blocks of {info["block_size"]}; '
                  'grads not counted)')
     for what, (fp32, int8) in info['bytes_per_param'].items():

@@ -114,27 +114,65 @@ def _novograd(gen, device):
             True, 2, False, _scalar(1024.0, device), _scalar(0.0, device))
 
 
+def _codes(gen, device, params):
+    """Random 8-bit states of ``params``: codes and one absmax per block."""
+    codes = [torch.randint(0, 256, (t.numel(),), generator=gen, dtype=torch.uint8).to(device)
+             for t in params]
+    absmax = [torch.rand(num_blocks(t.numel()), generator=gen).to(device) * 0.1 for t in params]
+    return codes, absmax
+
+
 def _adam8bit(gen, device):
     # Random codes are valid moments: the minifloat codes have no inf/NaN (docs/quantized_states.md).
     p, g, _, model = _optim_common(gen, device, 0)
-    lists = []
-    for _moment in range(2):
-        lists.append([torch.randint(0, 256, (t.numel(),), generator=gen, dtype=torch.uint8)
-                      .to(device) for t in p])
-        lists.append([torch.rand(num_blocks(t.numel()), generator=gen).to(device) * 0.1
-                      for t in p])
-    return (p, g, *lists, model, _scalar(3.0, device), 1e-3, 0.9, 0.999, 1e-8, 0.01, True, True,
+    (mc, ma), (vc, va) = _codes(gen, device, p), _codes(gen, device, p)
+    return (p, g, mc, ma, vc, va, model, _scalar(3.0, device), 1e-3, 0.9, 0.999, 1e-8, 0.01, True, True,
             _scalar(1024.0, device), _scalar(0.0, device))
 
 
 def _sgd8bit(gen, device):
     # Random codes are a valid buffer; step 3: a later update, which reads them.
     p, g, _, model = _optim_common(gen, device, 0)
-    codes = [torch.randint(0, 256, (t.numel(),), generator=gen, dtype=torch.uint8).to(device)
-             for t in p]
-    absmax = [torch.rand(num_blocks(t.numel()), generator=gen).to(device) * 0.1 for t in p]
+    codes, absmax = _codes(gen, device, p)
     return (p, g, codes, absmax, model, _scalar(3.0, device), 0.05, 0.9, 0.0, 1e-4, True, False,
             _scalar(1024.0, device), _scalar(0.0, device))
+
+
+# ---- lean bf16 params (no fp32 master), stored 'kahan': a bf16 compensation per element (the
+# storage every supported torch has; 'split' needs torch.uint16) ----------------------------------
+def _lean_common(gen, device):
+    params = _rand(gen, _BF16, device)
+    # a compensation below half an ulp of its param, as the Kahan update leaves it
+    comps = [(p.float() * 2.0 ** -10).to(_BF16) for p in params]
+    grads = [(g * 1024).to(_BF16) for g in _rand(gen, _F32, device)]
+    return params, comps, grads
+
+
+def _adam_lean(gen, device):
+    p, aux, g = _lean_common(gen, device)
+    m, v = _rand(gen, _F32, device, 0.1), _rand(gen, _F32, device, 0.1, positive=True)
+    return (p, aux, g, m, v, _scalar(3.0, device), 1e-3, 0.9, 0.999, 1e-8, 0.01, True, True,
+            'kahan', 7, _scalar(1024.0, device), _scalar(0.0, device))
+
+
+def _sgd_lean(gen, device):
+    p, aux, g = _lean_common(gen, device)
+    return (p, aux, g, _rand(gen, _F32, device, 0.1), _scalar(3.0, device), 0.1, 0.9, 0.0, 1e-4,
+            True, False, 'kahan', 7, _scalar(1024.0, device), _scalar(0.0, device))
+
+
+def _adam8bit_lean(gen, device):
+    p, aux, g = _lean_common(gen, device)
+    (mc, ma), (vc, va) = _codes(gen, device, p), _codes(gen, device, p)
+    return (p, aux, g, mc, ma, vc, va, _scalar(3.0, device), 1e-3, 0.9, 0.999, 1e-8, 0.01, True,
+            True, 'kahan', 7, _scalar(1024.0, device), _scalar(0.0, device))
+
+
+def _sgd8bit_lean(gen, device):
+    p, aux, g = _lean_common(gen, device)
+    codes, absmax = _codes(gen, device, p)
+    return (p, aux, g, codes, absmax, _scalar(3.0, device), 0.05, 0.9, 0.0, 1e-4, True, False,
+            'kahan', 7, _scalar(1024.0, device), _scalar(0.0, device))
 
 
 CASES: Dict[str, Callable[[torch.Generator, str], Tuple]] = {
@@ -150,6 +188,10 @@ CASES: Dict[str, Callable[[torch.Generator, str], Tuple]] = {
     'multi_tensor_novograd_': _novograd,
     'multi_tensor_adam8bit_': _adam8bit,
     'multi_tensor_sgd8bit_': _sgd8bit,
+    'multi_tensor_adam_lean_': _adam_lean,
+    'multi_tensor_sgd_lean_': _sgd_lean,
+    'multi_tensor_adam8bit_lean_': _adam8bit_lean,
+    'multi_tensor_sgd8bit_lean_': _sgd8bit_lean,
 }
 
 

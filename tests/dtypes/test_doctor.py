@@ -58,8 +58,8 @@ def test_doctor_prints_the_section_and_cudas_refusal(capsys):
     assert "state_dtype='int8' are refused (NotImplementedError)" in lines[1]
     assert "optim_wrapper.optimizer.state_dtype='float32'" in lines[1]
     assert lines[2].startswith("sgd          FusedSGD(state_dtype='int8'): cpp-")
-    assert "on cpu, no CUDA kernel (CUDA params refused); fp32 / half params only: bf16 params " \
-           "with a lean master_weights" in lines[2]
+    assert "on cpu, no CUDA kernel (CUDA params refused); fp32 / half params, and bf16 params " \
+           "with a lean master_weights ('split', 'kahan', 'stochastic')" in lines[2]
     assert lines[-1] == '             O2 bf16: model + fp32 master + Adam: 14.00 -> 8.03'
 
 
@@ -108,3 +108,27 @@ def test_selftest_checks_the_8bit_sgd_kernel_like_every_op(monkeypatch):
     monkeypatch.setattr(reference, 'multi_tensor_sgd8bit_', one_code_off)
     with pytest.raises(AssertionError, match='tensor'):
         selftest._check_op('multi_tensor_sgd8bit_', 'cpu')
+
+
+def test_every_declared_op_has_a_selftest_case():
+    if _extension.extension() is None:
+        pytest.skip('the C++ extension is not built: nothing compiled to self-test')
+    assert set(selftest.declared_ops()) - set(selftest.CASES) == set()
+
+
+@pytest.mark.parametrize('op', ['multi_tensor_adam_lean_', 'multi_tensor_sgd_lean_',
+                                'multi_tensor_adam8bit_lean_', 'multi_tensor_sgd8bit_lean_'])
+def test_selftest_checks_the_lean_kernels_and_their_aux_state(monkeypatch, op):
+    """The lean ops (bf16 params stored 'kahan'): their kernels agree with the references, and a
+    compensation off by one element's worth is caught."""
+    if _extension.extension() is None:
+        pytest.skip('the C++ extension is not built: nothing compiled to self-test')
+    selftest._check_op(op, 'cpu')
+    right = getattr(reference, op)
+
+    def compensation_off(params, aux, *rest):
+        right(params, aux, *rest)
+        aux[1][3] += 1.0
+    monkeypatch.setattr(reference, op, compensation_off)
+    with pytest.raises(AssertionError, match='tensor'):
+        selftest._check_op(op, 'cpu')
