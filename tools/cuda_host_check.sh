@@ -33,7 +33,7 @@ PY
 find build/cuda_host/real build/cuda_host/tiny -name '*.gcda' -delete
 
 echo "== cuda host: tests, real and tiny geometry"
-MP_WRAPPERS_CUDA_HOST_VARIANTS=real,tiny python -m pytest -q -p no:cacheprovider "${TESTS[@]}"
+MP_WRAPPERS_CUDA_HOST_VARIANTS=real,tiny python -m pytest -q -p no:cacheprovider --durations=15 "${TESTS[@]}"
 
 echo "== cuda host: coverage of the kernel sources"
 python tools/cuda_host_coverage.py --variants real,tiny --min "$MIN"
