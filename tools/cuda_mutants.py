@@ -82,12 +82,14 @@ TESTS = ['tests/kernels/test_cuda_host.py', 'tests/kernels/test_cuda_host_lean.p
          'tests/kernels/test_cuda_host_partials.py',
          'tests/kernels/test_cuda_host_sgd8bit.py',
          'tests/kernels/test_cuda_host_sgd8bit_lean.py']
-# The host tests that exercise a file's code, run first (most of its mutants die there); a file not
-# named here starts with test_cuda_host.py, which calls every other kernel.
+# The host tests that exercise a file's code (one file or several), run first (most of its mutants
+# die there); a file not named here starts with test_cuda_host.py, which calls every other kernel.
 PRIMARY_TESTS = {'multi_tensor_adam8bit.cu': 'tests/kernels/test_cuda_host_adam8bit.py',
-                 'multi_tensor_sgd8bit.cu': 'tests/kernels/test_cuda_host_sgd8bit.py',
+                 'multi_tensor_sgd8bit.cu': ('tests/kernels/test_cuda_host_sgd8bit.py',
+                                             'tests/kernels/test_cuda_host_sgd8bit_lean.py'),
                  'quant_block.cuh': 'tests/kernels/test_cuda_host_adam8bit.py',
-                 'quant_lean_param.cuh': 'tests/kernels/test_cuda_host_adam8bit_lean.py',
+                 'quant_lean_param.cuh': ('tests/kernels/test_cuda_host_adam8bit_lean.py',
+                                          'tests/kernels/test_cuda_host_sgd8bit_lean.py'),
                  'multi_tensor_lean.cu': 'tests/kernels/test_cuda_host_lean.py',
                  'lean_param.cuh': 'tests/kernels/test_cuda_host_lean.py',
                  'multi_tensor_apply.cuh': 'tests/kernels/test_cuda_host_planner.py',
@@ -530,10 +532,11 @@ class Builder:
 
 def test_order(mutant: Mutant, tests: List[str]) -> List[List[str]]:
     """``tests`` in the groups they run in for ``mutant``: its file's own tests, then the rest."""
-    first = PRIMARY_TESTS.get(os.path.basename(mutant.path), TESTS[0])
-    if first not in tests or len(tests) == 1:
+    own = PRIMARY_TESTS.get(os.path.basename(mutant.path), TESTS[0])
+    first = [t for t in ((own,) if isinstance(own, str) else own) if t in tests]
+    if not first or len(first) == len(tests):
         return [list(tests)]
-    return [[first], [t for t in tests if t != first]]
+    return [first, [t for t in tests if t not in first]]
 
 
 def run_tests(module: str, workdir: str, timeout: float, groups: List[List[str]]) -> tuple:

@@ -39,25 +39,35 @@ def _update_launches(host):
     return [r for r in host.launches() if r[0] == _UPDATE]
 
 
-def _case(storage, setup, sizes, seed):
+def lean_case(case_cls, storage, setup, sizes, seed):
+    """A ``case_cls`` (a LeanCase of tests/ops) of ``SETUPS[setup]``, its grad_scale guarded."""
     gdt, scale = SETUPS[setup]
-    c = LeanCase(storage, sizes=sizes, seed=seed, grad_dtype=gdt, scale=scale)
+    c = case_cls(storage, sizes=sizes, seed=seed, grad_dtype=gdt, scale=scale)
     if c.scale is not None:
         c.scale = guarded(c.scale)
     return c
 
 
-def _step_and_compare(host, c, hp, steps, what, found_inf=None):
-    """`steps` steps of the host kernel, each against the CPU kernel and the reference from the
-    same state, bit for bit."""
-    for i in range(steps):
-        grads = c.grads()
-        cpu, ref = c.clone(), c.clone()
-        c.run(_host_op(host), grads, hp, found_inf)
-        cpu.run(checked(torch.ops.mp_wrappers).multi_tensor_adam8bit_lean_, grads, hp, found_inf)
-        ref.run(reference.multi_tensor_adam8bit_lean_, grads, hp, found_inf)
-        _assert_equal(c.tensors(), cpu.tensors(), f'{what} step {i + 1} (CPU kernel)')
-        _assert_equal(c.tensors(), ref.tensors(), f'{what} step {i + 1} (reference)')
+def lean_stepper(op):
+    """The step_and_compare of the lean 8-bit op ``op``: `steps` steps of the host kernel, each
+    against the CPU kernel and the reference from the same state, bit for bit."""
+    def step_and_compare(host, c, hp, steps, what, found_inf=None):
+        for i in range(steps):
+            grads = c.grads()
+            cpu, ref = c.clone(), c.clone()
+            c.run(getattr(checked(host.ops), op), grads, hp, found_inf)
+            cpu.run(getattr(checked(torch.ops.mp_wrappers), op), grads, hp, found_inf)
+            ref.run(getattr(reference, op), grads, hp, found_inf)
+            _assert_equal(c.tensors(), cpu.tensors(), f'{what} step {i + 1} (CPU kernel)')
+            _assert_equal(c.tensors(), ref.tensors(), f'{what} step {i + 1} (reference)')
+    return step_and_compare
+
+
+def _case(storage, setup, sizes, seed):
+    return lean_case(LeanCase, storage, setup, sizes, seed)
+
+
+_step_and_compare = lean_stepper(OP)
 
 
 @pytest.mark.parametrize('hp', list(HP), ids=list(HP))
@@ -89,13 +99,19 @@ def test_adam8bit_lean_on_flat_buffers(host, storage, shift):
     guarded path): a write past a tensor's end lands in its neighbour before the neighbour reads
     it; two steps against separate tensors stepped by the CPU kernel."""
     representative(host, (storage, shift) == ('kahan', 1))
-    c = _case(storage, 'bf16-grads-odd-scale', sizes_of(host), seed=52)
+    flat_buffers_agree(host, OP, _case(storage, 'bf16-grads-odd-scale', sizes_of(host), seed=52),
+                       ADAM, shift, storage)
+
+
+def flat_buffers_agree(host, op, c, hp, shift, what):
+    """Two steps of the host kernel of ``op`` on ``c``'s lists as views of flat buffers (``shift``
+    elements off alignment) against the CPU kernel on separate tensors, bit for bit."""
     got = c.clone(as_flat=True, shift=shift)
     for i in range(2):
         grads = c.grads()
-        got.run(_host_op(host), grads, ADAM)
-        c.run(torch.ops.mp_wrappers.multi_tensor_adam8bit_lean_, grads, ADAM)
-        _assert_equal(got.tensors(), c.tensors(), f'{storage} flat buffers step {i + 1}')
+        got.run(getattr(checked(host.ops), op), grads, hp)
+        c.run(getattr(torch.ops.mp_wrappers, op), grads, hp)
+        _assert_equal(got.tensors(), c.tensors(), f'{what} flat buffers step {i + 1}')
 
 
 # Bytes per element of a lean param and its aux, read and written (cuda/lean_param.cuh): 'split'

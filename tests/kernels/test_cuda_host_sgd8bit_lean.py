@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from _guards import checked, guarded
-from mp_wrappers.ops import reference
 from test_cuda_host import host, representative  # noqa: F401 (host is a fixture)
 from test_cuda_host_adam8bit import _assert_equal, sizes_of, steps_then_skip
-from test_cuda_host_adam8bit_lean import LEAN_BYTES
+from test_cuda_host_adam8bit_lean import (LEAN_BYTES, SETUPS, flat_buffers_agree, lean_case,
+                                          lean_stepper)
 from test_quantized_sgd import HYPERS, MOMENTUM, LeanCase
 from test_quantized_states import LEAN_STORAGES
 
@@ -26,9 +26,6 @@ pytestmark = pytest.mark.skipif(not hasattr(torch.ops.mp_wrappers, 'multi_tensor
 
 OP = 'multi_tensor_sgd8bit_lean_'
 _UPDATE = 'sgd8bit_lean'
-# (grad dtype, grad_scale or None): as tests/ops/test_quantized_sgd.py LEAN_SETUPS.
-SETUPS = {'bf16-grads': (torch.bfloat16, None), 'fp32-grads-scaled': (torch.float32, 1024.0),
-          'bf16-grads-odd-scale': (torch.bfloat16, 3.0)}
 
 
 def _host_op(host):
@@ -36,25 +33,12 @@ def _host_op(host):
 
 
 def _case(storage, setup, sizes, seed, step=0.0):
-    gdt, scale = SETUPS[setup]
-    c = LeanCase(storage, sizes=sizes, seed=seed, grad_dtype=gdt, scale=scale)
-    if c.scale is not None:
-        c.scale = guarded(c.scale)
+    c = lean_case(LeanCase, storage, setup, sizes, seed)
     c.step.fill_(step)
     return c
 
 
-def _step_and_compare(host, c, hp, steps, what, found_inf=None):
-    """`steps` steps of the host kernel, each against the CPU kernel and the reference from the
-    same state, bit for bit."""
-    for i in range(steps):
-        grads = c.grads()
-        cpu, ref = c.clone(), c.clone()
-        c.run(_host_op(host), grads, hp, found_inf)
-        cpu.run(checked(torch.ops.mp_wrappers).multi_tensor_sgd8bit_lean_, grads, hp, found_inf)
-        ref.run(reference.multi_tensor_sgd8bit_lean_, grads, hp, found_inf)
-        _assert_equal(c.tensors(), cpu.tensors(), f'{what} step {i + 1} (CPU kernel)')
-        _assert_equal(c.tensors(), ref.tensors(), f'{what} step {i + 1} (reference)')
+_step_and_compare = lean_stepper(OP)
 
 
 @pytest.mark.parametrize('hp', list(HYPERS))
@@ -104,13 +88,8 @@ def test_sgd8bit_lean_on_flat_buffers(host, storage, shift):
     past a tensor's end lands in its neighbour before the neighbour reads it; two steps against
     separate tensors stepped by the CPU kernel."""
     representative(host, (storage, shift) == ('split', 1))
-    c = _case(storage, 'bf16-grads-odd-scale', sizes_of(host), seed=75)
-    got = c.clone(as_flat=True, shift=shift)
-    for i in range(2):
-        grads = c.grads()
-        got.run(_host_op(host), grads, MOMENTUM)
-        c.run(torch.ops.mp_wrappers.multi_tensor_sgd8bit_lean_, grads, MOMENTUM)
-        _assert_equal(got.tensors(), c.tensors(), f'{storage} flat buffers step {i + 1}')
+    flat_buffers_agree(host, OP, _case(storage, 'bf16-grads-odd-scale', sizes_of(host), seed=75),
+                       MOMENTUM, shift, storage)
 
 
 @pytest.mark.parametrize('first', [True, False])
