@@ -111,6 +111,9 @@ EQUIVALENT: Dict[str, str] = {
     'quant_block.cuh:52:rel:a843350a': 'a magnitude equal to MAX is clamped to MAX',
     'quant_block.cuh:54:rel:fd00aefa': 'min_normal encoded as a subnormal rounds to code '
                                                 '2^M, its normal code',
+    'quant_block.cuh:59:arith:b97ae195': '+ kRebase instead of - kRebase adds 2 * kRebase, a '
+                                         'multiple of 256 for both codes (2 * 896 = 7 * 256, '
+                                         '2 * 768 = 6 * 256), and the code is the low byte',
     'multi_tensor_adam8bit.cu:172:rel:e5c568d0': 'the lane at i == n of a short block loaded p = g = 0 '
                                                  'and code 0: its new moments are 0 and do not '
                                                  'raise a max that starts at 0 (only an infinite '

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from _guards import flat, guarded
+from _quant_ties import tie_moments
 from mp_wrappers.ops import reference
 from mp_wrappers.ops.reference.quant import EXP_AVG_CODE, EXP_AVG_SQ_CODE, quantize_blockwise
 from test_cuda_host import _bits_equal, host, representative  # noqa: F401 (host is a fixture)
@@ -175,27 +176,18 @@ def test_adam8bit_edge_blocks(host, setup, hp):
     _step_and_compare(host, st, HP[hp], 3, f'edge {setup} {hp}')
 
 
-def test_adam8bit_rounds_ties_to_even(host):
-    """New moments exactly halfway between two codes (random data almost never is): beta1 = 0.5
-    and an absmax that stays MAX make m_new = (code + g) / 2 exact, and the encode must round to the
-    even mantissa as the reference does, up or down, positive and negative."""
+def test_adam8bit_rounds_ties_away_from_zero(host):
+    """New moments exactly halfway between two codes (tests/_quant_ties.py: normal and subnormal
+    codes, both signs, a value just below half a step): the encode rounds away from zero as the
+    reference does (Note [ties away from zero])."""
     n = 256 + 40  # a whole block (the vector path) and a short one (the guarded path)
     st = State('fp32', [n], seed=40)
-    mc = torch.full((n,), 0x78, dtype=torch.uint8)  # 1.0: E4M3, bias 15
-    mc[1::4] = 0x79  # 1.125
-    mc[2::4] = 0xF8  # -1.0
-    mc[[0, 256]] = 0x7F  # MAX = 1.875: the absmax, decode factor 1
-    g = torch.full((n,), 1.125)  # m_new = 1.0625, between 1.0 (even) and 1.125: down
-    g[1::4] = 1.25  # 1.1875, between 1.125 and 1.25 (even): up
-    g[2::4] = -1.125  # -1.0625: down in magnitude
-    g[[0, 256]] = 1.875  # the absmax stays MAX
-    st.mc[0].copy_(mc)
+    codes, g, want = tie_moments(n, [0, 256])
+    st.mc[0].copy_(codes)
     st.ma[0].fill_(1.875)
     st.grads = lambda: [guarded(g.clone())]
     hp = dict(ADAM, beta1=0.5)
     _step_and_compare(host, st, hp, 1, 'ties')
-    want = torch.full((n,), 0x78, dtype=torch.uint8)
-    want[1::4], want[2::4], want[[0, 256]] = 0x7A, 0xF8, 0x7F
     assert torch.equal(st.mc[0], want) and st.ma[0].tolist() == [1.875, 1.875]
 
 

@@ -1,7 +1,7 @@
 """Block-wise 8-bit optimizer states (Note [8-bit optimizer states]): the codes, and the CPU kernel
 of ``multi_tensor_adam8bit_`` against its reference.
 
-* The codes: 256 sorted values, quantization picks the nearest (ties to the even mantissa), code
+* The codes: 256 sorted values, quantization picks the nearest (ties away from zero), code
   values round-trip exactly, all-zero blocks stay zero.
 * Kernel vs reference bit for bit (the reference computes square roots correctly rounded, as the
   kernels do), for fp32 params, the O2 step (bf16/fp16 grads and model copy), power-of-two and
@@ -22,6 +22,8 @@ import torch
 
 from _guards import checked, flat, guarded
 from _lean_storage import LEAN_STORAGES, lean_stored
+from _quant_ties import MAX as TIE_MAX
+from _quant_ties import tie_moments
 from mp_wrappers.ops import backend, multi_tensor_adam8bit, multi_tensor_adam8bit_lean, reference
 from mp_wrappers.ops._dispatch import _op_has_kernel
 from mp_wrappers.ops.reference import quant as quant_ref
@@ -77,6 +79,34 @@ def test_quantization_picks_the_nearest_code(code):
     cands = code_table(code)[None, :] * scale[:, None]
     best = (cands - x[:, None]).abs().min(dim=1).values
     assert torch.all((got - x).abs() <= best * (1 + 1e-6) + 1e-30)
+
+
+@pytest.mark.parametrize('code', [EXP_AVG_CODE, EXP_AVG_SQ_CODE], ids=['exp_avg', 'exp_avg_sq'])
+def test_quantization_rounds_ties_away_from_zero(code):
+    """Note [ties away from zero]: every midpoint of two neighbouring codes (exact in float32: five
+    significant bits), subnormal and normal, gets the code of larger magnitude; the float32 values
+    just inside it get the nearer code. With a block absmax of MAX the encode factor is 1."""
+    table = code_table(code)
+    mags = table[:128] if code.signed else table
+    mids = (mags[:-1] + mags[1:]) / 2
+    below = torch.nextafter(mids, torch.zeros(()))
+    above = torch.nextafter(mids, torch.full((), 4.0))
+    # y = a * 2**(bias + 2) just below 0.5 in the subnormal range: floor(y + 0.5) would give 1.
+    tricky = torch.tensor([(0.5 - 2.0 ** -25) * 2.0 ** -(code.bias + 2)])
+    x = torch.cat([mids, below, above, tricky])
+    want = torch.cat([mags[1:], mags[:-1], mags[1:], torch.zeros(1)])
+    if code.signed:
+        x, want = torch.cat([x, -x]), torch.cat([want, -want])
+    pad = (-len(x)) % (BLOCK_SIZE - 1)
+    x, want = torch.cat([x, torch.zeros(pad)]), torch.cat([want, torch.zeros(pad)])
+    # One MAX per block (absmax = MAX: factors 1), the values between them.
+    blocks = x.view(-1, BLOCK_SIZE - 1)
+    maxes = torch.full((blocks.shape[0], 1), code.max_value)
+    x_all = torch.cat([maxes, blocks], dim=1).reshape(-1)
+    want_all = torch.cat([maxes, want.view(-1, BLOCK_SIZE - 1)], dim=1).reshape(-1)
+    codes, absmax = quantize_blockwise(x_all, code)
+    assert torch.all(absmax == code.max_value)
+    assert torch.equal(dequantize_blockwise(codes, absmax, code), want_all)
 
 
 def _fl32_of_fraction(x):
@@ -350,6 +380,24 @@ def test_kernel_matches_reference_bitwise(setup, hp):
         r.run(reference.multi_tensor_adam8bit_, grads, hp)
     _assert_equal(k.tensors(), r.tensors(), setup)
     assert k.step.item() == 5.0
+
+
+@needs_kernel
+def test_kernel_rounds_ties_away_from_zero(cpu_isa):
+    """New moments exactly halfway between two codes in each CPU flavour (tests/_quant_ties.py:
+    normal and subnormal codes, both signs, a value just below half a step), against the reference
+    and the codes themselves; a whole block (the vector path) and a short one (the tail)."""
+    n = BLOCK_SIZE + 40
+    k = Case('fp32', sizes=[n])
+    codes, g, want = tie_moments(n, [0, BLOCK_SIZE])
+    k.mc[0].copy_(codes)
+    k.ma[0].fill_(TIE_MAX)
+    hp = dict(ADAM, beta1=0.5)
+    r = k.clone()
+    k.run(_kernel(), [g.clone()], hp)
+    r.run(reference.multi_tensor_adam8bit_, [g.clone()], hp)
+    _assert_equal(k.tensors(), r.tensors(), f'{cpu_isa} ties')
+    assert torch.equal(k.mc[0], want) and k.ma[0].tolist() == [TIE_MAX, TIE_MAX]
 
 
 @pytest.mark.parametrize('impl', [pytest.param('kernel', marks=needs_kernel), 'reference',

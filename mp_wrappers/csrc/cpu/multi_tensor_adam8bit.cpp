@@ -13,9 +13,9 @@
 // the result does not depend on the thread count.
 //
 // The codes are minifloats relative to the block's absmax, so encode and decode are a few integer
-// and float operations per lane in every flavour (no table search), with the reference's rounding:
-// the normal range rounds the fp32 mantissa by integer addition (ties to even), the subnormal range
-// converts with the current (round-to-nearest-even) mode. 16 bytes per fp32 parameter (p read and
+// and float operations per lane in every flavour (no table search), with the reference's rounding
+// (ties away from zero): the normal range rounds the fp32 mantissa by one integer addition, the
+// subnormal range truncates and adds the half-up carry. 16 bytes per fp32 parameter (p read and
 // written, g read, 1 byte per moment read and written, plus the absmax) against fp32 Adam's 28.
 //
 // Note [the folded decode factor]

@@ -18,7 +18,7 @@ Note [8-bit optimizer states]
     means ``2**(e - B) * (1 + f / 2**M)`` for ``e >= 1`` and ``f * 2**(1 - B - M)`` for ``e == 0``
     (IEEE-style subnormals, so 0 is code 0), with ``B = 2**E - 1``: the largest code is
     ``MAX = 2 - 2**-M`` and there is no inf or NaN. A block is stored as ``x * (MAX / absmax)``
-    rounded to the nearest code (ties to the even mantissa, as IEEE rounding does) and read back as
+    rounded to the nearest code (ties away from zero: Note [ties away from zero]) and read back as
     ``code_value * (absmax / MAX)``. Both block factors are one float32 division each; a block of
     zeros has absmax 0 and codes 0 (0x80 for a -0.0 moment of ``exp_avg``: Note [signed zero
     codes]). :func:`code_table` lists the 256 values of each code.
@@ -75,6 +75,15 @@ Note [8-bit optimizer states]
         optimizer states] ``_block_factors``) a zero moment scales to 0 * inf = NaN, whose sign is
         the platform's default NaN's (negative on x86: code 0xFC, which reads back as -0.8 of the
         absmax, a moment below 1e-38 where there was 0).
+
+    Note [ties away from zero]
+        A value exactly halfway between two codes gets the one of larger magnitude (IEEE's
+        roundTiesToAway), not the one with the even mantissa. Adding half a code step to the
+        float32 bits and shifting is the whole rounding; ties to even needed the kept bits' lowest
+        bit as well (a shift, an and and an add per vector), which made the AVX2 step ~10% slower
+        on one core (docs/quantized_states.md, "What bounds the 8-bit step on AVX2"). Only exact
+        midpoints change, and nothing depends on which way they go: every value's error is at
+        most half a code step either way. Codes written under the earlier rule decode as before.
 """
 from typing import List, NamedTuple, Optional, Union
 
@@ -134,16 +143,20 @@ def _blocks(x: Tensor) -> Tensor:
 
 
 def _encode_magnitude(a: Tensor, code: Minifloat) -> Tensor:
-    """Nearest magnitude codes (int32) of float32 ``a`` in [0, MAX] (ties to even)."""
+    """Nearest magnitude codes (int32) of float32 ``a`` in [0, MAX] (ties away from zero: Note
+    [ties away from zero])."""
     m = code.man_bits
     shift = 23 - m
     bits = a.view(torch.int32)
-    # Round the float32 mantissa to m bits by integer addition (a carry moves into the exponent),
-    # then re-base the exponent so that min_normal has exponent field 1.
-    normal = (bits + ((1 << (shift - 1)) - 1) + ((bits >> shift) & 1)) >> shift
+    # Round the float32 mantissa to m bits by adding half a code step to the bits (a carry moves
+    # into the exponent), then re-base the exponent so that min_normal has exponent field 1.
+    normal = (bits + (1 << (shift - 1))) >> shift
     normal = normal - ((127 - code.bias) << m)
-    # Below min_normal the codes are evenly spaced: scale by an exact power of two and round.
-    sub = torch.round(a * 2.0 ** (code.bias - 1 + m)).to(torch.int32)
+    # Below min_normal the codes are evenly spaced: scale by an exact power of two (to [0, 2**m))
+    # and round half up. floor(y + 0.5) would not do: y + 0.5 rounds to 1 for y just below 0.5.
+    y = a * 2.0 ** (code.bias - 1 + m)
+    whole = torch.floor(y)
+    sub = (whole + (y - whole >= 0.5).to(whole.dtype)).to(torch.int32)  # y - whole is exact
     return torch.where(a < code.min_normal, sub, normal)
 
 

@@ -42,9 +42,9 @@ __device__ __forceinline__ float decode(uint32_t byte) {
   return C::S && byte >= 0x80u ? -mag : mag;
 }
 
-// The nearest code of x * enc (ties to the even mantissa). `enc` infinite (a subnormal absmax):
-// clamped to MAX as torch.clamp does, NaN (0 * inf) passes and encodes as the reference's integer
-// arithmetic on its bits does; the low byte is the code, as the reference's uint8 cast.
+// The nearest code of x * enc, ties away from zero as in the reference. `enc` infinite (a
+// subnormal absmax): clamped to MAX as torch.clamp does, NaN (0 * inf) passes and encodes as the
+// reference's integer arithmetic on its bits does; the low byte is the code (its uint8 cast).
 template <class C>
 __device__ __forceinline__ uint32_t encode(float x, float enc) {
   const float scaled = fmul(x, enc);
@@ -52,11 +52,11 @@ __device__ __forceinline__ uint32_t encode(float x, float enc) {
   const float a = mag > C::kMax ? C::kMax : mag;
   int32_t c;
   if (a < C::kMinNormal) {
-    c = __float2int_rn(fmul(a, C::kSubEnc));
+    const float y = fmul(a, C::kSubEnc);  // in [0, 2^M): exact
+    const int32_t whole = static_cast<int32_t>(y);
+    c = whole + (fsub(y, static_cast<float>(whole)) >= 0.5f ? 1 : 0);  // half up
   } else {
-    const int32_t bits = __float_as_int(a);
-    c = ((bits + ((1 << (C::kShift - 1)) - 1) + ((bits >> C::kShift) & 1)) >> C::kShift) -
-        C::kRebase;
+    c = ((__float_as_int(a) + (1 << (C::kShift - 1))) >> C::kShift) - C::kRebase;
   }
   if (C::S && signbit(scaled)) c |= 0x80;  // -0 too (Note [signed zero codes])
   return static_cast<uint32_t>(c) & 0xFFu;
