@@ -161,11 +161,13 @@ class QuantizedStateMixin:
             raise ValueError(f"{type(self).__name__}: a param group's state_dtype='int8' is not "
                              "supported with master_weights=True; set the group's "
                              "state_dtype='float32', or master_weights=False")
-        # Checked before the group is added: a refused group leaves the optimizer as it was. An
-        # iterator of params is made a list first (torch would; the check must not consume it);
-        # a set is left for torch to refuse.
+        # Checked before the group is added: a refused group leaves the optimizer as it was. The
+        # params are made a list first, as torch would (one Tensor, or an iterator the check must
+        # not consume); a set is left for torch to refuse.
         params = param_group.get('params')
-        if not isinstance(params, (Tensor, set)) and params is not None:
+        if isinstance(params, Tensor):
+            param_group['params'] = [params]
+        elif not isinstance(params, set) and params is not None:
             param_group['params'] = list(params)
         merged = dict(getattr(self, 'defaults', {}), **param_group)  # the group as it will be
         self._check_lean_devices(merged, getattr(self, 'bf16_storage', None))
@@ -178,9 +180,7 @@ class QuantizedStateMixin:
         if storage is None:
             return
         params = group.get('params')
-        if isinstance(params, Tensor):
-            params = [params]
-        elif not isinstance(params, list):
+        if not isinstance(params, list):
             return  # torch refuses it (a set) when the group is added
         for param in params:
             if param.dtype == torch.bfloat16 and self._wants_8bit(param, group):

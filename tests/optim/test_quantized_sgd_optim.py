@@ -181,6 +181,8 @@ def test_lean_bf16_params_off_the_cpu_are_refused_before_any_step():
     opt = FusedSGD([cpu], state_dtype='int8', bf16_storage='kahan', **SGD)
     with pytest.raises(NotImplementedError, match='got tensors on meta'):
         opt.add_param_group(dict(params=(q for q in [p])))
+    with pytest.raises(NotImplementedError, match='got tensors on meta'):
+        opt.add_param_group(dict(params=p))  # one Tensor, as torch allows
     assert len(opt.param_groups) == 1
     opt.add_param_group(dict(params=(q for q in [torch.nn.Parameter(cpu.detach().clone())])))
     assert [len(g['params']) for g in opt.param_groups] == [1, 1]
