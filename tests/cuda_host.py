@@ -2,7 +2,7 @@
 
 The CUDA entry points in ``mp_wrappers/csrc/cuda/*.cu`` (every ``.cu`` file there, no list to keep)
 are compiled by the host compiler against a small emulation of the CUDA programming model
-(``csrc/include/mp_wrappers/cuda_host/emulation.h``: a block's threads are OS threads with real
+(``csrc/include/mp_wrappers/cuda_host/emulation.h``: a block's threads are fibers with real
 barriers, warp shuffles, atomics, IEEE intrinsics) and registered as CPU kernels of their own op
 namespace, ``torch.ops.mp_wrappers_cuda_host_<variant>``, with exactly the schemas of
 ``torch.ops.mp_wrappers``. Calling one runs the real entry-point logic (checks, launch planning, dtype
@@ -159,8 +159,10 @@ def build(variant: str, verbose: bool = False) -> ModuleType:
         san = ['-fsanitize=address,undefined', '-fno-sanitize-recover=undefined',
                '-fno-omit-frame-pointer']
         # -O0 as the gcov variants: it builds 2.5x faster than -O1 (and at -O0 no access is
-        # optimised away before the sanitizer sees it). -g: a report names the source lines.
-        flags += ['-O0', '-g'] + san
+        # optimised away before the sanitizer sees it). -g1: line tables only, so that a report
+        # names the source lines; full -g took a fifth longer to build (g++ 12, 23.1 s against
+        # 18.2 s for multi_tensor_sgd.cu).
+        flags += ['-O0', '-g1'] + san
         ldflags += san
     sources = [os.path.join(_CSRC, 'cuda_host', 'module.cpp')] + _wrapper_sources(variant)
     os.makedirs(build_dir(variant), exist_ok=True)

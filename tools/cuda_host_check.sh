@@ -33,7 +33,7 @@ TESTS=(tests/kernels/test_cuda_host.py tests/kernels/test_cuda_host_planner.py t
        tests/kernels/test_cuda_host_adam8bit_edges.py tests/kernels/test_cuda_host_optim_traffic.py
        tests/kernels/test_cuda_host_param_limit.py tests/kernels/test_cuda_host_nonfinite.py
        tests/kernels/test_cuda_host_partials.py tests/kernels/test_cuda_host_sgd8bit.py
-       tests/kernels/test_cuda_host_sgd8bit_lean.py)
+       tests/kernels/test_cuda_host_sgd8bit_lean.py tests/kernels/test_cuda_host_emulation.py)
 
 if [ "$STAGE" != sanitize ]; then
 echo "== cuda host: building real, tiny (gcov)"

@@ -65,8 +65,9 @@ _hosts = {}
 
 
 def representative(host, keep):
-    """The real geometry runs 512 OS threads per block, about 100x slower than the tiny one: broad
-    matrices run there only for their representative cases (`keep`); the tiny geometry runs all."""
+    """The real geometry runs 512 threads per block (fibers, switched at every barrier) and 64K
+    chunks, far slower than the tiny one: broad matrices run there only for their representative
+    cases (`keep`); the tiny geometry runs all."""
     if host.variant == 'real' and not keep:
         pytest.skip('real geometry: representative cases only (the tiny geometry runs this one)')
 

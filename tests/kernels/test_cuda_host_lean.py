@@ -39,7 +39,7 @@ def _call(lean, ops, opt, grads, hp, scale, found_inf):
 def test_lean_matches_cpu_kernel(host, opt, name, hp, storage, state_dtype):
     """Three steps (a real divide by the grad scale, then powers of two) against the CPU kernel
     (bitwise) and ops/reference/lean.py, then a found_inf step that must change nothing."""
-    # Real geometry (512 OS threads per block): two cases, the tiny geometry runs all.
+    # Real geometry (512 threads per block): two cases, the tiny geometry runs all.
     representative(host, state_dtype == torch.float32 and (name, storage) in (
         ('adamw', 'stochastic'), ('sgd', 'kahan')))
     sizes = host.sizes()

@@ -62,7 +62,7 @@ def test_lamb_norms_load_each_element_once(host):
                                        ('multi_tensor_lamb_', 'lamb_ratio')])
 def test_per_tensor_kernels_launch_one_thread_per_tensor(host, op, kernel):
     """ceil(n / per_tensor_threads) blocks: n one less than, equal to, one more than a block.
-    Tiny geometry only: 129 tensors at 512 OS threads per block are minutes in the real one, and
+    Tiny geometry only: 129 tensors at 512 threads per block are minutes in the real one, and
     the launch arithmetic is the same there."""
     representative(host, False)
     threads = host.geometry['per_tensor_threads']

@@ -17,6 +17,33 @@
 #define MPW_STR2(x) #x
 #define MPW_STR(x) MPW_STR2(x)
 
+// Two kernels of the emulation's own tests (tests/kernels/test_cuda_host_emulation.py), never
+// built by nvcc: what the CUDA sources rely on of its barriers, shown without a real kernel.
+namespace {
+
+// Each live thread writes its slot of shared memory, waits at the block barrier, then reads its
+// neighbour's: every value read is one written before the barrier only if the barrier holds every
+// live thread until the last arrives. Threads from `live` on return first and no longer count.
+__global__ void rotate_through_shared(int* out, int live) {
+  __shared__ int slots[1024];
+  const int t = static_cast<int>(threadIdx.x);
+  if (t >= live) return;
+  slots[t] = static_cast<int>(blockIdx.x) * 10000 + t;
+  __syncthreads();
+  out[blockIdx.x * blockDim.x + t] = slots[(t + 1) % live];
+}
+
+// A divergent barrier: thread 0 waits at the block's, the rest of its warp at a shuffle that needs
+// thread 0; a GPU would hang, the emulation must abort with a message.
+__global__ void divergent_barrier() {
+  if (threadIdx.x == 0)
+    __syncthreads();
+  else
+    (void)__shfl_sync(0xffffffffu, 1, 0);
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace mc = mp_wrappers::cuda;
   namespace host = mp_wrappers::cuda_host;
@@ -72,4 +99,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   sizes["char,int32,char,int64"] = mc::param_buffer_size<char, int32_t, char, int64_t>();
   sizes["int16,char,float"] = mc::param_buffer_size<int16_t, char, float>();
   m.attr("param_buffer_sizes") = sizes;
+  m.def(
+      "emulation_rotate_through_shared",
+      [](unsigned int blocks, unsigned int threads, int live) {
+        std::vector<int> out(static_cast<size_t>(blocks) * threads, -1);
+        mc::launch("rotate_through_shared", rotate_through_shared, blocks, threads,
+                   mc::current_stream(), out.data(), live);
+        return out;
+      },
+      "Test of the emulation's block barrier: out[b * threads + t] is the value the live thread t "
+      "of block b read from its neighbour's shared slot after the barrier (-1 where t >= live).");
+  m.def(
+      "emulation_divergent_barrier",
+      [](unsigned int threads) {
+        mc::launch("divergent_barrier", divergent_barrier, 1, threads, mc::current_stream());
+      },
+      "Test of the emulation: a launch whose threads wait at different barriers; aborts the "
+      "process with a message.");
 }

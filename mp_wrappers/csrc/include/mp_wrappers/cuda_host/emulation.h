@@ -1,17 +1,19 @@
 // Host execution of the CUDA kernels: the small part of the CUDA programming model they use,
-// emulated with OS threads, so that the same .cu / .cuh lines run on the CPU in CI (issue 17).
+// emulated with fibers, so that the same .cu / .cuh lines run on the CPU in CI (issue 17).
 //
 // Included only by mp_wrappers/cuda/runtime.cuh when MP_WRAPPERS_CUDA_HOST is defined (the test
 // build made by tests/cuda_host.py); nvcc never sees this file.
 //
 // The model, as numba's CUDA simulator does it:
 //   * a launch runs its blocks one after another (blockIdx.x = 0, 1, ...); the threads of a block
-//     are real OS threads of a persistent team (one team per block size, reused across launches),
-//     so a block reduction really runs concurrently;
+//     are fibers (user-level contexts, each with a stack of its own) of a persistent team (one team
+//     per block size, reused across launches), run on the launching OS thread and switched at
+//     every barrier, so a block reduction really interleaves its threads as the GPU's warps do;
 //   * __syncthreads() is a barrier among the block's live threads (a thread that has returned no
 //     longer counts, as on the GPU); warp shuffles exchange values through a per-warp slot array
-//     between two warp barriers; a barrier not reached within kDeadlockSeconds aborts the process
-//     with a message (a divergent __syncthreads would hang a GPU too);
+//     between two warp barriers; a barrier some live thread never reaches (a divergent
+//     __syncthreads would hang a GPU too) aborts the process with a message as soon as no thread
+//     can go on;
 //   * __shared__ variables are function-local statics: one block runs at a time, so one copy is
 //     exactly one block's shared memory;
 //   * the __*_rn intrinsics are the IEEE host operations (build with -ffp-contract=off);
@@ -23,10 +25,10 @@
 #pragma once
 
 #include <math.h>
+#include <sys/mman.h>
+#include <ucontext.h>
 
 #include <atomic>
-#include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -36,11 +38,14 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/common_interface_defs.h>
+#endif
 
 // ---- CUDA keywords ------------------------------------------------------------------------------
 #define __global__
@@ -65,7 +70,6 @@ namespace cuda_host {
 inline std::atomic<int> g_resident_blocks{3};
 
 constexpr int kWarpSize = 32;
-constexpr int kDeadlockSeconds = 60;
 
 [[noreturn]] inline void fail(const std::string& what) {
   std::fprintf(stderr, "mp_wrappers cuda host emulation: %s\n", what.c_str());
@@ -73,8 +77,12 @@ constexpr int kDeadlockSeconds = 60;
   std::abort();
 }
 
+// Suspends the running thread (a fiber of the Team below) until *generation differs from seen.
+void wait_for_release(const uint64_t* generation, uint64_t seen, const char* what);
+
 // A reusable barrier over the live threads of a group (block or warp); drop() removes a thread
-// that has returned from the kernel.
+// that has returned from the kernel. The threads are fibers of one OS thread: a thread that
+// arrives before the last one suspends until that one releases the barrier.
 class Barrier {
  public:
   void reset(int n) {
@@ -82,18 +90,14 @@ class Barrier {
     arrived_ = 0;
   }
   void arrive_and_wait(const char* what) {
-    std::unique_lock<std::mutex> lock(mutex_);
     const uint64_t gen = generation_;
     if (++arrived_ == expected_) {
       release();
       return;
     }
-    if (!cv_.wait_for(lock, std::chrono::seconds(kDeadlockSeconds),
-                      [&] { return generation_ != gen; }))
-      fail(std::string(what) + " not reached by every live thread of the group (deadlock)");
+    wait_for_release(&generation_, gen, what);
   }
   void drop() {
-    std::unique_lock<std::mutex> lock(mutex_);
     --expected_;
     if (arrived_ > 0 && arrived_ == expected_) release();
   }
@@ -102,10 +106,7 @@ class Barrier {
   void release() {
     arrived_ = 0;
     ++generation_;
-    cv_.notify_all();
   }
-  std::mutex mutex_;
-  std::condition_variable cv_;
   int expected_ = 0, arrived_ = 0;
   uint64_t generation_ = 0;
 };
@@ -140,7 +141,8 @@ struct Block {
   }
 };
 
-// Per OS thread: the emulated CUDA thread it runs and its traffic counters.
+// The emulated CUDA thread that runs now and its traffic counters (the team swaps it in and out
+// with the fiber of each thread, so it is no thread_local: every block runs on one OS thread).
 struct ThreadState {
   dim3 thread_idx, block_idx;
   Block* block = nullptr;
@@ -149,7 +151,7 @@ struct ThreadState {
   // which path a kernel took (16-byte packs or element stores), which the bytes alone cannot tell.
   uint64_t stores = 0;
 };
-inline thread_local ThreadState t_state;
+inline ThreadState t_state;
 inline dim3 g_block_dim, g_grid_dim;
 
 inline void count_load(uint64_t bytes) { t_state.bytes_read += bytes; }
@@ -203,72 +205,175 @@ inline void traffic_reset() {
 }
 
 // ---- the thread team ------------------------------------------------------------------------------
-// n persistent threads that run one block at a time: run_block wakes them all, each runs the kernel
-// body as thread tid of the block, and run_block returns when all have returned.
+// n persistent fibers that run one block at a time on the launching OS thread: run_block resumes
+// each runnable thread in turn (in index order, so a run repeats exactly); a thread runs until it
+// waits at a barrier or returns from the kernel, and run_block returns when all have returned.
+//
+// Why fibers and not OS threads (which this emulation used first): a block of the real geometry
+// is 512 threads, and every block start, barrier and shuffle woke them all through futexes. On
+// the 2-core CI machine one host test spent 32 s in the OS kernel against 20 s in user code, and
+// the host check's tests took 641 s for the real and tiny builds. A fiber switch is glibc's
+// swapcontext: a register save and restore and one signal-mask system call.
 class Team {
  public:
-  explicit Team(int n) : n_(n) {
-    for (int t = 0; t < n; ++t) threads_.emplace_back([this, t] { worker(t); });
-  }
-  ~Team() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
+  explicit Team(int n) : fibers_(static_cast<size_t>(n)) {
+    for (Fiber& f : fibers_) {
+      void* region = mmap(nullptr, kGuardBytes + kStackBytes, PROT_READ | PROT_WRITE,
+                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (region == MAP_FAILED) fail("cannot map a fiber's stack");
+      // The lowest page faults: a thread that overflows its stack crashes at once instead of
+      // writing into its neighbour's.
+      if (mprotect(region, kGuardBytes, PROT_NONE) != 0) fail("cannot protect a fiber's guard page");
+      f.region = region;
+      f.stack = static_cast<char*>(region) + kGuardBytes;
+      if (getcontext(&f.context) != 0) fail("getcontext failed");
+      f.context.uc_stack.ss_sp = f.stack;
+      f.context.uc_stack.ss_size = kStackBytes;
+      f.context.uc_link = nullptr;
+      makecontext(&f.context, &Team::entry, 0);
     }
-    start_.notify_all();
-    for (std::thread& t : threads_) t.join();
   }
+  Team(const Team&) = delete;
+  Team& operator=(const Team&) = delete;
+  // A fiber between blocks is parked at the end of entry()'s loop with nothing to destroy.
+  ~Team() {
+    for (Fiber& f : fibers_) munmap(f.region, kGuardBytes + kStackBytes);
+  }
+
   // Returns the bytes read and written and the stores issued by the block.
   std::tuple<uint64_t, uint64_t, uint64_t> run_block(dim3 block_idx, const std::function<void()>& body,
-                                          Block* block) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    block_idx_ = block_idx;
+                                                     Block* block) {
     body_ = &body;
     block_ = block;
-    done_ = 0;
     read_ = written_ = stores_ = 0;
-    ++epoch_;
-    start_.notify_all();
-    done_cv_.wait(lock, [&] { return done_ == n_; });
+    for (size_t t = 0; t < fibers_.size(); ++t) {
+      Fiber& f = fibers_[t];
+      f.state = ThreadState{dim3(static_cast<unsigned int>(t)), block_idx, block, 0, 0, 0};
+      f.done = false;
+      f.waits_on = nullptr;
+    }
+    const ThreadState caller = t_state;
+    size_t live = fibers_.size();
+    while (live > 0) {
+      bool resumed = false;
+      for (Fiber& f : fibers_) {
+        if (f.done || (f.waits_on != nullptr && *f.waits_on == f.seen)) continue;
+        f.waits_on = nullptr;
+        resume(f);
+        resumed = true;
+        if (f.done) --live;
+      }
+      if (!resumed) {
+        // Every live thread waits and none released a barrier: one that some of them wait at
+        // is never reached by the others.
+        for (const Fiber& f : fibers_)
+          if (!f.done)
+            fail(std::string(f.waits_for) +
+                 " not reached by every live thread of the group (deadlock)");
+      }
+    }
+    t_state = caller;
     return std::make_tuple(read_, written_, stores_);
   }
 
- private:
-  void worker(int tid) {
-    uint64_t seen = 0;
-    for (;;) {
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        start_.wait(lock, [&] { return stop_ || epoch_ != seen; });
-        if (stop_) return;
-        seen = epoch_;
-      }
-      t_state = ThreadState{dim3(tid), block_idx_, block_, 0, 0, 0};
-      (*body_)();
-      const int warp = tid / kWarpSize;
-      block_->warps[warp]->live[tid % kWarpSize] = false;
-      block_->warps[warp]->barrier.drop();
-      block_->barrier.drop();
-      std::lock_guard<std::mutex> lock(mutex_);
-      read_ += t_state.bytes_read;
-      written_ += t_state.bytes_written;
-      stores_ += t_state.stores;
-      if (++done_ == n_) done_cv_.notify_one();
-    }
+  // In a fiber: suspends its thread until *generation differs from seen.
+  void wait(const uint64_t* generation, uint64_t seen, const char* what) {
+    Fiber& f = *current_;
+    f.waits_on = generation;
+    f.seen = seen;
+    f.waits_for = what;
+    suspend(f);
   }
 
-  const int n_;
-  std::vector<std::thread> threads_;
-  std::mutex mutex_;
-  std::condition_variable start_, done_cv_;
-  uint64_t epoch_ = 0;
-  int done_ = 0;
-  bool stop_ = false;
-  dim3 block_idx_;
+ private:
+  // 256 KiB of address space per thread, committed only as touched; the kernels' frames (at -O0,
+  // with sanitizer redzones) take a few KiB.
+  static constexpr size_t kStackBytes = 256 * 1024;
+  static constexpr size_t kGuardBytes = 4096;
+
+  struct Fiber {
+    ucontext_t context;
+    void* region = nullptr;
+    char* stack = nullptr;
+    ThreadState state;
+    bool done = true;
+    const uint64_t* waits_on = nullptr;  // a barrier's generation, while waiting there
+    uint64_t seen = 0;
+    const char* waits_for = "";
+    void* fake_stack = nullptr;  // AddressSanitizer's, while suspended
+  };
+
+  void resume(Fiber& f) {
+    current_ = &f;
+    t_state = f.state;
+    start_switch(&scheduler_fake_stack_, f.stack, kStackBytes);
+    if (swapcontext(&scheduler_, &f.context) != 0) fail("swapcontext failed");
+    finish_switch(scheduler_fake_stack_, nullptr, nullptr);
+    f.state = t_state;
+  }
+  void suspend(Fiber& f) {
+    start_switch(&f.fake_stack, scheduler_stack_, scheduler_stack_size_);
+    if (swapcontext(&f.context, &scheduler_) != 0) fail("swapcontext failed");
+    finish_switch(f.fake_stack, &scheduler_stack_, &scheduler_stack_size_);
+  }
+
+  // Every fiber runs this, once: the thread's kernel body for each block it is resumed for.
+  static void entry();
+
+  // AddressSanitizer follows the stack switches (it would take a fiber's frames for overflows of
+  // the thread's stack); nothing without it.
+  static void start_switch(void** fake_stack, const void* bottom, size_t size) {
+#if defined(__SANITIZE_ADDRESS__)
+    __sanitizer_start_switch_fiber(fake_stack, bottom, size);
+#else
+    (void)fake_stack, (void)bottom, (void)size;
+#endif
+  }
+  static void finish_switch(void* fake_stack, const void** bottom_old, size_t* size_old) {
+#if defined(__SANITIZE_ADDRESS__)
+    __sanitizer_finish_switch_fiber(fake_stack, bottom_old, size_old);
+#else
+    (void)fake_stack, (void)bottom_old, (void)size_old;
+#endif
+  }
+
+  std::vector<Fiber> fibers_;
+  Fiber* current_ = nullptr;
+  ucontext_t scheduler_;
+  void* scheduler_fake_stack_ = nullptr;
+  const void* scheduler_stack_ = nullptr;
+  size_t scheduler_stack_size_ = 0;
   const std::function<void()>* body_ = nullptr;
   Block* block_ = nullptr;
   uint64_t read_ = 0, written_ = 0, stores_ = 0;
 };
+
+// The team running a block (one launch at a time: g_launch_mutex).
+inline Team* g_team = nullptr;
+
+inline void Team::entry() {
+  Team& team = *g_team;
+  Fiber& self = *team.current_;
+  const int tid = static_cast<int>(&self - team.fibers_.data());
+  team.finish_switch(nullptr, &team.scheduler_stack_, &team.scheduler_stack_size_);
+  for (;;) {
+    (*team.body_)();
+    Block& block = *team.block_;
+    const int warp = tid / kWarpSize;
+    block.warps[warp]->live[tid % kWarpSize] = false;
+    block.warps[warp]->barrier.drop();
+    block.barrier.drop();
+    team.read_ += t_state.bytes_read;
+    team.written_ += t_state.bytes_written;
+    team.stores_ += t_state.stores;
+    self.done = true;
+    team.suspend(self);  // until the next block
+  }
+}
+
+inline void wait_for_release(const uint64_t* generation, uint64_t seen, const char* what) {
+  g_team->wait(generation, seen, what);
+}
 
 // One launch at a time: __shared__ statics and the block state belong to the running block.
 inline std::mutex g_launch_mutex;
@@ -292,6 +397,7 @@ inline void run_grid(const char* kernel, dim3 grid, dim3 block, const std::funct
   g_block_dim = block;
   static Block state;
   Team& team = team_of_size(static_cast<int>(block.x));
+  g_team = &team;
   uint64_t read = 0, written = 0, stores = 0;
   for (unsigned int b = 0; b < grid.x; ++b) {
     state.reset(static_cast<int>(block.x));
