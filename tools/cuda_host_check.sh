@@ -65,6 +65,8 @@ if [ "$STAGE" = sanitize ] || { [ "$STAGE" = all ] && [ "${CUDA_HOST_SANITIZE:-1
   # so that a c10::Error thrown out of the sanitized module reaches Python (see sanitizer_preload).
   # --capture=sys: a sanitizer report is written to fd 2 just before the abort; pytest's default
   # fd capture would swallow it and leave only "Fatal Python error: Aborted" in the log.
+  # ASan prints once that it does not fully support swapcontext: the emulation's fibers announce
+  # every switch to it (__sanitizer_start_switch_fiber, emulation.h), which is what it asks for.
   LD_PRELOAD="$PRELOAD" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
     UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 MP_WRAPPERS_CUDA_HOST_VARIANTS=asan \
     python -m pytest -q -p no:cacheprovider --capture=sys --basetemp "$TMP_ROOT/sanitize" \
