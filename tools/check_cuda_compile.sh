@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Compile-check every CUDA source (mp_wrappers/csrc/cuda/**/*.cu) with exactly setup.py's flags and
 # defines (build_config.py), for sm_70, sm_80, sm_90 and the toolkit's newest arch, reporting
-# registers and spills (-Xptxas -v); 2 files at a time (JOBS=N to change). No GPU and no CUDA torch
-# needed. CI runs it; without nvcc it prints "skipped: no nvcc" and succeeds. See docs/cuda.md.
+# registers and spills (-Xptxas -v); 2 files at a time (JOBS=N to change). Every file's device code,
+# one file's host half too (tools/check_cuda_compile.py says why). No GPU and no CUDA torch needed.
+# CI runs it; without nvcc it prints "skipped: no nvcc" and succeeds. See docs/cuda.md.
 #
 # Usage: tools/check_cuda_compile.sh [--fail-on-spill] [file.cu ...]
 set -euo pipefail

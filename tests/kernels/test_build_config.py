@@ -259,6 +259,23 @@ def test_compile_check_arch_choice_says_what_it_skips():
     assert archs == ['sm_70', 'sm_80', 'sm_90'] and skipped == []
 
 
+def test_compile_check_compiles_one_file_whole_and_the_others_device_only(tmp_path):
+    files = ['mp_wrappers/csrc/cuda/a.cu', ccc.HOST_COMPILED, 'mp_wrappers/csrc/cuda/z.cu']
+    assert ccc.host_compiled(files) == ccc.HOST_COMPILED
+    assert os.path.isfile(os.path.join(REPO, ccc.HOST_COMPILED))  # a rename must move the constant
+    # Without it (a rename, or files named on the command line) the first file takes the host half.
+    assert ccc.host_compiled(files[::2]) == files[0]
+    fake = tmp_path / 'nvcc'  # prints its arguments
+    fake.write_text('#!/bin/sh\necho "$@"\n')
+    fake.chmod(0o755)
+    for whole, mode, suffix in ((True, '-c', '.o'), (False, '-fatbin', '.fatbin')):
+        path, rc, output, _, _ = ccc.compile_one(str(fake), files[0], ['sm_90'], ['-O3'],
+                                                 str(tmp_path), whole)
+        argv = output.split()
+        assert rc == 0 and argv[:2] == [mode, files[0]], output
+        assert argv[3] == str(tmp_path / f'a.cu{suffix}') and argv[-2:] == ['-Xptxas', '-v']
+
+
 def test_compile_check_without_nvcc_says_skipped():
     env = dict(os.environ, NVCC='/nonexistent/nvcc')
     proc = subprocess.run(['bash', os.path.join(REPO, 'tools', 'check_cuda_compile.sh')], env=env,
