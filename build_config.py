@@ -20,10 +20,11 @@ import subprocess
 import sys
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ['CXX_FLAGS', 'NVCC_FLAGS', 'DEFAULT_CUDA_ARCHS', 'CudaDecision', 'ToolkitProbe',
-           'cxx_flags', 'nvcc_flags', 'define_macros', 'torch_cxx_std', 'cxx_std_from_source',
-           'is_toolkit_root', 'toolkit_root_candidates', 'nvcc_release', 'supported_archs',
-           'default_arch_list', 'decide_cuda', 'probe', 'nvcc_compile_args']
+__all__ = ['CXX_FLAGS', 'CXX_OPT_LEVELS', 'NVCC_FLAGS', 'DEFAULT_CUDA_ARCHS', 'CudaDecision',
+           'ToolkitProbe', 'cxx_flags', 'cxx_opt_level', 'nvcc_flags', 'define_macros',
+           'torch_cxx_std', 'cxx_std_from_source', 'is_toolkit_root', 'toolkit_root_candidates',
+           'nvcc_release', 'supported_archs', 'default_arch_list', 'decide_cuda', 'probe',
+           'nvcc_compile_args']
 
 # -fopenmp must reach the link too, or at::parallel_for silently runs on one thread;
 # -fno-math-errno lets gcc vectorise sqrt (Adam is 4x slower without it);
@@ -66,9 +67,32 @@ _CXX_STD_FALLBACK = ((2, 12), 'c++20', 'c++17')
 
 # ---- flags ------------------------------------------------------------------------------------------
 
-def cxx_flags(std: str) -> List[str]:
-    """Host-compiler flags for every C++ source, in torch's C++ standard ``std`` ('c++17')."""
-    return CXX_FLAGS + [f'-std={std}']
+def cxx_flags(std: str, opt: str = '-O3') -> List[str]:
+    """Host-compiler flags for every C++ source, in torch's C++ standard ``std`` ('c++17'), at the
+    optimisation level ``opt`` (:func:`cxx_opt_level`)."""
+    return [opt if f == '-O3' else f for f in CXX_FLAGS] + [f'-std={std}']
+
+
+# MP_WRAPPERS_CXX_OPT: the C++ sources' optimisation level. -O3, the default, is what users get and
+# what the main test lane tests. -O1 compiles the CPU kernels in ~45% of the time (g++ 12, the
+# 2-core Zen 3: cpu/multi_tensor_adam8bit.cpp 75 -> 32 s CPU) for checks of how the code meets
+# another torch rather than of its code generation: CI's compatibility lanes build with it. Every
+# level computes the same bits (no fast math, no contraction: the kernels' FMAs are written out),
+# and the lanes' tests compare with the references as the main lane's do.
+CXX_OPT_LEVELS = ('-O1', '-O2', '-O3')
+
+
+def cxx_opt_level(env: Mapping[str, str]) -> str:
+    """The level MP_WRAPPERS_CXX_OPT in ``env`` asks for ('-O3' when unset or empty).
+
+    Raises:
+        ValueError: any other value, with the line that names it and what is allowed.
+    """
+    value = env.get('MP_WRAPPERS_CXX_OPT') or '-O3'
+    if value not in CXX_OPT_LEVELS:
+        raise ValueError(f'mp_wrappers build: MP_WRAPPERS_CXX_OPT={value!r}: expected one of '
+                         f'{", ".join(CXX_OPT_LEVELS)} (default -O3, what users get)')
+    return value
 
 
 def nvcc_flags(std: str) -> List[str]:

@@ -52,7 +52,13 @@ def _extension():
     std = build_config.torch_std()  # torch's own standard: its 2.14 headers need C++20
     sources = [os.path.join(CSRC, 'bindings.cpp'), os.path.join(CSRC, 'slot_check.cpp')]
     sources += sorted(glob.glob(os.path.join(CSRC, 'cpu', '*.cpp')))
-    extra = {'cxx': build_config.cxx_flags(std)}
+    try:  # MP_WRAPPERS_CXX_OPT (build_config.py): -O3 unless a check asks for a faster build
+        opt = build_config.cxx_opt_level(os.environ)
+    except ValueError as exc:
+        sys.exit(str(exc))
+    if opt != '-O3':
+        print(f'mp_wrappers build: C++ sources at {opt} (MP_WRAPPERS_CXX_OPT), not -O3', flush=True)
+    extra = {'cxx': build_config.cxx_flags(std, opt)}
     if with_cuda:
         sources += sorted(glob.glob(os.path.join(CSRC, 'cuda', '*.cu')))
         extra['nvcc'] = build_config.nvcc_flags(std)

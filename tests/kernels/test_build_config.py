@@ -221,6 +221,24 @@ def test_setup_py_on_cpu_torch_prints_the_reason_and_forced_cuda_fails():
     assert 'MP_WRAPPERS_CUDA=1 but torch' in forced.stderr and 'is a CPU build' in forced.stderr
 
 
+
+def test_cxx_opt_level_defaults_to_o3_and_names_a_bad_value():
+    assert bc.cxx_opt_level({}) == bc.cxx_opt_level({'MP_WRAPPERS_CXX_OPT': ''}) == '-O3'
+    assert bc.cxx_flags('c++20')[0] == '-O3' and '-O1' not in bc.cxx_flags('c++20')
+    flags = bc.cxx_flags('c++20', bc.cxx_opt_level({'MP_WRAPPERS_CXX_OPT': '-O1'}))
+    # only the level changes: the flags that keep the kernels' bits stay
+    assert '-O1' in flags and '-O3' not in flags
+    assert [f for f in flags if f != '-O1'] == [f for f in bc.cxx_flags('c++20') if f != '-O3']
+    with pytest.raises(ValueError, match=r"MP_WRAPPERS_CXX_OPT='-Ofast': expected one of -O1, "
+                                         r"-O2, -O3 \(default -O3"):
+        bc.cxx_opt_level({'MP_WRAPPERS_CXX_OPT': '-Ofast'})
+    # setup.py stops with that line before building anything
+    env = dict(os.environ, MP_WRAPPERS_CUDA='0', MP_WRAPPERS_CXX_OPT='-O0')
+    bad = subprocess.run([sys.executable, 'setup.py', '--version'], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "MP_WRAPPERS_CXX_OPT='-O0': expected one of" in bad.stderr
+
+
 # ---- tools/check_cuda_compile.sh --------------------------------------------------------------------
 
 _cspec = importlib.util.spec_from_file_location('check_cuda_compile',
