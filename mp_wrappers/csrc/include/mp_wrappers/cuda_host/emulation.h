@@ -244,7 +244,6 @@ class Team {
   std::tuple<uint64_t, uint64_t, uint64_t> run_block(dim3 block_idx, const std::function<void()>& body,
                                                      Block* block) {
     body_ = &body;
-    block_ = block;
     read_ = written_ = stores_ = 0;
     for (size_t t = 0; t < fibers_.size(); ++t) {
       Fiber& f = fibers_[t];
@@ -344,7 +343,6 @@ class Team {
   const void* scheduler_stack_ = nullptr;
   size_t scheduler_stack_size_ = 0;
   const std::function<void()>* body_ = nullptr;
-  Block* block_ = nullptr;
   uint64_t read_ = 0, written_ = 0, stores_ = 0;
 };
 
@@ -354,11 +352,12 @@ inline Team* g_team = nullptr;
 inline void Team::entry() {
   Team& team = *g_team;
   Fiber& self = *team.current_;
-  const int tid = static_cast<int>(&self - team.fibers_.data());
   team.finish_switch(nullptr, &team.scheduler_stack_, &team.scheduler_stack_size_);
   for (;;) {
     (*team.body_)();
-    Block& block = *team.block_;
+    // The scheduler resumed this fiber with its thread's state (run_block set it per block).
+    const int tid = static_cast<int>(t_state.thread_idx.x);
+    Block& block = *t_state.block;
     const int warp = tid / kWarpSize;
     block.warps[warp]->live[tid % kWarpSize] = false;
     block.warps[warp]->barrier.drop();
