@@ -31,14 +31,12 @@ inline void adagrad_span(P* p, const G* g, float* h, M* out, int64_t n, const Ad
   const F lr = V::set1(c.lr), eps = V::set1(c.eps), wd = V::set1(c.weight_decay);
   const F us = V::set1(c.unscale.factor);
   const bool l2 = c.l2, decoupled = c.decoupled;
-  const auto prefetch = [&](int64_t i) {
-    optim::prefetch_line_write(p, i);
-    optim::prefetch_line_read(g, i);
-    optim::prefetch_line_write(h, i);
-    optim::prefetch_line_write(out, i);
-  };
-  // Note [whole lines per step] in cpu_optim.h: k < kWidth only in the tail
-  optim::for_each_vector<V>(n, prefetch, [&](int64_t i, int64_t k) {
+  for (int64_t i = 0; i < n; i += V::kWidth) {
+    const int64_t k = n - i;
+    optim::prefetch_write_line<V>(p, i);
+    optim::prefetch_read_line<V>(g, i);
+    optim::prefetch_write_line<V>(h, i);
+    optim::prefetch_write_line<V>(out, i);
     const F p32 = load_n<V>(p + i, k);
     F g32 = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
     if (l2) g32 = V::add(g32, V::mul(wd, p32));
@@ -49,7 +47,7 @@ inline void adagrad_span(P* p, const G* g, float* h, M* out, int64_t n, const Ad
     store_n<V>(h + i, h_new, k);
     store_n<V>(p + i, p_new, k);
     optim::store_out<V>(optim::at_offset(out, i), p_new, k);
-  });
+  }
 }
 
 struct AdagradChunk {

@@ -122,11 +122,16 @@ inline void adam8bit_block(const PM& pm, const G* g, uint8_t* mc, float* ma, uin
     for (int64_t i = 0; i < n; i += V::kWidth) {
       const int64_t k = kNormal ? V::kWidth : n - i;  // < kWidth only in a tail: loads pad with 0
       // The streams of the next blocks (cpu_optim.h: explicit prefetch helped the fp32 update too).
-      if constexpr (!kNormal || kPrefetchWholeBlocks<V>) {
+      if constexpr (!kNormal) {
         pm.prefetch_lines(i);
-        optim::prefetch_line_read(g, i);
-        optim::prefetch_line_write(mc, i);
-        optim::prefetch_line_write(vc, i);
+        optim::prefetch_read_line<V>(g, i);
+        optim::prefetch_write_line<V>(mc, i);
+        optim::prefetch_write_line<V>(vc, i);
+      } else if constexpr (kPrefetchWholeBlocks<V>) {
+        pm.prefetch_every_line(i);
+        prefetch_every_line(g, i, 0);
+        prefetch_every_line(mc, i, 1);
+        prefetch_every_line(vc, i, 1);
       }
       const F p32 = pm.load(i, k);
       F g32 = load_n<V>(g + i, k);

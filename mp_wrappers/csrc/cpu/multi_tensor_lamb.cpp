@@ -22,7 +22,6 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
-#include <type_traits>
 #include <vector>
 
 #include "mp_wrappers/cpu_features.h"
@@ -84,15 +83,13 @@ inline void lamb_fused_span(P* p, const G* g, float* m, float* v, M* out, int64_
                             const LambConsts& c) {
   using F = typename V::F;
   const F ratio = V::set1(lr);
-  const auto prefetch = [&](int64_t i) {
-    optim::prefetch_line_write(p, i);
-    optim::prefetch_line_read(g, i);
-    optim::prefetch_line_write(m, i);
-    optim::prefetch_line_write(v, i);
-    optim::prefetch_line_write(out, i);
-  };
-  // Note [whole lines per step] in cpu_optim.h: k < kWidth only in the tail
-  optim::for_each_vector<V>(n, prefetch, [&](int64_t i, int64_t k) {
+  for (int64_t i = 0; i < n; i += V::kWidth) {
+    const int64_t k = n - i;
+    optim::prefetch_write_line<V>(p, i);
+    optim::prefetch_read_line<V>(g, i);
+    optim::prefetch_write_line<V>(m, i);
+    optim::prefetch_write_line<V>(v, i);
+    optim::prefetch_write_line<V>(out, i);
     const F p32 = load_n<V>(p + i, k);
     F m_new, v_new;
     lamb_moments<V>(p32, g + i, m + i, v + i, k, c, &m_new, &v_new);
@@ -101,7 +98,7 @@ inline void lamb_fused_span(P* p, const G* g, float* m, float* v, M* out, int64_
     store_n<V>(v + i, v_new, k);
     store_n<V>(p + i, p_new, k);
     optim::store_out<V>(optim::at_offset(out, i), p_new, k);
-  });
+  }
 }
 
 // Pass 1: moments stored, sums of squares of p and of the update returned.
@@ -112,15 +109,10 @@ inline void lamb_norms_span(const P* p, const G* g, float* m, float* v, int64_t 
   using Acc = SumSq32<V>;
   Acc p_acc, u_acc;
   F p_block[Acc::kVecs], u_block[Acc::kVecs];
-  // Whole blocks of kLanes first, with whole vectors the compiler sees as such, then the last
-  // partial block with its padded tail: the idea of Note [whole lines per step] in cpu_optim.h,
-  // in the accumulator's blocks.
-  const auto block = [&](int64_t i, auto whole_block) {
-    constexpr bool kWhole = decltype(whole_block)::value;
+  for (int64_t i = 0; i < n; i += Acc::kLanes) {
     for (int j = 0; j < Acc::kVecs; ++j) {
-      const int64_t off = i + j * V::kWidth;
-      const int64_t k = kWhole ? static_cast<int64_t>(V::kWidth) : n - off;
-      if (!kWhole && k <= 0) {
+      const int64_t off = i + j * V::kWidth, k = n - off;
+      if (k <= 0) {
         p_block[j] = u_block[j] = V::zero();
         continue;
       }
@@ -134,10 +126,7 @@ inline void lamb_norms_span(const P* p, const G* g, float* m, float* v, int64_t 
     }
     p_acc.add_block(p_block);
     u_acc.add_block(u_block);
-  };
-  int64_t i = 0;
-  for (; i + Acc::kLanes <= n; i += Acc::kLanes) block(i, std::true_type{});
-  if (i < n) block(i, std::false_type{});
+  }
   *p_sumsq = p_acc.total();
   *u_sumsq = u_acc.total();
 }
@@ -148,14 +137,14 @@ inline void lamb_apply_span(P* p, const float* m, const float* v, M* out, int64_
                             const LambConsts& c) {
   using F = typename V::F;
   const F r = V::set1(ratio);
-  // Note [whole lines per step] in cpu_optim.h (this pass issues no software prefetch)
-  optim::for_each_vector<V>(n, [](int64_t) {}, [&](int64_t i, int64_t k) {
+  for (int64_t i = 0; i < n; i += V::kWidth) {
+    const int64_t k = n - i;
     const F p32 = load_n<V>(p + i, k);
     const F update = lamb_update<V>(p32, load_n<V>(m + i, k), load_n<V>(v + i, k), c);
     const F p_new = V::sub(p32, V::mul(r, update));
     store_n<V>(p + i, p_new, k);
     optim::store_out<V>(optim::at_offset(out, i), p_new, k);
-  });
+  }
 }
 
 struct LambFusedChunk {

@@ -46,14 +46,12 @@ inline void adam_lean_span(const LeanParam<V, S>& lp, const G* g, M* m, M* v, in
   const F eps = V::set1(c.eps), wd = V::set1(c.weight_decay);
   const F bc1 = V::set1(c.bc1), bc2 = V::set1(c.bc2), us = V::set1(c.unscale.factor);
   const bool l2 = c.l2, decoupled = c.decoupled;
-  const auto prefetch = [&](int64_t i) {
+  for (int64_t i = 0; i < n; i += V::kWidth) {
+    const int64_t k = n - i;
     lp.prefetch(i);
-    optim::prefetch_line_read(g, i);
-    optim::prefetch_line_write(m, i);
-    optim::prefetch_line_write(v, i);
-  };
-  // Note [whole lines per step] in cpu_optim.h: k < kWidth only in the tail
-  optim::for_each_vector<V>(n, prefetch, [&](int64_t i, int64_t k) {
+    optim::prefetch_read(g + i);
+    optim::prefetch_write(m + i);
+    optim::prefetch_write(v + i);
     const F p32 = lp.load(i, k);
     F g32 = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
     if (l2) g32 = V::add(g32, V::mul(wd, p32));
@@ -64,7 +62,7 @@ inline void adam_lean_span(const LeanParam<V, S>& lp, const G* g, M* m, M* v, in
     store_n<V>(m + i, m_new, k);
     store_n<V>(v + i, v_new, k);
     lp.store(i, k, p32, V::mul(lr, update));
-  });
+  }
 }
 
 // State (moments, momentum) is float32 or bfloat16.
@@ -106,20 +104,16 @@ inline void sgd_lean_span(const LeanParam<V, S>& lp, const G* g, B* buf, int64_t
   const F lr = V::set1(c.lr), mom = V::set1(c.momentum), omd = V::set1(c.one_minus_dampening);
   const F wd = V::set1(c.weight_decay), us = V::set1(c.unscale.factor);
   const bool wd_before = c.wd_before, wd_after = c.wd_after;
-  const auto prefetch = [&](int64_t i) {
+  for (int64_t i = 0; i < n; i += V::kWidth) {
+    const int64_t k = n - i;
     lp.prefetch(i);
-    optim::prefetch_line_read(g, i);
-    if constexpr (!std::is_same<B, optim::NoOut>::value) {
-      if (c.has_momentum) optim::prefetch_line_write(buf, i);
-    }
-  };
-  // Note [whole lines per step] in cpu_optim.h: k < kWidth only in the tail
-  optim::for_each_vector<V>(n, prefetch, [&](int64_t i, int64_t k) {
+    optim::prefetch_read(g + i);
     const F p32 = lp.load(i, k);
     F d = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
     if (wd_before) d = V::add(d, V::mul(wd, p32));
     if constexpr (!std::is_same<B, optim::NoOut>::value) {
       if (c.has_momentum) {
+        optim::prefetch_write(buf + i);
         const F b_new = c.first ? d : V::add(V::mul(mom, load_n<V>(buf + i, k)), V::mul(omd, d));
         d = c.nesterov ? V::add(d, V::mul(mom, b_new)) : b_new;
         store_n<V>(buf + i, b_new, k);
@@ -127,7 +121,7 @@ inline void sgd_lean_span(const LeanParam<V, S>& lp, const G* g, B* buf, int64_t
     }
     if (wd_after) d = V::add(d, V::mul(wd, p32));
     lp.store(i, k, p32, V::mul(lr, d));
-  });
+  }
 }
 
 struct SgdLeanChunk {

@@ -89,14 +89,12 @@ inline void novograd_span(P* p, const G* g, float* m, M* out, int64_t n, float d
   const F lr = V::set1(c.lr), b1 = V::set1(c.beta1), b3 = V::set1(c.beta3);
   const F wd = V::set1(c.weight_decay), bc1 = V::set1(c.bc1), dn = V::set1(denom);
   const F us = V::set1(c.unscale.factor);
-  const auto prefetch = [&](int64_t i) {
-    optim::prefetch_line_write(p, i);
-    optim::prefetch_line_read(g, i);
-    optim::prefetch_line_write(m, i);
-    optim::prefetch_line_write(out, i);
-  };
-  // Note [whole lines per step] in cpu_optim.h: k < kWidth only in the tail
-  optim::for_each_vector<V>(n, prefetch, [&](int64_t i, int64_t k) {
+  for (int64_t i = 0; i < n; i += V::kWidth) {
+    const int64_t k = n - i;
+    optim::prefetch_write_line<V>(p, i);
+    optim::prefetch_read_line<V>(g, i);
+    optim::prefetch_write_line<V>(m, i);
+    optim::prefetch_write_line<V>(out, i);
     const F p32 = load_n<V>(p + i, k);
     const F g32 = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
     const F m_old = V::mul(b1, load_n<V>(m + i, k));
@@ -112,7 +110,7 @@ inline void novograd_span(P* p, const G* g, float* m, M* out, int64_t n, float d
     store_n<V>(m + i, m_new, k);
     store_n<V>(p + i, p_new, k);
     optim::store_out<V>(optim::at_offset(out, i), p_new, k);
-  });
+  }
 }
 
 struct GradNormChunk {

@@ -33,14 +33,12 @@ inline void sgd_span(P* p, const G* g, float* buf, M* out, int64_t n, const SgdC
   const F lr = V::set1(c.lr), mom = V::set1(c.momentum), omd = V::set1(c.one_minus_dampening);
   const F wd = V::set1(c.weight_decay), us = V::set1(c.unscale.factor);
   const bool wd_before = c.wd_before, wd_after = c.wd_after;
-  const auto prefetch = [&](int64_t i) {
-    optim::prefetch_line_write(p, i);
-    optim::prefetch_line_read(g, i);
-    if (c.has_momentum) optim::prefetch_line_write(buf, i);
-    optim::prefetch_line_write(out, i);
-  };
-  // Note [whole lines per step] in cpu_optim.h: k < kWidth only in the tail
-  optim::for_each_vector<V>(n, prefetch, [&](int64_t i, int64_t k) {
+  for (int64_t i = 0; i < n; i += V::kWidth) {
+    const int64_t k = n - i;
+    optim::prefetch_write_line<V>(p, i);
+    optim::prefetch_read_line<V>(g, i);
+    if (c.has_momentum) optim::prefetch_write_line<V>(buf, i);
+    optim::prefetch_write_line<V>(out, i);
     const F p32 = load_n<V>(p + i, k);
     F d = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
     if (wd_before) d = V::add(d, V::mul(wd, p32));
@@ -55,7 +53,7 @@ inline void sgd_span(P* p, const G* g, float* buf, M* out, int64_t n, const SgdC
     const F p_new = V::sub(p32, V::mul(lr, d));
     store_n<V>(p + i, p_new, k);
     optim::store_out<V>(optim::at_offset(out, i), p_new, k);
-  });
+  }
 }
 
 struct SgdChunk {

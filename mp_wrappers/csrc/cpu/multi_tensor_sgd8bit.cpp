@@ -76,8 +76,8 @@ inline void sgd8bit_block(const PM& pm, const G* g, uint8_t* bc, float* ba, int6
     for (int64_t i = 0; i < n; i += V::kWidth) {
       const int64_t k = kNormal ? V::kWidth : n - i;  // < kWidth only in a tail: loads pad with 0
       pm.prefetch_lines(i);
-      optim::prefetch_line_read(g, i);
-      optim::prefetch_line_write(bc, i);
+      optim::prefetch_read_line<V>(g, i);
+      optim::prefetch_write_line<V>(bc, i);
       const F p32 = pm.load(i, k);
       F d = load_n<V>(g + i, k);
       if (scaled) d = c.unscale.template apply<V>(d, us);

@@ -61,12 +61,10 @@ struct LeanParam {
     }
   }
 
-  // Each line once, for loops that reach element i in steps of at most a line of fp32
-  // (optim::prefetch_line_write).
   inline void prefetch(int64_t i) const {
-    optim::prefetch_line_write(p, i);
-    if constexpr (S == LeanStorage::kSplit) optim::prefetch_line_write(lo(), i);
-    if constexpr (S == LeanStorage::kKahan) optim::prefetch_line_write(comp(), i);
+    optim::prefetch_write(p + i);
+    if constexpr (S == LeanStorage::kSplit) optim::prefetch_write(lo() + i);
+    if constexpr (S == LeanStorage::kKahan) optim::prefetch_write(comp() + i);
   }
 };
 

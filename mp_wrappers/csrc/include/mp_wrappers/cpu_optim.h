@@ -127,10 +127,8 @@ inline const RawTensor* raw_at(const std::vector<RawTensor>& list, int64_t i) {
 
 // The update loops stream 4-6 arrays at once (p, g, state, model copy), more than the hardware
 // prefetchers track well: an explicit prefetch 512 elements ahead of each stream made the fp32
-// Adam step ~10% faster on one thread on the AVX-512 VM (interleaved A/B against torch's fused
-// Adam: time ratio 0.99-1.03 without, 0.88-0.89 with; neutral to slightly positive on two
-// threads). On the Zen 3 (AVX2), with the loop of Note [whole lines per step], the step ran as
-// fast without them (one in-process A/B: 1.01x against 1.04x torch's fused step). A prefetch
+// Adam step ~10% faster on one thread here (interleaved A/B against torch's fused Adam: time ratio
+// 0.99-1.03 without, 0.88-0.89 with; neutral to slightly positive on two threads). A prefetch
 // never faults, so running past the end of an array is harmless.
 constexpr int64_t kPrefetchAhead = 512;
 
@@ -147,51 +145,26 @@ inline void prefetch_write(T* p) {
   if constexpr (!std::is_same<T, NoOut>::value) __builtin_prefetch(ahead(p), 1);
 }
 
-// One prefetch per 64 bytes of a stream: every 16 elements of fp32, every 32 of a 2-byte type,
-// every 64 of bytes. For loops whose step (in elements) divides 64 / sizeof(T) for every stream
-// they prefetch (for_each_vector's 16, the 8-bit kernels' vectors of 8 or 16; an 8-byte type would
-// need a step of 8): the loop then meets each multiple, and consecutive 64-byte steps reach
-// consecutive lines whatever the array's alignment, so every line is asked for once.
-template <class T>
-inline void prefetch_line_read(const T* p, int64_t i) {
-  if (i % (64 / static_cast<int64_t>(sizeof(T))) == 0) prefetch_read(p + i);
+// Once per cache line, not once per vector. An 8-lane AVX2 vector covers half a 64-byte line of
+// fp32 and a quarter of a line of fp16/bf16, so prefetching at every vector (as the 16-lane AVX-512
+// loop naturally does once per fp32 line) asked for each line 2-4 times: 5-10 extra load-port
+// micro-ops per 8 elements on the AVX2 path. These issue the prefetch only for the vector that
+// reaches the end of a line, whatever the array's alignment (for a 64-byte vector: every time).
+// `i` is the element index of the vector's first element.
+template <class V, class T>
+inline bool ends_line(const T* p, int64_t i) {
+  constexpr uintptr_t kBytes = static_cast<uintptr_t>(V::kWidth) * sizeof(T);
+  return (reinterpret_cast<uintptr_t>(p + i) & 63u) + kBytes >= 64u;
 }
-template <class T>
-inline void prefetch_line_write(T* p, int64_t i) {
-  if constexpr (!std::is_same<std::remove_cv_t<T>, NoOut>::value) {
-    if (i % (64 / static_cast<int64_t>(sizeof(T))) == 0) prefetch_write(p + i);
-  }
+template <class V, class T>
+inline void prefetch_read_line(const T* p, int64_t i) {
+  if (ends_line<V>(p, i)) __builtin_prefetch(ahead(p + i), 0);
 }
-
-// ---- the update loop -----------------------------------------------------------------------------
-
-// Note [whole lines per step]
-//   The elementwise update loops walk n elements a 64-byte line of fp32 at a time (kStepElems,
-//   two AVX2 vectors or one AVX-512 vector): prefetch(i) once per step, then update(j, k) for each
-//   vector of the step with k = kWidth, a constant once inlined, so the loads and stores are whole
-//   vectors with no test; the last n % kStepElems elements go vector by vector with k = n - j
-//   (load_n / store_n pad and trim). The update is the same per vector either way: the bits do
-//   not depend on the loop's shape.
-//   Before, every vector tested each stream for the end of a line (the lean loops prefetched every
-//   stream at every vector instead) and each load and store for a short tail: ~30 scalar
-//   micro-ops beside ~20 vector ones per AVX2 vector of fp32 Adam, which kept its divider-bound
-//   loop from overlapping consecutive vectors. On the 2-core Zen 3 (AVX2, 2026-12-07) the fp32 Adam
-//   op took 0.61-0.94x its old time in cache (0.61-0.79x at 262,144 elements), fp32 FusedAdam's
-//   25M-param step went from 1.03-1.18x to 0.98-1.08x torch's fused AdamW at one thread and from
-//   0.95-1.13x to 0.93-0.97x at two, and the O2 step from 65-66% to 78-81% of the in-place
-//   bandwidth at one thread (benchmarks/RESULTS.md, "The update loops' scalar work").
-constexpr int64_t kStepElems = 16;
-
-template <class V, class Prefetch, class Update>
-inline void for_each_vector(int64_t n, const Prefetch& prefetch, const Update& update) {
-  constexpr int64_t kStep = kStepElems > V::kWidth ? kStepElems : V::kWidth;
-  static_assert(kStep % V::kWidth == 0 && kStep % kStepElems == 0, "a step is whole vectors");
-  int64_t i = 0;
-  for (; i + kStep <= n; i += kStep) {
-    prefetch(i);
-    for (int64_t j = i; j < i + kStep; j += V::kWidth) update(j, static_cast<int64_t>(V::kWidth));
+template <class V, class T>
+inline void prefetch_write_line(T* p, int64_t i) {
+  if constexpr (!std::is_same<T, NoOut>::value) {
+    if (ends_line<V>(p, i)) __builtin_prefetch(ahead(p + i), 1);
   }
-  for (; i < n; i += V::kWidth) update(i, n - i);
 }
 
 }  // namespace optim

@@ -29,6 +29,20 @@ struct ParamStep {
         neg_lr_wd(V::set1(-(lr_ * weight_decay_))), decoupled(decoupled_) {}
 };
 
+// In whole blocks, a prefetch at every 64 bytes of a stream, kPrefetchAhead elements ahead
+// (cpu_optim.h), without prefetch_*_line's test at every vector: the element offsets are fixed
+// (whatever the alignment, consecutive 64-byte steps reach consecutive lines).
+template <class T>
+inline void prefetch_every_line(T* p, int64_t i, int write) {
+  if constexpr (!std::is_same<std::remove_cv_t<T>, optim::NoOut>::value) {
+    constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(T));
+    if (i % kLine == 0) {
+      if (write) __builtin_prefetch(optim::ahead(p + i), 1);
+      else __builtin_prefetch(optim::ahead(p + i), 0);
+    }
+  }
+}
+
 // The param of the fp32-master update: fp32 (or half) params and the optional half model copy.
 template <class V, class P, class O>
 struct MasterParam {
@@ -43,10 +57,13 @@ struct MasterParam {
     store_n<V>(p + i, p_new, k);
     optim::store_out<V>(optim::at_offset(out, i), p_new, k);
   }
-  // optim::prefetch_line_write: called at every vector, asks for each line once.
   inline void prefetch_lines(int64_t i) const {
-    optim::prefetch_line_write(p, i);
-    optim::prefetch_line_write(out, i);
+    optim::prefetch_write_line<V>(p, i);
+    optim::prefetch_write_line<V>(out, i);
+  }
+  inline void prefetch_every_line(int64_t i) const {
+    cpu::prefetch_every_line(p, i, 1);
+    cpu::prefetch_every_line(out, i, 1);
   }
 };
 
@@ -61,7 +78,14 @@ struct LeanMasterParam {
   inline void store_update(int64_t i, int64_t k, F p32, F q, const ParamStep<V>& s) const {
     lp.store(i, k, p32, V::mul(s.lr, s.decoupled ? V::fmadd(s.weight_decay, p32, q) : q));
   }
-  inline void prefetch_lines(int64_t i) const { lp.prefetch(i); }
+  inline void prefetch_lines(int64_t i) const {
+    optim::prefetch_write_line<V>(lp.p, i);
+    if constexpr (S != LeanStorage::kStochastic) optim::prefetch_write_line<V>(lp.lo(), i);
+  }
+  inline void prefetch_every_line(int64_t i) const {
+    cpu::prefetch_every_line(lp.p, i, 1);
+    if constexpr (S != LeanStorage::kStochastic) cpu::prefetch_every_line(lp.lo(), i, 1);
+  }
 };
 
 }  // namespace cpu
