@@ -25,30 +25,36 @@ struct AdagradConsts : AdagradHyper {
   optim::Unscale unscale;
 };
 
-template <class V, class P, class G, class M>
-inline void adagrad_span(P* p, const G* g, float* h, M* out, int64_t n, const AdagradConsts& c) {
-  using F = typename V::F;
-  const F lr = V::set1(c.lr), eps = V::set1(c.eps), wd = V::set1(c.weight_decay);
-  const F us = V::set1(c.unscale.factor);
-  const bool l2 = c.l2, decoupled = c.decoupled;
-  for (int64_t i = 0; i < n; i += V::kWidth) {
-    const int64_t k = n - i;
-    optim::prefetch_write_line<V>(p, i);
-    optim::prefetch_read_line<V>(g, i);
-    optim::prefetch_write_line<V>(h, i);
-    optim::prefetch_write_line<V>(out, i);
-    const F p32 = load_n<V>(p + i, k);
-    F g32 = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
-    if (l2) g32 = V::add(g32, V::mul(wd, p32));
-    const F h_new = V::add(load_n<V>(h + i, k), V::mul(g32, g32));
-    F update = V::div(g32, V::add(V::sqrt(h_new), eps));
-    if (decoupled) update = V::add(update, V::mul(wd, p32));
-    const F p_new = V::sub(p32, V::mul(lr, update));
-    store_n<V>(h + i, h_new, k);
-    store_n<V>(p + i, p_new, k);
-    optim::store_out<V>(optim::at_offset(out, i), p_new, k);
+// The update of elements [i, end) (Note [whole vectors] in cpu_optim.h).
+struct AdagradSpan {
+  template <class V, bool kWhole, class P, class G, class M>
+  static void run(int64_t i, int64_t end, P* p, const G* g, float* h, M* out,
+                  const AdagradConsts& c) {
+    using F = typename V::F;
+    const F lr = V::set1(c.lr), eps = V::set1(c.eps), wd = V::set1(c.weight_decay);
+    const F us = V::set1(c.unscale.factor);
+    const bool l2 = c.l2, decoupled = c.decoupled;
+    for (; i < end; i += V::kWidth) {
+      const int64_t k = optim::lanes<V, kWhole>(end - i);
+      if (kWhole && optim::prefetch_due(i)) {
+        optim::prefetch_write(p + i);
+        optim::prefetch_read(g + i);
+        optim::prefetch_write(h + i);
+        optim::prefetch_write(optim::at_offset(out, i));
+      }
+      const F p32 = load_n<V>(p + i, k);
+      F g32 = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
+      if (l2) g32 = V::add(g32, V::mul(wd, p32));
+      const F h_new = V::add(load_n<V>(h + i, k), V::mul(g32, g32));
+      F update = V::div(g32, V::add(V::sqrt(h_new), eps));
+      if (decoupled) update = V::add(update, V::mul(wd, p32));
+      const F p_new = V::sub(p32, V::mul(lr, update));
+      store_n<V>(h + i, h_new, k);
+      store_n<V>(p + i, p_new, k);
+      optim::store_out<V>(optim::at_offset(out, i), p_new, k);
+    }
   }
-}
+};
 
 struct AdagradChunk {
   template <class V>
@@ -58,8 +64,8 @@ struct AdagradChunk {
     optim::with_typed(p, [&](auto* pp) {
       optim::with_typed(g, [&](auto* gp) {
         optim::with_typed_opt(out, [&](auto* op) {
-          adagrad_span<V>(pp + b, gp + b, static_cast<float*>(h.data) + b,
-                          optim::at_offset(op, b), n, c);
+          optim::run_span<AdagradSpan, V>(n, pp + b, gp + b, static_cast<float*>(h.data) + b,
+                                          optim::at_offset(op, b), c);
         });
       });
     });

@@ -28,36 +28,41 @@ struct AdamConsts : AdamHyper {
   optim::Unscale unscale;
 };
 
-template <class V, class P, class G, class M>
-inline void adam_span(P* p, const G* g, float* m, float* v, M* out, int64_t n,
-                      const AdamConsts& c) {
-  using F = typename V::F;
-  const F lr = V::set1(c.lr), b1 = V::set1(c.beta1), b2 = V::set1(c.beta2);
-  const F omb1 = V::set1(c.one_minus_beta1), omb2 = V::set1(c.one_minus_beta2);
-  const F eps = V::set1(c.eps), wd = V::set1(c.weight_decay);
-  const F bc1 = V::set1(c.bc1), bc2 = V::set1(c.bc2), us = V::set1(c.unscale.factor);
-  const bool l2 = c.l2, decoupled = c.decoupled;
-  for (int64_t i = 0; i < n; i += V::kWidth) {
-    const int64_t k = n - i;  // >= kWidth except in the tail, where load_n/store_n pad
-    optim::prefetch_write_line<V>(p, i);
-    optim::prefetch_read_line<V>(g, i);
-    optim::prefetch_write_line<V>(m, i);
-    optim::prefetch_write_line<V>(v, i);
-    optim::prefetch_write_line<V>(out, i);
-    const F p32 = load_n<V>(p + i, k);
-    F g32 = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
-    if (l2) g32 = V::add(g32, V::mul(wd, p32));
-    const F m_new = V::add(V::mul(b1, load_n<V>(m + i, k)), V::mul(omb1, g32));
-    const F v_new = V::add(V::mul(b2, load_n<V>(v + i, k)), V::mul(V::mul(omb2, g32), g32));
-    F update = V::div(V::div(m_new, bc1), V::add(V::sqrt(V::div(v_new, bc2)), eps));
-    if (decoupled) update = V::add(update, V::mul(wd, p32));
-    const F p_new = V::sub(p32, V::mul(lr, update));
-    store_n<V>(m + i, m_new, k);
-    store_n<V>(v + i, v_new, k);
-    store_n<V>(p + i, p_new, k);
-    optim::store_out<V>(optim::at_offset(out, i), p_new, k);
+// The update of elements [i, end) (Note [whole vectors] in cpu_optim.h).
+struct AdamSpan {
+  template <class V, bool kWhole, class P, class G, class M>
+  static void run(int64_t i, int64_t end, P* p, const G* g, float* m, float* v, M* out,
+                  const AdamConsts& c) {
+    using F = typename V::F;
+    const F lr = V::set1(c.lr), b1 = V::set1(c.beta1), b2 = V::set1(c.beta2);
+    const F omb1 = V::set1(c.one_minus_beta1), omb2 = V::set1(c.one_minus_beta2);
+    const F eps = V::set1(c.eps), wd = V::set1(c.weight_decay);
+    const F bc1 = V::set1(c.bc1), bc2 = V::set1(c.bc2), us = V::set1(c.unscale.factor);
+    const bool l2 = c.l2, decoupled = c.decoupled;
+    for (; i < end; i += V::kWidth) {
+      const int64_t k = optim::lanes<V, kWhole>(end - i);
+      if (kWhole && optim::prefetch_due(i)) {
+        optim::prefetch_write(p + i);
+        optim::prefetch_read(g + i);
+        optim::prefetch_write(m + i);
+        optim::prefetch_write(v + i);
+        optim::prefetch_write(optim::at_offset(out, i));
+      }
+      const F p32 = load_n<V>(p + i, k);
+      F g32 = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
+      if (l2) g32 = V::add(g32, V::mul(wd, p32));
+      const F m_new = V::add(V::mul(b1, load_n<V>(m + i, k)), V::mul(omb1, g32));
+      const F v_new = V::add(V::mul(b2, load_n<V>(v + i, k)), V::mul(V::mul(omb2, g32), g32));
+      F update = V::div(V::div(m_new, bc1), V::add(V::sqrt(V::div(v_new, bc2)), eps));
+      if (decoupled) update = V::add(update, V::mul(wd, p32));
+      const F p_new = V::sub(p32, V::mul(lr, update));
+      store_n<V>(m + i, m_new, k);
+      store_n<V>(v + i, v_new, k);
+      store_n<V>(p + i, p_new, k);
+      optim::store_out<V>(optim::at_offset(out, i), p_new, k);
+    }
   }
-}
+};
 
 struct AdamChunk {
   template <class V>
@@ -67,8 +72,9 @@ struct AdamChunk {
     optim::with_typed(p, [&](auto* pp) {
       optim::with_typed(g, [&](auto* gp) {
         optim::with_typed_opt(out, [&](auto* op) {
-          adam_span<V>(pp + b, gp + b, static_cast<float*>(m.data) + b,
-                       static_cast<float*>(v.data) + b, optim::at_offset(op, b), n, c);
+          optim::run_span<AdamSpan, V>(n, pp + b, gp + b, static_cast<float*>(m.data) + b,
+                                       static_cast<float*>(v.data) + b, optim::at_offset(op, b),
+                                       c);
         });
       });
     });

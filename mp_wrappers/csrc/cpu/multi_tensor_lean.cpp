@@ -37,33 +37,38 @@ struct AdamConsts : AdamHyper {
   optim::Unscale unscale;
 };
 
-template <class V, Storage S, class G, class M>
-inline void adam_lean_span(const LeanParam<V, S>& lp, const G* g, M* m, M* v, int64_t n,
-                           const AdamConsts& c) {
-  using F = typename V::F;
-  const F lr = V::set1(c.lr), b1 = V::set1(c.beta1), b2 = V::set1(c.beta2);
-  const F omb1 = V::set1(c.one_minus_beta1), omb2 = V::set1(c.one_minus_beta2);
-  const F eps = V::set1(c.eps), wd = V::set1(c.weight_decay);
-  const F bc1 = V::set1(c.bc1), bc2 = V::set1(c.bc2), us = V::set1(c.unscale.factor);
-  const bool l2 = c.l2, decoupled = c.decoupled;
-  for (int64_t i = 0; i < n; i += V::kWidth) {
-    const int64_t k = n - i;
-    lp.prefetch(i);
-    optim::prefetch_read(g + i);
-    optim::prefetch_write(m + i);
-    optim::prefetch_write(v + i);
-    const F p32 = lp.load(i, k);
-    F g32 = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
-    if (l2) g32 = V::add(g32, V::mul(wd, p32));
-    const F m_new = V::add(V::mul(b1, load_n<V>(m + i, k)), V::mul(omb1, g32));
-    const F v_new = V::add(V::mul(b2, load_n<V>(v + i, k)), V::mul(V::mul(omb2, g32), g32));
-    F update = V::div(V::div(m_new, bc1), V::add(V::sqrt(V::div(v_new, bc2)), eps));
-    if (decoupled) update = V::add(update, V::mul(wd, p32));
-    store_n<V>(m + i, m_new, k);
-    store_n<V>(v + i, v_new, k);
-    lp.store(i, k, p32, V::mul(lr, update));
+// The update of elements [i, end) (Note [whole vectors] in cpu_optim.h).
+struct AdamLeanSpan {
+  template <class V, bool kWhole, Storage S, class G, class M>
+  static void run(int64_t i, int64_t end, LeanParam<V, S> lp, const G* g, M* m, M* v,
+                  const AdamConsts& c) {
+    using F = typename V::F;
+    const F lr = V::set1(c.lr), b1 = V::set1(c.beta1), b2 = V::set1(c.beta2);
+    const F omb1 = V::set1(c.one_minus_beta1), omb2 = V::set1(c.one_minus_beta2);
+    const F eps = V::set1(c.eps), wd = V::set1(c.weight_decay);
+    const F bc1 = V::set1(c.bc1), bc2 = V::set1(c.bc2), us = V::set1(c.unscale.factor);
+    const bool l2 = c.l2, decoupled = c.decoupled;
+    for (; i < end; i += V::kWidth) {
+      const int64_t k = optim::lanes<V, kWhole>(end - i);
+      if (kWhole && optim::prefetch_due(i)) {
+        lp.prefetch(i);
+        optim::prefetch_read(g + i);
+        optim::prefetch_write(m + i);
+        optim::prefetch_write(v + i);
+      }
+      const F p32 = lp.load(i, k);
+      F g32 = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
+      if (l2) g32 = V::add(g32, V::mul(wd, p32));
+      const F m_new = V::add(V::mul(b1, load_n<V>(m + i, k)), V::mul(omb1, g32));
+      const F v_new = V::add(V::mul(b2, load_n<V>(v + i, k)), V::mul(V::mul(omb2, g32), g32));
+      F update = V::div(V::div(m_new, bc1), V::add(V::sqrt(V::div(v_new, bc2)), eps));
+      if (decoupled) update = V::add(update, V::mul(wd, p32));
+      store_n<V>(m + i, m_new, k);
+      store_n<V>(v + i, v_new, k);
+      lp.store(i, k, p32, V::mul(lr, update));
+    }
   }
-}
+};
 
 // State (moments, momentum) is float32 or bfloat16.
 template <class Fn>
@@ -82,7 +87,7 @@ struct AdamLeanChunk {
         with_state_typed(m, [&](auto* mp) {
           // Both moments share one dtype (checked on entry).
           auto* vp = reinterpret_cast<decltype(mp)>(v.data);
-          adam_lean_span<V>(lp, gp + b, mp + b, vp + b, n, c);
+          optim::run_span<AdamLeanSpan, V>(n, lp, gp + b, mp + b, vp + b, c);
         });
       });
     });
@@ -97,32 +102,38 @@ struct SgdConsts : SgdHyper {
   optim::Unscale unscale;
 };
 
-template <class V, Storage S, class G, class B>
-inline void sgd_lean_span(const LeanParam<V, S>& lp, const G* g, B* buf, int64_t n,
-                          const SgdConsts& c) {
-  using F = typename V::F;
-  const F lr = V::set1(c.lr), mom = V::set1(c.momentum), omd = V::set1(c.one_minus_dampening);
-  const F wd = V::set1(c.weight_decay), us = V::set1(c.unscale.factor);
-  const bool wd_before = c.wd_before, wd_after = c.wd_after;
-  for (int64_t i = 0; i < n; i += V::kWidth) {
-    const int64_t k = n - i;
-    lp.prefetch(i);
-    optim::prefetch_read(g + i);
-    const F p32 = lp.load(i, k);
-    F d = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
-    if (wd_before) d = V::add(d, V::mul(wd, p32));
-    if constexpr (!std::is_same<B, optim::NoOut>::value) {
-      if (c.has_momentum) {
-        optim::prefetch_write(buf + i);
-        const F b_new = c.first ? d : V::add(V::mul(mom, load_n<V>(buf + i, k)), V::mul(omd, d));
-        d = c.nesterov ? V::add(d, V::mul(mom, b_new)) : b_new;
-        store_n<V>(buf + i, b_new, k);
+// The update of elements [i, end) (Note [whole vectors] in cpu_optim.h).
+struct SgdLeanSpan {
+  template <class V, bool kWhole, Storage S, class G, class B>
+  static void run(int64_t i, int64_t end, LeanParam<V, S> lp, const G* g, B* buf,
+                  const SgdConsts& c) {
+    using F = typename V::F;
+    const F lr = V::set1(c.lr), mom = V::set1(c.momentum), omd = V::set1(c.one_minus_dampening);
+    const F wd = V::set1(c.weight_decay), us = V::set1(c.unscale.factor);
+    const bool wd_before = c.wd_before, wd_after = c.wd_after, has_momentum = c.has_momentum;
+    for (; i < end; i += V::kWidth) {
+      const int64_t k = optim::lanes<V, kWhole>(end - i);
+      if (kWhole && optim::prefetch_due(i)) {
+        lp.prefetch(i);
+        optim::prefetch_read(g + i);
+        optim::prefetch_write(optim::at_offset(buf, i));
       }
+      const F p32 = lp.load(i, k);
+      F d = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
+      if (wd_before) d = V::add(d, V::mul(wd, p32));
+      if constexpr (!std::is_same<B, optim::NoOut>::value) {
+        if (has_momentum) {
+          const F b_new =
+              c.first ? d : V::add(V::mul(mom, load_n<V>(buf + i, k)), V::mul(omd, d));
+          d = c.nesterov ? V::add(d, V::mul(mom, b_new)) : b_new;
+          store_n<V>(buf + i, b_new, k);
+        }
+      }
+      if (wd_after) d = V::add(d, V::mul(wd, p32));
+      lp.store(i, k, p32, V::mul(lr, d));
     }
-    if (wd_after) d = V::add(d, V::mul(wd, p32));
-    lp.store(i, k, p32, V::mul(lr, d));
   }
-}
+};
 
 struct SgdLeanChunk {
   template <class V>
@@ -132,10 +143,13 @@ struct SgdLeanChunk {
     with_lean_param<V>(a, ch, [&](const auto& lp) {
       optim::with_typed(*a.g, [&](auto* gp) {
         if (buf == nullptr) {
-          sgd_lean_span<V>(lp, gp + b, static_cast<optim::NoOut*>(nullptr), n, c);
+          optim::run_span<SgdLeanSpan, V>(n, lp, gp + b, static_cast<optim::NoOut*>(nullptr),
+                                          c);
           return;
         }
-        with_state_typed(*buf, [&](auto* bp) { sgd_lean_span<V>(lp, gp + b, bp + b, n, c); });
+        with_state_typed(*buf, [&](auto* bp) {
+          optim::run_span<SgdLeanSpan, V>(n, lp, gp + b, bp + b, c);
+        });
       });
     });
   }

@@ -337,6 +337,39 @@ MP_WRAPPERS_TARGET_AVX512 __attribute__((flatten)) void run_avx512(Args&&... arg
 }
 #endif
 
+// OutOfLine<V>::run<Kernel>(args...) calls Kernel::run<V>(args...) through a function of its own,
+// compiled for V's ISA and flattened like the entry points above, but never inlined into its
+// caller. For a rarely taken part of a kernel (the tail of a span, Note [whole vectors] in
+// cpu_optim.h): inlined, a second copy of a loop body in one flattened function makes gcc -O3
+// superlinearly slower (measured: multi_tensor_adam.cpp 39 -> 142 CPU s). It takes its arguments
+// by value: a caller's local whose address escaped here could be aliased by every vector store of
+// the caller's loop (vector types alias everything), which would then reload it after each store.
+template <class V>
+struct OutOfLine;
+template <>
+struct OutOfLine<VecBaseline> {
+  template <class Kernel, class... Args>
+  __attribute__((noinline, flatten)) static void run(Args... args) {
+    Kernel::template run<VecBaseline>(args...);
+  }
+};
+#if defined(__x86_64__)
+template <>
+struct OutOfLine<VecAvx2> {
+  template <class Kernel, class... Args>
+  MP_WRAPPERS_TARGET_AVX2 __attribute__((noinline, flatten)) static void run(Args... args) {
+    Kernel::template run<VecAvx2>(args...);
+  }
+};
+template <>
+struct OutOfLine<VecAvx512> {
+  template <class Kernel, class... Args>
+  MP_WRAPPERS_TARGET_AVX512 __attribute__((noinline, flatten)) static void run(Args... args) {
+    Kernel::template run<VecAvx512>(args...);
+  }
+};
+#endif
+
 template <class Kernel, class... Args>
 inline void run_cpu_kernel(CpuIsa isa, Args&&... args) {
 #if defined(__x86_64__)
