@@ -178,9 +178,12 @@ inline void prefetch_write_line(T* p, int64_t i) {
 // prefetches are issued every 16 elements (prefetch_due: a 64-byte line of fp32, half a line of a
 // 16-bit dtype), a test of the loop counter alone; the fewer than kWidth elements left run through
 // OutOfLine (cpu_vec.h), one copy of the body that need not be fast. The arithmetic per element is
-// unchanged, so the bits are those of the single loop. Measured on the Zen 3 at one thread, fp32
-// FusedAdam on 25M params: 1.16-1.55x torch's fused AdamW with the per-vector tests, 1.04-1.08x
-// split (benchmarks/RESULTS.md).
+// unchanged, so the bits are those of the single loop. Measured on a Zen 3 (AVX2), one thread,
+// 25M params: fp32 FusedAdam 1.16-1.25x -> 0.95-1.10x torch's fused AdamW, the O2 bf16 step
+// 61-67% -> 77-78% of the in-place bandwidth (benchmarks/RESULTS.md, "The update loops' scalar
+// work"). The Adam, Adagrad and lean loops use it; SGD, NovoGrad, LAMB and the 8-bit blocks keep
+// their per-vector tests, which cost them nothing measurable (no division per element, two
+// passes, or bound by vector throughput).
 //
 // A span is a struct with
 //   template <class V, bool kWhole, class... A> static void run(int64_t i, int64_t end, A... args);
