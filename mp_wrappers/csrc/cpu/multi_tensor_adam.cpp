@@ -21,12 +21,7 @@ namespace mp_wrappers {
 namespace cpu {
 namespace {
 
-using optim::NoOut;
-
-struct AdamConsts : AdamHyper {
-  float lr, bc1, bc2;
-  optim::Unscale unscale;
-};
+using optim::AdamConsts;
 
 // The update of elements [i, end) (Note [whole vectors] in cpu_optim.h).
 struct AdamSpan {
@@ -34,11 +29,7 @@ struct AdamSpan {
   static void run(int64_t i, int64_t end, P* p, const G* g, float* m, float* v, M* out,
                   const AdamConsts& c) {
     using F = typename V::F;
-    const F lr = V::set1(c.lr), b1 = V::set1(c.beta1), b2 = V::set1(c.beta2);
-    const F omb1 = V::set1(c.one_minus_beta1), omb2 = V::set1(c.one_minus_beta2);
-    const F eps = V::set1(c.eps), wd = V::set1(c.weight_decay);
-    const F bc1 = V::set1(c.bc1), bc2 = V::set1(c.bc2), us = V::set1(c.unscale.factor);
-    const bool l2 = c.l2, decoupled = c.decoupled;
+    const optim::AdamVec<V> a(c);
     for (; i < end; i += V::kWidth) {
       const int64_t k = optim::lanes<V, kWhole>(end - i);
       if (kWhole && optim::prefetch_due(i)) {
@@ -49,13 +40,10 @@ struct AdamSpan {
         optim::prefetch_write(optim::at_offset(out, i));
       }
       const F p32 = load_n<V>(p + i, k);
-      F g32 = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
-      if (l2) g32 = V::add(g32, V::mul(wd, p32));
-      const F m_new = V::add(V::mul(b1, load_n<V>(m + i, k)), V::mul(omb1, g32));
-      const F v_new = V::add(V::mul(b2, load_n<V>(v + i, k)), V::mul(V::mul(omb2, g32), g32));
-      F update = V::div(V::div(m_new, bc1), V::add(V::sqrt(V::div(v_new, bc2)), eps));
-      if (decoupled) update = V::add(update, V::mul(wd, p32));
-      const F p_new = V::sub(p32, V::mul(lr, update));
+      F m_new, v_new;
+      const F step = a.step(p32, load_n<V>(g + i, k), load_n<V>(m + i, k), load_n<V>(v + i, k),
+                            &m_new, &v_new);
+      const F p_new = V::sub(p32, step);
       store_n<V>(m + i, m_new, k);
       store_n<V>(v + i, v_new, k);
       store_n<V>(p + i, p_new, k);

@@ -2,7 +2,8 @@
 // params that carry their own master ('split'), a Kahan compensation ('kahan') or nothing but
 // stochastic rounding ('stochastic'). Semantics and op order: mp_wrappers/ops/reference/lean.py
 // (Note [lean bf16 storage]); the fp32 arithmetic is that of cpu/multi_tensor_{adam,sgd}.cpp in the
-// same order, so 'split' masters are bit-identical to the fused O2 step's fp32 masters.
+// same order (Adam's is the one optim::AdamVec of cpu_optim.h), so 'split' masters are
+// bit-identical to the fused O2 step's fp32 masters.
 //
 // One pass per 64K-element chunk, like the fp32-master kernels: per bf16 param, 'split' moves
 // 2 (param) + 2 (low half) + 8 (fp32 moments) bytes in and out plus the grad, where O2 moves the
@@ -32,10 +33,7 @@ using Storage = LeanStorage;
 
 // ---- Adam ---------------------------------------------------------------------------------------
 
-struct AdamConsts : AdamHyper {
-  float lr, bc1, bc2;
-  optim::Unscale unscale;
-};
+using optim::AdamConsts;
 
 // The update of elements [i, end) (Note [whole vectors] in cpu_optim.h).
 struct AdamLeanSpan {
@@ -43,11 +41,7 @@ struct AdamLeanSpan {
   static void run(int64_t i, int64_t end, LeanParam<V, S> lp, const G* g, M* m, M* v,
                   const AdamConsts& c) {
     using F = typename V::F;
-    const F lr = V::set1(c.lr), b1 = V::set1(c.beta1), b2 = V::set1(c.beta2);
-    const F omb1 = V::set1(c.one_minus_beta1), omb2 = V::set1(c.one_minus_beta2);
-    const F eps = V::set1(c.eps), wd = V::set1(c.weight_decay);
-    const F bc1 = V::set1(c.bc1), bc2 = V::set1(c.bc2), us = V::set1(c.unscale.factor);
-    const bool l2 = c.l2, decoupled = c.decoupled;
+    const optim::AdamVec<V> a(c);
     for (; i < end; i += V::kWidth) {
       const int64_t k = optim::lanes<V, kWhole>(end - i);
       if (kWhole && optim::prefetch_due(i)) {
@@ -57,15 +51,12 @@ struct AdamLeanSpan {
         optim::prefetch_write(v + i);
       }
       const F p32 = lp.load(i, k);
-      F g32 = c.unscale.template apply<V>(load_n<V>(g + i, k), us);
-      if (l2) g32 = V::add(g32, V::mul(wd, p32));
-      const F m_new = V::add(V::mul(b1, load_n<V>(m + i, k)), V::mul(omb1, g32));
-      const F v_new = V::add(V::mul(b2, load_n<V>(v + i, k)), V::mul(V::mul(omb2, g32), g32));
-      F update = V::div(V::div(m_new, bc1), V::add(V::sqrt(V::div(v_new, bc2)), eps));
-      if (decoupled) update = V::add(update, V::mul(wd, p32));
+      F m_new, v_new;
+      const F step = a.step(p32, load_n<V>(g + i, k), load_n<V>(m + i, k), load_n<V>(v + i, k),
+                            &m_new, &v_new);
       store_n<V>(m + i, m_new, k);
       store_n<V>(v + i, v_new, k);
-      lp.store(i, k, p32, V::mul(lr, update));
+      lp.store(i, k, p32, step);
     }
   }
 };
@@ -116,7 +107,7 @@ struct SgdLeanSpan {
       if (kWhole && optim::prefetch_due(i)) {
         lp.prefetch(i);
         optim::prefetch_read(g + i);
-        optim::prefetch_write(optim::at_offset(buf, i));
+        if (has_momentum) optim::prefetch_write(optim::at_offset(buf, i));
       }
       const F p32 = lp.load(i, k);
       F d = c.unscale.template apply<V>(load_n<V>(g + i, k), us);

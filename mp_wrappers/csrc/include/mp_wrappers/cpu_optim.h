@@ -86,6 +86,46 @@ inline float bias_correction(double beta, float count, bool enabled) {
 inline float read_count(const at::Tensor& step) { return *step.data_ptr<float>() + 1.f; }
 inline void commit_count(const at::Tensor& step, float count) { *step.data_ptr<float>() = count; }
 
+// ---- the fp32 Adam update of one vector ---------------------------------------------------------
+//
+// One definition for the fp32-master kernel (cpu/multi_tensor_adam.cpp) and the lean one
+// (cpu/multi_tensor_lean.cpp): reference/optimizers.py::multi_tensor_adam_'s operations in its
+// order, so that the lean 'split' masters stay bit-identical to the fused O2 step's fp32 masters.
+
+// This step's constants: the hyperparameters, lr, the two bias corrections and the grad unscale.
+struct AdamConsts : AdamHyper {
+  float lr, bc1, bc2;
+  Unscale unscale;
+};
+
+// The constants as vectors, made once per span by the loop's own function (a local whose address
+// never escapes, so no store of the loop can alias it).
+template <class V>
+struct AdamVec {
+  using F = typename V::F;
+  F lr, b1, b2, omb1, omb2, eps, wd, bc1, bc2, us;
+  Unscale unscale;
+  bool l2, decoupled;
+
+  explicit AdamVec(const AdamConsts& c)
+      : lr(V::set1(c.lr)), b1(V::set1(c.beta1)), b2(V::set1(c.beta2)),
+        omb1(V::set1(c.one_minus_beta1)), omb2(V::set1(c.one_minus_beta2)), eps(V::set1(c.eps)),
+        wd(V::set1(c.weight_decay)), bc1(V::set1(c.bc1)), bc2(V::set1(c.bc2)),
+        us(V::set1(c.unscale.factor)), unscale(c.unscale), l2(c.l2), decoupled(c.decoupled) {}
+
+  // The new moments of (param p32, raw grad g, moments m and v), and the step lr * update that
+  // the param loses (the callers subtract it: p32 - step keeps the reference's signed zeros).
+  inline F step(F p32, F g, F m, F v, F* m_new, F* v_new) const {
+    F g32 = unscale.template apply<V>(g, us);
+    if (l2) g32 = V::add(g32, V::mul(wd, p32));
+    *m_new = V::add(V::mul(b1, m), V::mul(omb1, g32));
+    *v_new = V::add(V::mul(b2, v), V::mul(V::mul(omb2, g32), g32));
+    F update = V::div(V::div(*m_new, bc1), V::add(V::sqrt(V::div(*v_new, bc2)), eps));
+    if (decoupled) update = V::add(update, V::mul(wd, p32));
+    return V::mul(lr, update);
+  }
+};
+
 // ---- dtype dispatch --------------------------------------------------------------------------------
 
 // Stands in for an absent model_params list: stores to it do nothing and compile away.
@@ -145,12 +185,14 @@ inline void prefetch_write(T* p) {
   if constexpr (!std::is_same<T, NoOut>::value) __builtin_prefetch(ahead(p), 1);
 }
 
-// Once per cache line, not once per vector. An 8-lane AVX2 vector covers half a 64-byte line of
-// fp32 and a quarter of a line of fp16/bf16, so prefetching at every vector (as the 16-lane AVX-512
-// loop naturally does once per fp32 line) asked for each line 2-4 times: 5-10 extra load-port
-// micro-ops per 8 elements on the AVX2 path. These issue the prefetch only for the vector that
-// reaches the end of a line, whatever the array's alignment (for a 64-byte vector: every time).
-// `i` is the element index of the vector's first element.
+// Once per cache line, not once per vector, for the loops that test each vector for its tail (SGD,
+// NovoGrad, LAMB, the 8-bit blocks; the others prefetch by the counter, Note [whole vectors]). An
+// 8-lane AVX2 vector covers half a 64-byte line of fp32 and a quarter of a line of fp16/bf16, so
+// prefetching at every vector (as the 16-lane AVX-512 loop naturally does once per fp32 line) asked
+// for each line 2-4 times: 5-10 extra load-port micro-ops per 8 elements on the AVX2 path. These
+// issue the prefetch only for the vector that reaches the end of a line, whatever the array's
+// alignment (for a 64-byte vector: every time). `i` is the element index of the vector's first
+// element.
 template <class V, class T>
 inline bool ends_line(const T* p, int64_t i) {
   constexpr uintptr_t kBytes = static_cast<uintptr_t>(V::kWidth) * sizeof(T);
@@ -167,7 +209,7 @@ inline void prefetch_write_line(T* p, int64_t i) {
   }
 }
 
-// ---- whole vectors, then the tail ----------------------------------------------------------------
+// ---- whole vectors, then the tail ---------------------------------------------------------------
 //
 // Note [whole vectors]
 // An update loop that tests at every vector whether it reached the short tail of its span
@@ -176,18 +218,19 @@ inline void prefetch_write_line(T* p, int64_t i) {
 // fp32 Adam step (perf annotate, Zen 3). run_span splits a span instead: the whole vectors run with
 // the lane count a compile-time constant, so every load and store is a plain vector one, and their
 // prefetches are issued every 16 elements (prefetch_due: a 64-byte line of fp32, half a line of a
-// 16-bit dtype), a test of the loop counter alone; the fewer than kWidth elements left run through
-// OutOfLine (cpu_vec.h), one copy of the body that need not be fast. The arithmetic per element is
-// unchanged, so the bits are those of the single loop. Measured on a Zen 3 (AVX2), one thread,
-// 25M params: fp32 FusedAdam 1.16-1.25x -> 0.95-1.10x torch's fused AdamW, the O2 bf16 step
-// 61-67% -> 77-78% of the in-place bandwidth (benchmarks/RESULTS.md, "The update loops' scalar
-// work"). The Adam, Adagrad and lean loops use it; SGD, NovoGrad, LAMB and the 8-bit blocks keep
-// their per-vector tests, which cost them nothing measurable (no division per element, two
-// passes, or bound by vector throughput).
+// 16-bit dtype; every vector of AVX-512), a test of the loop counter alone; the fewer than kWidth
+// elements left run through OutOfLine (cpu_vec.h), one copy of the body that need not be fast. The
+// arithmetic per element is unchanged, so the bits are those of the single loop. Measured on a
+// Zen 3 (AVX2), one thread, 25M params: fp32 FusedAdam 1.16-1.25x -> 0.95-1.10x torch's fused
+// AdamW, the O2 bf16 step 61-67% -> 77-78% of the in-place bandwidth (benchmarks/RESULTS.md, "The
+// update loops' scalar work"). The Adam, Adagrad and lean loops use it; SGD, NovoGrad, LAMB and the
+// 8-bit blocks keep their per-vector tests, which cost them nothing measurable (no division per
+// element, two passes, or bound by vector throughput).
 //
 // A span is a struct with
 //   template <class V, bool kWhole, class... A> static void run(int64_t i, int64_t end, A... args);
-// that steps i by V::kWidth up to `end`, with lanes<V, kWhole>(end - i) lanes per vector.
+// (its arguments by value or const&) that steps i by V::kWidth up to `end`, with
+// lanes<V, kWhole>(end - i) lanes per vector; the tail issues no prefetches.
 
 // The lanes a vector of the span holds: all of them in the whole part, the rest in the tail.
 template <class V, bool kWhole>
@@ -206,7 +249,9 @@ struct SpanPart {
   }
 };
 
-// Span::run over elements [0, n): the whole vectors inline, the tail out of line.
+// Span::run over elements [0, n): the whole vectors inline, the tail out of line. The arguments are
+// taken by value on purpose: a span's const& then binds to this function's own copy, which nothing
+// outside can reach, rather than to an object whose address the tail call lets escape.
 template <class Span, class V, class... Args>
 inline void run_span(int64_t n, Args... args) {
   const int64_t whole = n - n % V::kWidth;

@@ -341,9 +341,10 @@ MP_WRAPPERS_TARGET_AVX512 __attribute__((flatten)) void run_avx512(Args&&... arg
 // compiled for V's ISA and flattened like the entry points above, but never inlined into its
 // caller. For a rarely taken part of a kernel (the tail of a span, Note [whole vectors] in
 // cpu_optim.h): inlined, a second copy of a loop body in one flattened function makes gcc -O3
-// superlinearly slower (measured: multi_tensor_adam.cpp 39 -> 142 CPU s). It takes its arguments
-// by value: a caller's local whose address escaped here could be aliased by every vector store of
-// the caller's loop (vector types alias everything), which would then reload it after each store.
+// superlinearly slower (measured with the tail inlined: multi_tensor_adam.cpp 39 -> 142 CPU s). It
+// takes its arguments by value: a caller's local whose address escaped here could be aliased by
+// every vector store of the caller's loop (vector types alias everything), which would then reload
+// it after each store.
 template <class V>
 struct OutOfLine;
 template <>
