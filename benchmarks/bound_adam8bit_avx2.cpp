@@ -3,7 +3,9 @@
 // scale, every code normal: csrc/cpu/multi_tensor_adam8bit.cpp and cpu_quant.h, the same
 // instructions written out) timed on data in L2, beside variants that give the same bits and
 // variants that do not (bounds, and the rounding of ties to even the codes had before 2026-12-07:
-// Note [ties away from zero] in mp_wrappers/ops/reference/quant.py). Then how many simple
+// Note [ties away from zero] in mp_wrappers/ops/reference/quant.py). "two passes" is the kernel's
+// schedule since 2026-12-08 (benchmarks/RESULTS.md, "Two passes over a block"); "as is" is the
+// single loop it had before. Then how many simple
 // vector operations issue beside the square root and division of each vector for free. A
 // measurement only: the kernel is what runs. Run, from the repository root:
 //   g++ -O3 -mavx2 -mfma -std=c++17 benchmarks/bound_adam8bit_avx2.cpp -o /tmp/b8 && /tmp/b8
@@ -42,11 +44,12 @@ enum Variant {
   kTiesEven,      // ties to the even mantissa (the rule until 2026-12-07): other bits at ties
   kNoEncode,      // bound: no requantization
   kNoDivider,     // bound: a fused multiply-add for the square root and the division
+  kTwoPasses,     // the moments and their absmax first, then the division beside the encode
   kVariants
 };
 const char* const kNames[kVariants] = {
     "as is", "one subnormal test per block", "pipelined requantization",
-    "ties to even (the earlier rule)", "no requantization (bound)", "no sqrt and division (bound)"};
+    "ties to even (the earlier rule)", "no requantization (bound)", "no sqrt and division (bound)", "two passes"};
 
 // 8 codes, one per int32 lane: the encode of cpu_quant.h (no clamp: a finite block factor).
 template <class C, bool kTest, bool kTiesEven>
@@ -189,6 +192,56 @@ __attribute__((noinline)) void block(State& s, const float* g, int64_t b, Buffer
   }
 }
 
+
+// kTwoPasses: pass 1 decodes, updates both moments into the buffer and reduces their absmax (no
+// division); pass 2 takes the square root and the division of each vector from the buffer and
+// encodes the block 32 codes at a time beside them, so that the encode issues in the divider's
+// shadow. Each element's arithmetic is the one of `block`, so the bits are the same.
+__attribute__((noinline)) void block_two_passes(State& s, const float* g, int64_t b, Buffers& buf) {
+  float* p = &s.p[b];
+  uint8_t* mc = &s.mc[b];
+  uint8_t* vc = &s.vc[b];
+  const int64_t blk = b / kBlock;
+  const __m256 mf = _mm256_set1_ps(kBeta1 * (s.ma[blk] / ExpAvg::kMax) * ExpAvg::decode_rebase());
+  const __m256 vf =
+      _mm256_set1_ps(kBeta2 * (s.va[blk] / ExpAvgSq::kMax) * ExpAvgSq::decode_rebase());
+  const __m256i sign_mag = _mm256_set1_epi32(static_cast<int32_t>(0x80000000u | (0x7Fu << 20)));
+  __m256 m_max = _mm256_setzero_ps(), v_max = m_max;
+  for (int i = 0; i < kBlock; i += 8) {
+    const __m256 g32 = _mm256_loadu_ps(g + b + i);
+    const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mc + i));
+    const __m128i v8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(vc + i));
+    const __m256i mraw = _mm256_cvtepi8_epi32(m8), vraw = _mm256_cvtepu8_epi32(v8);
+    const __m256 m_code =
+        _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(mraw, 20), sign_mag));
+    const __m256 v_code = _mm256_castsi256_ps(_mm256_slli_epi32(vraw, 20));
+    const __m256 m = _mm256_fmadd_ps(m_code, mf, _mm256_mul_ps(_mm256_set1_ps(kOmb1), g32));
+    const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(kOmb2), g32), g32,
+                                     _mm256_mul_ps(v_code, vf));
+    _mm256_store_ps(buf.m[0] + i, m);
+    _mm256_store_ps(buf.v[0] + i, v);
+    m_max = _mm256_max_ps(m_max, _mm256_andnot_ps(_mm256_set1_ps(-0.f), m));
+    v_max = _mm256_max_ps(v_max, v);
+  }
+  const float m_abs = lane_max(m_max), v_abs = lane_max(v_max);
+  s.ma[blk] = m_abs;
+  s.va[blk] = v_abs;
+  const __m256 me = _mm256_set1_ps(m_abs > 0.f ? ExpAvg::kMax / m_abs : 0.f);
+  const __m256 ve = _mm256_set1_ps(v_abs > 0.f ? ExpAvgSq::kMax / v_abs : 0.f);
+  for (int j = 0; j < kBlock; j += 32) {
+    for (int i = j; i < j + 32; i += 8) {
+      const __m256 p32 = _mm256_loadu_ps(p + i);
+      const __m256 den = _mm256_fmadd_ps(_mm256_sqrt_ps(_mm256_load_ps(buf.v[0] + i)),
+                                         _mm256_set1_ps(kSqrtScale), _mm256_set1_ps(kEps));
+      const __m256 q = _mm256_div_ps(_mm256_load_ps(buf.m[0] + i), den);
+      const __m256 decayed = _mm256_fmadd_ps(_mm256_set1_ps(-(kLr * kWd)), p32, p32);
+      _mm256_storeu_ps(p + i, _mm256_fmadd_ps(_mm256_set1_ps(-kLr), q, decayed));
+    }
+    encode32<ExpAvg, true, false>(mc + j, buf.m[0] + j, me);
+    encode32<ExpAvgSq, true, false>(vc + j, buf.v[0] + j, ve);
+  }
+}
+
 template <Variant W>
 void step(State& s, const std::vector<float>& g) {
   static Buffers buf;
@@ -196,6 +249,10 @@ void step(State& s, const std::vector<float>& g) {
   float enc[2] = {0.f, 0.f};
   for (int64_t b = 0; b < n; b += kBlock) {
     const int cur = static_cast<int>(b / kBlock) & 1;
+    if (W == kTwoPasses) {
+      block_two_passes(s, g.data(), b, buf);
+      continue;
+    }
     block<W>(s, g.data(), b, buf, cur, b > 0 ? enc : nullptr);
     const float m_abs = s.ma[b / kBlock], v_abs = s.va[b / kBlock];
     enc[0] = m_abs > 0.f ? ExpAvg::kMax / m_abs : 0.f;
@@ -218,6 +275,7 @@ void run(int w, State& s, const std::vector<float>& g) {
     case kPipelined: return step<kPipelined>(s, g);
     case kTiesEven: return step<kTiesEven>(s, g);
     case kNoEncode: return step<kNoEncode>(s, g);
+    case kTwoPasses: return step<kTwoPasses>(s, g);
     default: return step<kNoDivider>(s, g);
   }
 }

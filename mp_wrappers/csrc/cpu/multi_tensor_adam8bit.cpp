@@ -4,10 +4,11 @@
 // params with a lean storage (cpu_lean_param.h: the same block update, the param read and written
 // as the lean kernels do).
 //
-// One pass per block of kBlock elements: read both moments' codes, apply the Adam update (the
-// reference's operations in its order, its fused multiply-adds as FMAs: V::fmadd is one rounding in
-// every flavour), store the param and the rounded model copy, keep the new moments in a block
-// buffer (L1) while their absmax is reduced, then requantize the block. The block is the unit a
+// Two passes per block of kBlock elements (Note [two passes over a block] below): read both
+// moments' codes and compute the new moments into a block buffer (L1) while their absmax is
+// reduced, then apply the param step from them (the reference's operations in its order, its fused
+// multiply-adds as FMAs: V::fmadd is one rounding in every flavour), storing the param and the
+// rounded model copy, and requantize the block beside it. The block is the unit a
 // CUDA version maps onto one thread block (absmax reduction, then encode). Chunks of the ChunkPlan
 // start at multiples of kChunkElems, a multiple of kBlock, so a block never spans two threads and
 // the result does not depend on the thread count.
@@ -82,14 +83,33 @@ struct Adam8bitConsts : AdamHyper {
   optim::Unscale unscale;
 };
 
-template <class V>
-constexpr bool kPrefetchWholeBlocks = V::kWidth == 16;
-
 // The new moment values of a block stay here between the update and the requantization.
 struct alignas(64) BlockBuffer {
   float m[kBlock];
   float v[kBlock];
 };
+
+// Note [two passes over a block]
+// A block is updated in two passes over its kBlock elements, with the new moments in an L1
+// buffer between them:
+//   1. the moments: decode both moments' codes, m and v from the grad, store them to the buffer
+//      and reduce their absmax (no division);
+//   2. the param step from the buffered moments (the square root and the division), and beside
+//      it, group by group, the requantization of the moments, whose encode factors the absmax of
+//      pass 1 fixed.
+// The arithmetic of each element is the one of a single update loop (the same operations on the
+// same values in the same order), so the bits are too. What moves is the schedule: on one core
+// the divider's chain (a square root and a division per vector) bounds the update, and two
+// kinds of work now run in its slack: the encode's integer and float work, which ran in a loop of
+// its own after the update, and the prefetches of the next blocks' streams (the grad and the codes,
+// which pass 1 reads; the param, which pass 2 writes). Pass 1 has no division to hide branches
+// behind, so its common case (whole blocks of normal codes, no loss scale, no L2 term) is a copy
+// of its own without them. Measured on a Zen 3 (AVX2), toggled round by round in one process,
+// FusedAdam(state_dtype='int8') on 25M fp32 params: 0.91-0.96x the single loop's time at one
+// thread, 0.87-0.92x at two; 0.92-0.98x for the O2 and the 'split' and 'stochastic' lean 8-bit
+// steps on a 202-tensor model, 'kahan' unchanged (benchmarks/RESULTS.md, "Two passes over a
+// block"). With the data in cache the two schedules take about the same time: what the two passes
+// gain is the overlap of memory with the divider.
 
 // One block of n <= kBlock elements; the param `pm`, `g`, the codes and the absmax pointers are at
 // the block's start.
@@ -98,10 +118,6 @@ inline void adam8bit_block(const PM& pm, const G* g, uint8_t* mc, float* ma, uin
                            float* va, int64_t n, const Adam8bitConsts& c, BlockBuffer& buf) {
   using F = typename V::F;
   using Q = Quant<V>;
-  const F omb1 = V::set1(c.one_minus_beta1), omb2 = V::set1(c.one_minus_beta2);
-  const F wd = V::set1(c.weight_decay), us = V::set1(c.unscale.factor);
-  const F sqrt_scale = V::set1(c.sqrt_scale), eps_scaled = V::set1(c.eps_scaled);
-  const ParamStep<V> param_step(c.lr, c.weight_decay, c.decoupled);
   // Note [the folded decode factor]: a moment's decay times its block's decode factor, one
   // rounding per block, multiplies the code values in the update's fused multiply-add.
   const float m_fac = c.beta1 * (*ma / ExpAvgCode::kMax);
@@ -109,57 +125,55 @@ inline void adam8bit_block(const PM& pm, const G* g, uint8_t* mc, float* ma, uin
   // Note [normal decode without the re-base]: the factors of decode_normal's codes
   const float m_fac_rebased = m_fac * kDecodeRebase<ExpAvgCode>;
   const float v_fac_rebased = v_fac * kDecodeRebase<ExpAvgSqCode>;
-  const bool scaled = c.unscale.divide || c.unscale.factor != 1.f;  // g * 1 is exact: skip it
   const bool normal = n == kBlock && m_fac_rebased <= FLT_MAX && v_fac_rebased <= FLT_MAX &&
                       Q::template all_normal<ExpAvgCode>(mc) &&
                       Q::template all_normal<ExpAvgSqCode>(vc);
-  const F m_fac_v = V::set1(normal ? m_fac_rebased : m_fac);
-  const F v_fac_v = V::set1(normal ? v_fac_rebased : v_fac);
   F m_max = V::zero(), v_max = V::zero();
-  // Two copies of the loop: whole blocks of normal codes (no tail, no subnormal lanes), and the rest.
-  const auto update = [&](auto normal_codes) {
-    constexpr bool kNormal = decltype(normal_codes)::value;
-    for (int64_t i = 0; i < n; i += V::kWidth) {
-      const int64_t k = kNormal ? V::kWidth : n - i;  // < kWidth only in a tail: loads pad with 0
-      // The streams of the next blocks (cpu_optim.h: explicit prefetch helped the fp32 update too).
-      if constexpr (!kNormal) {
-        pm.prefetch_lines(i);
-        optim::prefetch_read_line<V>(g, i);
-        optim::prefetch_write_line<V>(mc, i);
-        optim::prefetch_write_line<V>(vc, i);
-      } else if constexpr (kPrefetchWholeBlocks<V>) {
-        pm.prefetch_every_line(i);
-        prefetch_every_line(g, i, 0);
-        prefetch_every_line(mc, i, 1);
-        prefetch_every_line(vc, i, 1);
+  {  // pass 1: the new moments into the buffer, their absmax
+    const F omb1 = V::set1(c.one_minus_beta1), omb2 = V::set1(c.one_minus_beta2);
+    const F wd = V::set1(c.weight_decay), us = V::set1(c.unscale.factor);
+    const bool scaled = c.unscale.divide || c.unscale.factor != 1.f;  // g * 1 is exact: skip it
+    const F m_fac_v = V::set1(normal ? m_fac_rebased : m_fac);
+    const F v_fac_v = V::set1(normal ? v_fac_rebased : v_fac);
+    // Three copies of the loop: whole blocks of normal codes with a plain grad (no unscale, no L2
+    // term: AdamW without a loss scale), the same with either, and the rest. The first pass has no
+    // division to hide its branches behind, so the common case runs without them; its streams are
+    // prefetched by pass 2, which has the divider's slack.
+    const bool plain = !scaled && !c.l2;
+    const auto moments = [&](auto normal_codes, auto plain_grad) {
+      constexpr bool kNormal = decltype(normal_codes)::value;
+      constexpr bool kPlain = decltype(plain_grad)::value;
+      for (int64_t i = 0; i < n; i += V::kWidth) {
+        const int64_t k = kNormal ? V::kWidth : n - i;  // < kWidth only in a tail: loads pad with 0
+        F g32 = load_n<V>(g + i, k);
+        if constexpr (!kPlain) {
+          if (scaled) g32 = c.unscale.template apply<V>(g32, us);
+          if (c.l2) g32 = V::fmadd(wd, pm.load(i, k), g32);
+        }
+        F m_code, v_code;
+        if constexpr (kNormal) {
+          m_code = Q::template decode_normal<ExpAvgCode>(mc + i);
+          v_code = Q::template decode_normal<ExpAvgSqCode>(vc + i);
+        } else {
+          m_code = Q::template decode<ExpAvgCode>(mc + i, k);
+          v_code = Q::template decode<ExpAvgSqCode>(vc + i, k);
+        }
+        const F m_new = V::fmadd(m_code, m_fac_v, V::mul(omb1, g32));
+        const F v_new = V::fmadd(V::mul(omb2, g32), g32, V::mul(v_code, v_fac_v));
+        // Padded lanes hold 0 (zero grad, param and codes), so they never raise the absmax.
+        V::store(buf.m + i, m_new);
+        V::store(buf.v + i, v_new);
+        m_max = Q::max_abs(m_max, m_new);
+        v_max = V::max(v_max, v_new);
       }
-      const F p32 = pm.load(i, k);
-      F g32 = load_n<V>(g + i, k);
-      if (scaled) g32 = c.unscale.template apply<V>(g32, us);
-      if (c.l2) g32 = V::fmadd(wd, p32, g32);
-      F m_code, v_code;
-      if constexpr (kNormal) {
-        m_code = Q::template decode_normal<ExpAvgCode>(mc + i);
-        v_code = Q::template decode_normal<ExpAvgSqCode>(vc + i);
-      } else {
-        m_code = Q::template decode<ExpAvgCode>(mc + i, k);
-        v_code = Q::template decode<ExpAvgSqCode>(vc + i, k);
-      }
-      const F m_new = V::fmadd(m_code, m_fac_v, V::mul(omb1, g32));
-      const F v_new = V::fmadd(V::mul(omb2, g32), g32, V::mul(v_code, v_fac_v));
-      const F q = V::div(m_new, V::fmadd(V::sqrt(v_new), sqrt_scale, eps_scaled));
-      pm.store_update(i, k, p32, q, param_step);
-      // Padded lanes hold 0 (zero grad, param and codes), so they never raise the absmax.
-      V::store(buf.m + i, m_new);
-      V::store(buf.v + i, v_new);
-      m_max = Q::max_abs(m_max, m_new);
-      v_max = V::max(v_max, v_new);
+    };
+    if (normal && plain) {
+      moments(std::true_type{}, std::true_type{});
+    } else if (normal) {
+      moments(std::true_type{}, std::false_type{});
+    } else {
+      moments(std::false_type{}, std::false_type{});
     }
-  };
-  if (normal) {
-    update(std::true_type{});
-  } else {
-    update(std::false_type{});
   }
   const float m_abs = lane_max<V>(m_max), v_abs = lane_max<V>(v_max);
   // An all-zero block keeps absmax 0 and codes 0, 0x80 for -0.0 (reference/quant.py).
@@ -168,10 +182,31 @@ inline void adam8bit_block(const PM& pm, const G* g, uint8_t* mc, float* ma, uin
   // A factor overflows only for a subnormal absmax; then the reference's clamp matters.
   const bool clamp = !(m_enc <= FLT_MAX && v_enc <= FLT_MAX);
   const F m_enc_v = V::set1(m_enc), v_enc_v = V::set1(v_enc);
-  if (n == kBlock) {
-    Q::template encode_block<ExpAvgCode>(mc, buf.m, m_enc_v, clamp);
-    Q::template encode_block<ExpAvgSqCode>(vc, buf.v, v_enc_v, clamp);
-  } else {
+  // pass 2: the param step from the buffered moments, the requantization beside it
+  const F sqrt_scale = V::set1(c.sqrt_scale), eps_scaled = V::set1(c.eps_scaled);
+  const ParamStep<V> param_step(c.lr, c.weight_decay, c.decoupled);
+  const auto param = [&](int64_t i, int64_t k) {
+    const F p32 = pm.load(i, k);
+    const F v_new = V::load(buf.v + i);
+    const F q = V::div(V::load(buf.m + i), V::fmadd(V::sqrt(v_new), sqrt_scale, eps_scaled));
+    pm.store_update(i, k, p32, q, param_step);
+  };
+  if (n == kBlock && !clamp) {  // a whole block: its codes 32 or 64 at a time (cpu_quant.h)
+    for (int64_t j = 0; j < kBlock; j += Q::kGroup) {
+      for (int64_t i = j; i < j + Q::kGroup; i += V::kWidth) {
+        // The streams of the next blocks, kPrefetchAhead elements ahead (cpu_optim.h), for both
+        // passes: here the divider leaves the issue slots.
+        pm.prefetch_every_line(i);
+        prefetch_every_line(g, i, 0);
+        prefetch_every_line(mc, i, 1);
+        prefetch_every_line(vc, i, 1);
+        param(i, V::kWidth);
+      }
+      Q::template encode_group<ExpAvgCode, false>(mc + j, buf.m + j, m_enc_v);
+      Q::template encode_group<ExpAvgSqCode, false>(vc + j, buf.v + j, v_enc_v);
+    }
+  } else {  // a tail, or a block with a subnormal absmax (the clamp): rare, vector by vector
+    for (int64_t i = 0; i < n; i += V::kWidth) param(i, n - i);
     for (int64_t i = 0; i < n; i += V::kWidth) {
       Q::template encode<ExpAvgCode>(mc + i, V::load(buf.m + i), m_enc_v, clamp, n - i);
       Q::template encode<ExpAvgSqCode>(vc + i, V::load(buf.v + i), v_enc_v, clamp, n - i);

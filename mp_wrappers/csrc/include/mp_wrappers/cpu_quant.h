@@ -96,9 +96,15 @@ struct Quant<VecBaseline> {
     const int64_t k = std::min<int64_t>(n, V::kWidth);
     for (int64_t i = 0; i < k; ++i) p[i] = encode_scalar<C>(x.v[i], enc.v[0]);
   }
+  // The codes of kGroup elements of a whole block (kBlock is a multiple of every flavour's group).
+  static constexpr int64_t kGroup = V::kWidth;
+  template <class C, bool kClamp>
+  static inline void encode_group(uint8_t* p, const float* x, V::F enc) {
+    encode<C>(p, V::load(x), enc, kClamp, V::kWidth);
+  }
   template <class C>
   static inline void encode_block(uint8_t* p, const float* x, V::F enc, bool clamp) {
-    for (int64_t i = 0; i < kBlock; i += V::kWidth) encode<C>(p + i, V::load(x + i), enc, clamp, V::kWidth);
+    for (int64_t i = 0; i < kBlock; i += kGroup) encode<C>(p + i, V::load(x + i), enc, clamp, V::kWidth);
   }
   static inline V::F max_abs(V::F acc, V::F x) { return V::max(acc, V::abs(x)); }
 };
@@ -201,30 +207,29 @@ struct Quant<VecAvx2> {
       std::memcpy(p, buf, static_cast<size_t>(n));
     }
   }
-  // A whole block from the block buffer: 32 codes per store, packed by two saturating packs
-  // (exact: every code is in [0, 255]) and one permutation back into memory order. The clamp is
-  // decided once per block, not tested at every vector: with ties away from zero this took the
-  // AVX2 step on a Zen 3 from 0.77-0.80 to 0.67 ns/element in cache, where either alone gave at
-  // most 3% (docs/quantized_states.md, "What bounds the 8-bit step on AVX2").
+  // A group of a whole block from the block buffer: 32 codes per store, packed by two saturating
+  // packs (exact: every code is in [0, 255]) and one permutation back into memory order. The
+  // clamp is a branch per group, not a test at every vector: with ties away from zero this took
+  // the AVX2 step on a Zen 3 from 0.77-0.80 to 0.67 ns/element in cache, where either alone gave
+  // at most 3% (docs/quantized_states.md, "What bounds the 8-bit step on AVX2").
+  static constexpr int64_t kGroup = 32;
+  template <class C, bool kClamp>
+  MP_WRAPPERS_TARGET_AVX2 static inline void encode_group(uint8_t* p, const float* x, V::F enc) {
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i c0 = codes<C>(_mm256_load_ps(x), enc, kClamp);
+    const __m256i c1 = codes<C>(_mm256_load_ps(x + 8), enc, kClamp);
+    const __m256i c2 = codes<C>(_mm256_load_ps(x + 16), enc, kClamp);
+    const __m256i c3 = codes<C>(_mm256_load_ps(x + 24), enc, kClamp);
+    const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permutevar8x32_epi32(b, order));
+  }
   template <class C>
   MP_WRAPPERS_TARGET_AVX2 static inline void encode_block(uint8_t* p, const float* x, V::F enc,
                                                           bool clamp) {
     if (clamp) {
-      encode_block_as<C, true>(p, x, enc);
+      for (int64_t i = 0; i < kBlock; i += kGroup) encode_group<C, true>(p + i, x + i, enc);
     } else {
-      encode_block_as<C, false>(p, x, enc);
-    }
-  }
-  template <class C, bool kClamp>
-  MP_WRAPPERS_TARGET_AVX2 static inline void encode_block_as(uint8_t* p, const float* x, V::F enc) {
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int64_t i = 0; i < kBlock; i += 32) {
-      const __m256i c0 = codes<C>(_mm256_load_ps(x + i), enc, kClamp);
-      const __m256i c1 = codes<C>(_mm256_load_ps(x + i + 8), enc, kClamp);
-      const __m256i c2 = codes<C>(_mm256_load_ps(x + i + 16), enc, kClamp);
-      const __m256i c3 = codes<C>(_mm256_load_ps(x + i + 24), enc, kClamp);
-      const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i), _mm256_permutevar8x32_epi32(b, order));
+      for (int64_t i = 0; i < kBlock; i += kGroup) encode_group<C, false>(p + i, x + i, enc);
     }
   }
   MP_WRAPPERS_TARGET_AVX2 static inline V::F max_abs(V::F acc, V::F x) {
@@ -310,19 +315,27 @@ struct Quant<VecAvx512> {
       _mm_mask_storeu_epi8(p, static_cast<__mmask16>((1u << n) - 1u), bytes);
     }
   }
-  // A whole block: 64 codes per store, two saturating packs (exact: codes are in [0, 255]) and
-  // one permutation instead of a VPMOVDB (two micro-ops on Zen 4) and a store per 16.
+  // A group of a whole block: 64 codes per store, two saturating packs (exact: codes are in
+  // [0, 255]) and one permutation instead of a VPMOVDB (two micro-ops on Zen 4) and a store per 16.
+  static constexpr int64_t kGroup = 64;
+  template <class C, bool kClamp>
+  MP_WRAPPERS_TARGET_AVX512 static inline void encode_group(uint8_t* p, const float* x, V::F enc) {
+    constexpr bool clamp = kClamp;
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512i c0 = codes<C>(_mm512_load_ps(x), enc, clamp);
+    const __m512i c1 = codes<C>(_mm512_load_ps(x + 16), enc, clamp);
+    const __m512i c2 = codes<C>(_mm512_load_ps(x + 32), enc, clamp);
+    const __m512i c3 = codes<C>(_mm512_load_ps(x + 48), enc, clamp);
+    const __m512i b = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
+    _mm512_storeu_si512(p, _mm512_permutexvar_epi32(order, b));
+  }
   template <class C>
   MP_WRAPPERS_TARGET_AVX512 static inline void encode_block(uint8_t* p, const float* x, V::F enc,
                                                             bool clamp) {
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    for (int64_t i = 0; i < kBlock; i += 64) {
-      const __m512i c0 = codes<C>(_mm512_load_ps(x + i), enc, clamp);
-      const __m512i c1 = codes<C>(_mm512_load_ps(x + i + 16), enc, clamp);
-      const __m512i c2 = codes<C>(_mm512_load_ps(x + i + 32), enc, clamp);
-      const __m512i c3 = codes<C>(_mm512_load_ps(x + i + 48), enc, clamp);
-      const __m512i b = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
-      _mm512_storeu_si512(p + i, _mm512_permutexvar_epi32(order, b));
+    if (clamp) {
+      for (int64_t i = 0; i < kBlock; i += kGroup) encode_group<C, true>(p + i, x + i, enc);
+    } else {
+      for (int64_t i = 0; i < kBlock; i += kGroup) encode_group<C, false>(p + i, x + i, enc);
     }
   }
   // max(acc, |x|) in one VRANGEPS (imm 0b1011: the larger magnitude, sign cleared).
