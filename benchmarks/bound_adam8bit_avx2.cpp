@@ -115,6 +115,27 @@ struct alignas(64) Buffers {
 constexpr float kOmb1 = 0.1f, kOmb2 = 0.001f, kBeta1 = 0.9f, kBeta2 = 0.999f, kSqrtScale = 0.95f,
                 kEps = 1e-8f, kLr = 1e-3f, kWd = 0.01f;
 
+// The decode factors of block `blk` (the decay times absmax / MAX, re-based for normal codes).
+inline void block_factors(const State& s, int64_t blk, __m256& mf, __m256& vf) {
+  mf = _mm256_set1_ps(kBeta1 * (s.ma[blk] / ExpAvg::kMax) * ExpAvg::decode_rebase());
+  vf = _mm256_set1_ps(kBeta2 * (s.va[blk] / ExpAvgSq::kMax) * ExpAvgSq::decode_rebase());
+}
+
+// The new moments of the 8 elements at i: both codes decoded (normal codes, no re-base), one FMA
+// for m, a multiply and an FMA for v.
+inline void new_moments(__m256 g32, const uint8_t* mc, const uint8_t* vc, int i, __m256 mf,
+                        __m256 vf, __m256& m, __m256& v) {
+  const __m256i sign_mag = _mm256_set1_epi32(static_cast<int32_t>(0x80000000u | (0x7Fu << 20)));
+  const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mc + i));
+  const __m128i v8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(vc + i));
+  const __m256i mraw = _mm256_cvtepi8_epi32(m8), vraw = _mm256_cvtepu8_epi32(v8);
+  const __m256 m_code =
+      _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(mraw, 20), sign_mag));
+  const __m256 v_code = _mm256_castsi256_ps(_mm256_slli_epi32(vraw, 20));
+  m = _mm256_fmadd_ps(m_code, mf, _mm256_mul_ps(_mm256_set1_ps(kOmb1), g32));
+  v = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(kOmb2), g32), g32, _mm256_mul_ps(v_code, vf));
+}
+
 // One block's update into buffer `cur`; with kPipelined, the previous block's requantization
 // (buffer cur ^ 1, factors enc_prev) 32 elements per 32.
 template <Variant W>
@@ -124,24 +145,15 @@ __attribute__((noinline)) void block(State& s, const float* g, int64_t b, Buffer
   const uint8_t* mc = &s.mc[b];
   const uint8_t* vc = &s.vc[b];
   const int64_t blk = b / kBlock;
-  const __m256 mf = _mm256_set1_ps(kBeta1 * (s.ma[blk] / ExpAvg::kMax) * ExpAvg::decode_rebase());
-  const __m256 vf =
-      _mm256_set1_ps(kBeta2 * (s.va[blk] / ExpAvgSq::kMax) * ExpAvgSq::decode_rebase());
-  const __m256i sign_mag = _mm256_set1_epi32(static_cast<int32_t>(0x80000000u | (0x7Fu << 20)));
+  __m256 mf, vf;
+  block_factors(s, blk, mf, vf);
   __m256 m_max = _mm256_setzero_ps(), v_max = m_max;
   __m256 m_min = _mm256_set1_ps(INFINITY), v_min = m_min;
   for (int j = 0; j < kBlock; j += 32) {
     for (int i = j; i < j + 32; i += 8) {
       const __m256 p32 = _mm256_loadu_ps(p + i), g32 = _mm256_loadu_ps(g + b + i);
-      const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mc + i));
-      const __m128i v8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(vc + i));
-      const __m256i mraw = _mm256_cvtepi8_epi32(m8), vraw = _mm256_cvtepu8_epi32(v8);
-      const __m256 m_code =
-          _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(mraw, 20), sign_mag));
-      const __m256 v_code = _mm256_castsi256_ps(_mm256_slli_epi32(vraw, 20));
-      const __m256 m = _mm256_fmadd_ps(m_code, mf, _mm256_mul_ps(_mm256_set1_ps(kOmb1), g32));
-      const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(kOmb2), g32), g32,
-                                       _mm256_mul_ps(v_code, vf));
+      __m256 m, v;
+      new_moments(g32, mc, vc, i, mf, vf, m, v);
       const __m256 ss = _mm256_set1_ps(kSqrtScale);
       const __m256 q = W == kNoDivider
                            ? _mm256_fmadd_ps(v, ss, m)
@@ -202,22 +214,12 @@ __attribute__((noinline)) void block_two_passes(State& s, const float* g, int64_
   uint8_t* mc = &s.mc[b];
   uint8_t* vc = &s.vc[b];
   const int64_t blk = b / kBlock;
-  const __m256 mf = _mm256_set1_ps(kBeta1 * (s.ma[blk] / ExpAvg::kMax) * ExpAvg::decode_rebase());
-  const __m256 vf =
-      _mm256_set1_ps(kBeta2 * (s.va[blk] / ExpAvgSq::kMax) * ExpAvgSq::decode_rebase());
-  const __m256i sign_mag = _mm256_set1_epi32(static_cast<int32_t>(0x80000000u | (0x7Fu << 20)));
+  __m256 mf, vf;
+  block_factors(s, blk, mf, vf);
   __m256 m_max = _mm256_setzero_ps(), v_max = m_max;
   for (int i = 0; i < kBlock; i += 8) {
-    const __m256 g32 = _mm256_loadu_ps(g + b + i);
-    const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mc + i));
-    const __m128i v8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(vc + i));
-    const __m256i mraw = _mm256_cvtepi8_epi32(m8), vraw = _mm256_cvtepu8_epi32(v8);
-    const __m256 m_code =
-        _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(mraw, 20), sign_mag));
-    const __m256 v_code = _mm256_castsi256_ps(_mm256_slli_epi32(vraw, 20));
-    const __m256 m = _mm256_fmadd_ps(m_code, mf, _mm256_mul_ps(_mm256_set1_ps(kOmb1), g32));
-    const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(kOmb2), g32), g32,
-                                     _mm256_mul_ps(v_code, vf));
+    __m256 m, v;
+    new_moments(_mm256_loadu_ps(g + b + i), mc, vc, i, mf, vf, m, v);
     _mm256_store_ps(buf.m[0] + i, m);
     _mm256_store_ps(buf.v[0] + i, v);
     m_max = _mm256_max_ps(m_max, _mm256_andnot_ps(_mm256_set1_ps(-0.f), m));
