@@ -102,7 +102,10 @@ struct alignas(64) BlockBuffer {
 // the divider's chain (a square root and a division per vector) bounds the update, and two
 // kinds of work now run in its slack: the encode's integer and float work, which ran in a loop of
 // its own after the update, and the prefetches of the next blocks' streams (the grad and the codes,
-// which pass 1 reads; the param, which pass 2 writes). Pass 1 has no division to hide branches
+// which pass 1 reads; the param, which pass 2 writes). Those prefetches are new on AVX2: the single
+// loop prefetched whole blocks on AVX-512 only, and the measurements below compare the two
+// passes with their prefetches against the single loop without them, so they do not split the gain
+// between the schedule and the prefetch. Pass 1 has no division to hide branches
 // behind, so its common case (whole blocks of normal codes, no loss scale, no L2 term) is a copy
 // of its own without them. Measured on a Zen 3 (AVX2), toggled round by round in one process,
 // FusedAdam(state_dtype='int8') on 25M fp32 params: 0.91-0.96x the single loop's time at one

@@ -186,7 +186,7 @@ inline void prefetch_write(T* p) {
 }
 
 // Once per cache line, not once per vector, for the loops that test each vector for its tail (SGD,
-// NovoGrad, LAMB, the 8-bit blocks; the others prefetch by the counter, Note [whole vectors]). An
+// NovoGrad, LAMB, the 8-bit SGD block; the others prefetch by the counter, Note [whole vectors]). An
 // 8-lane AVX2 vector covers half a 64-byte line of fp32 and a quarter of a line of fp16/bf16, so
 // prefetching at every vector (as the 16-lane AVX-512 loop naturally does once per fp32 line) asked
 // for each line 2-4 times: 5-10 extra load-port micro-ops per 8 elements on the AVX2 path. These
@@ -224,7 +224,7 @@ inline void prefetch_write_line(T* p, int64_t i) {
 // Zen 3 (AVX2), one thread, 25M params: fp32 FusedAdam 1.16-1.25x -> 0.95-1.10x torch's fused
 // AdamW, the O2 bf16 step 61-67% -> 77-78% of the in-place bandwidth (benchmarks/RESULTS.md, "The
 // update loops' scalar work"). The Adam, Adagrad and lean loops use it; SGD, NovoGrad, LAMB and the
-// 8-bit blocks keep their per-vector tests, which cost them nothing measurable (no division per
+// 8-bit SGD block keep their per-vector tests, which cost them nothing measurable (no division per
 // element, two passes, or bound by vector throughput).
 //
 // A span is a struct with
