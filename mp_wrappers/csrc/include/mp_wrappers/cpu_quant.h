@@ -210,9 +210,9 @@ struct Quant<VecAvx2> {
   // A group of a whole block from the block buffer: 32 codes per store, packed by two saturating
   // packs (exact: every code is in [0, 255]) and one permutation back into memory order. The
   // clamp is fixed at compile time (callers choose once per block), not a test at every vector:
-  // with ties away from zero this took
-  // the AVX2 step on a Zen 3 from 0.77-0.80 to 0.67 ns/element in cache, where either alone gave
-  // at most 3% (docs/quantized_states.md, "What bounds the 8-bit step on AVX2").
+  // with ties away from zero this took the AVX2 step on a Zen 3 from 0.77-0.80 to 0.67 ns/element
+  // in cache, where either alone gave at most 3% (docs/quantized_states.md, "What bounds the 8-bit
+  // step on AVX2").
   static constexpr int64_t kGroup = 32;
   template <class C, bool kClamp>
   MP_WRAPPERS_TARGET_AVX2 static inline void encode_group(uint8_t* p, const float* x, V::F enc) {
